@@ -1,0 +1,26 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="tessera",
+    version="0.1.0",
+    description="Tensor x data parallel (ZeRO-1) training of decoder LLMs with per-module precision",
+    packages=find_packages(include=["tessera", "tessera.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.4",
+        "numpy",
+        "einops",
+        "tqdm",
+        "tensorboard",
+        "safetensors",
+    ],
+    extras_require={
+        # fused CUDA attention kernels; without it tessera uses torch's SDPA kernels (logged once)
+        "flash": ["flash-attn"],
+        # Hugging Face tokenizer.json support in tools/prepare_data.py
+        "tokenizers": ["tokenizers"],
+        # Hugging Face export / import round-trip checks
+        "hf": ["transformers", "tokenizers"],
+        "test": ["pytest", "pytest-timeout", "transformers", "tokenizers"],
+    },
+)
