@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import tempfile
@@ -53,7 +54,8 @@ def _worker(
                 "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
             )
         out = fn(rank, world_size, *args)
-        results.put((rank, True, out))
+        # plain pickle copies tensors; torch's queue reducer would share memory that dies with the worker
+        results.put((rank, True, pickle.dumps(out)))
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -122,7 +124,7 @@ def run_distributed(
                     continue
             if not ok:
                 raise WorkerError(f"rank {rank} failed:\n{payload}")
-            outputs[rank] = payload
+            outputs[rank] = pickle.loads(payload)
     finally:
         for p in procs:
             p.join(timeout=5)

@@ -49,10 +49,14 @@ def derive_seed(seed: int, *parts: Any) -> int:
 
 
 def group_layout(world_size: int, tp: int, zero1: int) -> dict[ParallelMode, list[list[int]]]:
-    """All groups of every mode, as lists of global ranks (the single source of the layout)."""
+    """All groups of every mode, as lists of global ranks (the single source of the layout).
+
+    ``zero1=-1`` means the whole data-parallel group.
+    """
     if world_size % tp:
         raise ConfigError(f"world size {world_size} is not a multiple of parallel.tensor.size={tp}")
     dp = world_size // tp
+    zero1 = dp if zero1 == -1 else zero1
     if dp % zero1:
         raise ConfigError(f"parallel.zero1.size={zero1} does not divide the data-parallel size {dp}")
     tensor = [list(range(i * tp, (i + 1) * tp)) for i in range(dp)]

@@ -1,0 +1,218 @@
+"""Config loading, overrides, defaults, and strict validation: every error names the key and the file."""
+
+import copy
+import textwrap
+
+import pytest
+
+from tessera.core.config import Config, ConfigError, check_world_size
+
+BASE = dict(
+    model=dict(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=256, dtype="torch.float32"),
+    parallel=dict(tensor=dict(size=2), zero1=dict(size=-1)),
+    data=dict(type="synthetic", seq_len=32),
+)
+
+
+def write_config(tmp_path, body: str, name="cfg.py"):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+def with_changes(**sections):
+    cfg = copy.deepcopy(BASE)
+    for section, values in sections.items():
+        if isinstance(values, dict) and isinstance(cfg.get(section), dict):
+            cfg[section].update(values)
+        else:
+            cfg[section] = values
+    return cfg
+
+
+def test_load_file_attribute_access_defaults_and_overrides(tmp_path):
+    path = write_config(tmp_path, """
+        import math
+        SEQ = 32                      # ALL_CAPS helpers are not config keys
+        def _helper():
+            return 4
+        model = dict(num_layers=2, hidden_size=64, num_attention_heads=_helper(), vocab_size=256)
+        data = dict(type="synthetic", seq_len=SEQ, total_steps=7)
+        adam = dict(lr=math.sqrt(1e-6))
+    """)
+    cfg = Config.from_file(path, ["model.dtype=bf16", "adam.weight_decay=0.1", "parallel.zero1.size=2",
+                                  "ckpt.save_ckpt_folder='/tmp/x y'"])
+    assert cfg.model.num_attention_heads == 4
+    assert cfg.model.dtype == "bf16"
+    assert cfg.adam.lr == pytest.approx(1e-3) and cfg.adam.weight_decay == 0.1
+    assert cfg.parallel.zero1.size == 2
+    assert cfg.ckpt.save_ckpt_folder == "/tmp/x y"
+    # defaults filled, derived defaults computed
+    assert cfg.model.num_kv_attention_heads == 4
+    assert cfg.model.max_position_embeddings == 32
+    assert cfg.lr_scheduler.total_steps == 7
+    assert cfg.parallel.tensor.size == 1 and cfg.grad_scaler.hysteresis == 2
+    assert cfg.source == str(path)
+    assert cfg.to_dict()["model"]["dtype"] == "bf16"
+
+
+def test_repo_configs_validate():
+    for name in ("configs/tiny.py",):
+        Config.from_file(name)
+
+
+# ---------------------------------------------------------------- bad configs, one per case
+def expect_error(cfg_dict, *fragments, source=None):
+    with pytest.raises(ConfigError) as e:
+        Config.from_dict(cfg_dict, source=source)
+    msg = str(e.value)
+    for f in fragments:
+        assert f in msg, f"{f!r} not in {msg!r}"
+    return msg
+
+
+def test_misspelled_key_suggests_closest(tmp_path):
+    path = write_config(tmp_path, """
+        model = dict(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=256, num_layer=3)
+        data = dict(type="synthetic")
+    """)
+    with pytest.raises(ConfigError) as e:
+        Config.from_file(path)
+    msg = str(e.value)
+    assert "model.num_layer" in msg and "did you mean 'num_layers'" in msg and str(path) in msg
+
+
+def test_misspelled_section():
+    cfg = with_changes(optimiser=dict(lr=1))
+    expect_error(cfg, "optimiser")
+
+
+def test_string_where_int_needed():
+    expect_error(with_changes(model=dict(BASE["model"], num_layers="2")), "model.num_layers", "expected int", "str")
+
+
+def test_bool_is_not_an_int():
+    expect_error(with_changes(data=dict(micro_bsz=True)), "data.micro_bsz", "expected int")
+
+
+def test_negative_size():
+    expect_error(with_changes(parallel=dict(tensor=dict(size=-2))), "parallel.tensor.size", "-2")
+
+
+def test_heads_not_divisible_by_tp():
+    cfg = with_changes(model=dict(BASE["model"], num_attention_heads=4, hidden_size=72, num_kv_attention_heads=2),
+                       parallel=dict(tensor=dict(size=3)))
+    cfg["model"]["vocab_size"] = 255
+    expect_error(cfg, "model.num_attention_heads=4", "parallel.tensor.size=3")
+
+
+def test_kv_heads_not_divisible_by_tp():
+    cfg = with_changes(model=dict(BASE["model"], num_attention_heads=8, num_kv_attention_heads=2),
+                       parallel=dict(tensor=dict(size=4)))
+    expect_error(cfg, "model.num_kv_attention_heads=2", "parallel.tensor.size=4")
+
+
+def test_hidden_not_divisible_by_heads():
+    expect_error(with_changes(model=dict(BASE["model"], hidden_size=66)), "model.hidden_size=66",
+                 "model.num_attention_heads=4")
+
+
+def test_vocab_not_divisible_by_tp():
+    expect_error(with_changes(model=dict(BASE["model"], vocab_size=257)), "model.vocab_size=257",
+                 "parallel.tensor.size=2")
+
+
+def test_pipeline_size_two_not_supported():
+    expect_error(with_changes(parallel=dict(pipeline=dict(size=2))), "parallel.pipeline.size=2", "not supported")
+
+
+def test_unknown_dtype():
+    msg = expect_error(with_changes(model=dict(BASE["model"], dtype="torch.float8")), "model.dtype", "torch.float8")
+    assert "torch.bfloat16" in msg  # lists the valid names
+
+
+def test_missing_config_file(tmp_path):
+    missing = tmp_path / "nope.py"
+    with pytest.raises(ConfigError, match="config file not found: .*nope.py"):
+        Config.from_file(missing)
+
+
+def test_syntax_error_points_at_line(tmp_path):
+    path = write_config(tmp_path, """
+        model = dict(num_layers=2,
+                     hidden_size=64)
+        data = dict(seq_len=32
+        adam = dict(lr=1)
+    """)
+    with pytest.raises(ConfigError) as e:
+        Config.from_file(path)
+    msg = str(e.value)
+    assert str(path) in msg and "syntax error" in msg
+    assert "line 4" in msg or "line 5" in msg  # the unclosed dict starts on line 4, Python reports 4 or 5
+
+
+def test_config_file_raising(tmp_path):
+    path = write_config(tmp_path, "model = dict(hidden_size=1 / 0)\n")
+    with pytest.raises(ConfigError, match="ZeroDivisionError"):
+        Config.from_file(path)
+
+
+@pytest.mark.parametrize("override, fragments", [
+    ("model.hiden_size=32", ["model.hiden_size", "did you mean 'hidden_size'"]),
+    ("model.hidden_size", ["expected key.sub=value"]),
+    ("model.hidden_size=[1,", ["not a Python literal"]),
+    ("model.num_layers='two'", ["model.num_layers", "expected int"]),
+    ("model.num_layers.x=1", ["model.num_layers", "not a section"]),
+])
+def test_bad_cli_override(tmp_path, override, fragments):
+    path = write_config(tmp_path, """
+        model = dict(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=256)
+        data = dict(type="synthetic")
+    """)
+    with pytest.raises(ConfigError) as e:
+        Config.from_file(path, [override])
+    for f in fragments:
+        assert f in str(e.value)
+
+
+def test_seq_len_beyond_max_positions():
+    expect_error(with_changes(model=dict(BASE["model"], max_position_embeddings=16)), "data.seq_len=32",
+                 "model.max_position_embeddings=16")
+
+
+def test_missing_required_key():
+    cfg = copy.deepcopy(BASE)
+    del cfg["model"]["vocab_size"]
+    expect_error(cfg, "model.vocab_size", "missing")
+
+
+def test_out_of_range_fraction():
+    expect_error(with_changes(model=dict(BASE["model"], checkpoint=1.5)), "model.checkpoint")
+    expect_error(with_changes(adam=dict(adam_beta2=1.2)), "adam.adam_beta2")
+
+
+def test_tokens_data_needs_folder():
+    expect_error(with_changes(data=dict(type="tokens")), "data.train_folder")
+
+
+def test_error_names_the_file():
+    msg = expect_error(with_changes(parallel=dict(tensor=dict(size=0))), "parallel.tensor.size", source="/x/cfg.py")
+    assert "/x/cfg.py" in msg
+
+
+# ---------------------------------------------------------------- launch-time layout checks
+def test_world_size_checks():
+    cfg = Config.from_dict(with_changes(parallel=dict(tensor=dict(size=2), zero1=dict(size=2))))
+    assert check_world_size(cfg, 8) == (2, 4, 2)
+    with pytest.raises(ConfigError, match=r"world size 6 .*tensor size x data size|zero1"):
+        check_world_size(cfg, 6)  # dp=3, zero1=2 does not divide
+    with pytest.raises(ConfigError, match="world size 3 is not a multiple of parallel.tensor.size=2"):
+        check_world_size(cfg, 3)
+    cfg_all = Config.from_dict(with_changes(parallel=dict(tensor=dict(size=2), zero1=dict(size=-1))))
+    assert check_world_size(cfg_all, 8) == (2, 4, 4)
+
+
+def test_zero1_not_dividing_dp():
+    cfg = Config.from_dict(with_changes(parallel=dict(tensor=dict(size=1), zero1=dict(size=3))))
+    with pytest.raises(ConfigError, match=r"parallel.zero1.size=3 does not divide the data-parallel size 4"):
+        check_world_size(cfg, 4)

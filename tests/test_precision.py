@@ -1,0 +1,59 @@
+"""parse_dtype and the TF32 switches, read back through both the legacy and the new getters."""
+
+import pytest
+import torch
+
+from tessera.core.config import ConfigError
+from tessera.core.precision import VALID_NAMES, apply_precision, parse_dtype
+
+# storage dtype and TF32 state from DESIGN.md's precision table, written out independently here
+TABLE = {
+    "torch.float16": (torch.float16, False),
+    "torch.half": (torch.float16, False),
+    "fp16": (torch.float16, False),
+    "torch.bfloat16": (torch.bfloat16, False),
+    "bf16": (torch.bfloat16, False),
+    "torch.float32": (torch.float32, False),
+    "fp32": (torch.float32, False),
+    "torch.tf32": (torch.float32, True),
+    "tf32": (torch.float32, True),
+    torch.float16: (torch.float16, False),
+    torch.bfloat16: (torch.bfloat16, False),
+    torch.float32: (torch.float32, False),
+}
+
+
+@pytest.mark.parametrize("name", list(TABLE), ids=str)
+def test_parse_dtype_matches_table(name):
+    assert parse_dtype(name) == TABLE[name]
+
+
+@pytest.mark.parametrize("name", ["torch.tf32", "torch.float32", "torch.bfloat16", "torch.float16"])
+def test_apply_precision_reads_back_through_both_apis(name):
+    # start from the opposite state so a no-op would fail
+    _, want_tf32 = TABLE[name]
+    torch.backends.cuda.matmul.allow_tf32 = not want_tf32
+    torch.backends.cudnn.allow_tf32 = not want_tf32
+    apply_precision(name)
+    assert torch.backends.cuda.matmul.allow_tf32 is want_tf32
+    assert torch.backends.cudnn.allow_tf32 is want_tf32
+    # the new getters stay readable (we never used the new setters) and agree
+    assert torch.backends.cuda.matmul.fp32_precision == ("tf32" if want_tf32 else "ieee")
+    assert (torch.backends.cudnn.conv.fp32_precision == "tf32") is want_tf32
+    # and reading the legacy getter again still works (the new setters would make this raise)
+    assert torch.backends.cuda.matmul.allow_tf32 is want_tf32
+
+
+def test_unknown_dtype_lists_valid_names():
+    with pytest.raises(ConfigError) as e:
+        parse_dtype("torch.float8")
+    msg = str(e.value)
+    assert "torch.float8" in msg and "model.dtype" in msg
+    for name in ("torch.bfloat16", "torch.tf32", "fp16"):
+        assert name in msg
+    assert set(VALID_NAMES) >= {"torch.float16", "torch.half", "torch.bfloat16", "torch.float32", "torch.tf32"}
+
+
+def test_unsupported_torch_dtype():
+    with pytest.raises(ConfigError, match="float64"):
+        parse_dtype(torch.float64)
