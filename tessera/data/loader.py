@@ -1,0 +1,194 @@
+"""The trainer's single entry point: ``build_data`` -> train iterator, valid iterable, tokenizer.
+
+Leaf code: no global state is read. The caller passes the data config, the model limits, its DP
+coordinates, the seed and (for the stdlib demo corpus) a barrier callable.
+
+Train: each optimizer step consumes the next ``G = dp_size * micro_bsz * micro_num`` rows of the
+global sequence (see sampler.py). Viewed as ``[micro_num, dp_size, micro_bsz]``, rank ``r`` takes
+``[:, r, :]``: micro-batch ``m`` of all ranks together is one contiguous piece of the sequence.
+
+Valid: up to ``valid_micro_num`` micro-batches per rank, rows spread evenly over the valid set, the
+same on every call; slots beyond the end of a tiny valid set are all-padding rows (``sample_ids``
+-1, no labels) so every rank runs the same number of micro-batches (collectives stay matched).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Mapping
+
+import numpy as np
+import torch
+
+from tessera.data.errors import DataError
+from tessera.data.packing import PackedRows
+from tessera.data.sampler import GlobalRowSampler
+from tessera.data.stdlib_corpus import prepare_stdlib_corpus
+from tessera.data.synthetic import SyntheticStream
+from tessera.data.token_file import open_token_folder
+from tessera.data.tokenizer import ByteTokenizer, HFTokenizer
+
+Batch = dict[str, torch.Tensor]
+SYNTHETIC_TRAIN_ROWS = 1 << 16
+SYNTHETIC_VALID_ROWS = 1 << 10
+
+
+class TrainLoader:
+    """Endless, resumable micro-batches for one DP rank, one optimizer step at a time."""
+
+    def __init__(self, rows: PackedRows, sampler: GlobalRowSampler, micro_bsz: int, micro_num: int,
+                 dp_rank: int, dp_size: int):
+        self.rows = rows
+        self.sampler = sampler
+        self.micro_bsz, self.micro_num = micro_bsz, micro_num
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.rows_per_step = dp_size * micro_bsz * micro_num
+
+    @property
+    def num_rows(self) -> int:
+        return self.rows.num_rows
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens (padding included) all DP ranks consume per optimizer step."""
+        return self.rows_per_step * self.rows.seq_len
+
+    @property
+    def consumed_rows(self) -> int:
+        return self.sampler.consumed_rows
+
+    def next_step_rows(self) -> np.ndarray:
+        """This rank's rows of the next step as [micro_num, micro_bsz]; advances the position."""
+        step = self.sampler.take(self.rows_per_step)
+        return step.reshape(self.micro_num, self.dp_size, self.micro_bsz)[:, self.dp_rank, :]
+
+    def next_step_batches(self) -> list[Batch]:
+        """The ``micro_num`` micro-batches of this rank for the next optimizer step."""
+        return [self.rows.batch(r) for r in self.next_step_rows()]
+
+    def __iter__(self) -> Iterator[list[Batch]]:
+        while True:
+            yield self.next_step_batches()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The sampler position (plain ints, identical on every rank); see GlobalRowSampler."""
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.sampler.load_state_dict(state)
+
+
+class ValidLoader:
+    """A finite, repeatable set of validation micro-batches for one DP rank."""
+
+    def __init__(self, rows: PackedRows, micro_bsz: int, max_micro_num: int, dp_rank: int, dp_size: int):
+        self.rows = rows
+        per_step = dp_size * micro_bsz
+        n_mb = min(max_micro_num, -(-rows.num_rows // per_step))
+        slots = n_mb * per_step
+        if slots <= rows.num_rows:
+            ids = (np.arange(slots, dtype=np.int64) * rows.num_rows) // slots
+        else:
+            ids = np.concatenate([np.arange(rows.num_rows), np.full(slots - rows.num_rows, -1)]).astype(np.int64)
+        self.row_ids = ids.reshape(n_mb, dp_size, micro_bsz)[:, dp_rank, :]
+
+    def __len__(self) -> int:
+        return len(self.row_ids)
+
+    def __iter__(self) -> Iterator[Batch]:
+        for r in self.row_ids:
+            yield self.rows.batch(r)
+
+
+@dataclass
+class DataBundle:
+    """What the trainer gets: ``train`` (TrainLoader), ``valid`` (ValidLoader or None), ``tokenizer``
+    (None for synthetic data), and ``info`` (counts for logging)."""
+
+    train: TrainLoader
+    valid: ValidLoader | None
+    tokenizer: ByteTokenizer | HFTokenizer | None
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+def _data_settings(data_cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """The data section with schema defaults filled in (so tests may pass a partial plain dict)."""
+    from tessera.core.config import SCHEMA, Key
+
+    spec = SCHEMA.keys["data"].keys
+    unknown = set(data_cfg) - set(spec)
+    if unknown:
+        raise DataError(f"unknown data key(s) {sorted(unknown)}; valid keys: {sorted(spec)}")
+    out = {}
+    for name, key in spec.items():
+        assert isinstance(key, Key)
+        out[name] = data_cfg[name] if name in data_cfg else key.default
+    return out
+
+
+def build_data(
+    data_cfg: Mapping[str, Any],
+    *,
+    vocab_size: int,
+    max_seq_len: int,
+    dp_rank: int = 0,
+    dp_size: int = 1,
+    seed: int = 1024,
+    barrier: Callable[[], None] | None = None,
+    is_main: bool | None = None,
+    progress: bool = False,
+) -> DataBundle:
+    """Build the train/valid loaders described by the ``data`` config section.
+
+    ``vocab_size``: the model's (token ids must be below it). ``max_seq_len``: the longest sequence
+    the model supports (``model.max_position_embeddings``). ``barrier``/``is_main`` (default: DP rank
+    0) only matter for ``type="stdlib"``, which prepares its corpus on first use.
+    """
+    c = _data_settings(data_cfg)
+    L, B, M = c["seq_len"], c["micro_bsz"], c["micro_num"]
+    if L > max_seq_len:
+        raise DataError(f"data.seq_len={L} is larger than the model supports: max_seq_len={max_seq_len} "
+                        "(model.max_position_embeddings)")
+    if not (dp_size >= 1 and 0 <= dp_rank < dp_size):
+        raise DataError(f"dp_rank={dp_rank} must be in [0, dp_size={dp_size})")
+    pack_one = c["pack_sample_into_one"]
+    tokenizer: ByteTokenizer | HFTokenizer | None = None
+    if c["type"] == "synthetic":
+        doc_len = max(2, 3 * L // 4)
+        train_streams = [SyntheticStream(-(-SYNTHETIC_TRAIN_ROWS * L // doc_len), doc_len, vocab_size, seed)]
+        valid_streams = [SyntheticStream(-(-SYNTHETIC_VALID_ROWS * L // doc_len), doc_len, vocab_size, seed + 1)]
+        byte_lengths = train_streams[0].byte_lengths()
+        source = "synthetic"
+    else:
+        if c["type"] == "stdlib":
+            folder = prepare_stdlib_corpus(c["cache_folder"], is_main=dp_rank == 0 if is_main is None else is_main,
+                                           barrier=barrier, progress=progress)
+            train_folder, valid_folder = f"{folder}/train", f"{folder}/valid"
+        elif c["type"] == "tokens":
+            train_folder, valid_folder = c["train_folder"], c["valid_folder"]
+            if not train_folder:
+                raise DataError("data.train_folder is required when data.type='tokens'")
+        else:
+            raise DataError(f"data.type={c['type']!r} must be one of 'tokens', 'synthetic', 'stdlib'")
+        train_streams = open_token_folder(train_folder, vocab_size)
+        valid_streams = open_token_folder(valid_folder, vocab_size) if valid_folder else None
+        if valid_streams and valid_streams[0].meta["tokenizer"].get("kind") != train_streams[0].meta["tokenizer"].get("kind"):
+            raise DataError(f"{valid_folder} and {train_folder} were made with different tokenizers")
+        tokenizer = train_streams[0].tokenizer()
+        byte_lengths = tokenizer.token_byte_lengths()
+        source = train_folder
+    rows = PackedRows(train_streams, L, byte_lengths, pack_one)
+    train = TrainLoader(rows, GlobalRowSampler(rows.num_rows, seed), B, M, dp_rank, dp_size)
+    valid = None
+    if valid_streams:
+        valid = ValidLoader(PackedRows(valid_streams, L, byte_lengths, pack_one), B, c["valid_micro_num"],
+                            dp_rank, dp_size)
+    info = {
+        "type": c["type"],
+        "source": source,
+        "train_rows": rows.num_rows,
+        "train_tokens": int(sum(s.num_tokens for s in train_streams)),
+        "valid_rows": valid.rows.num_rows if valid else 0,
+        "tokens_per_step": train.tokens_per_step,
+    }
+    return DataBundle(train=train, valid=valid, tokenizer=tokenizer, info=info)

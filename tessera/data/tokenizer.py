@@ -1,0 +1,189 @@
+"""Tokenizers behind one small interface: a built-in byte-level one and a Hugging Face wrapper.
+
+Why a common interface: token files record which tokenizer made them (meta.json), the loader needs
+``eod_id`` and per-token byte lengths (for bits per byte), and generation needs ``encode``/``decode``,
+whatever the tokenizer is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Mapping, Protocol, Sequence
+
+import numpy as np
+
+from tessera.data.errors import DataError
+
+
+class Tokenizer(Protocol):
+    """What the data pipeline needs from a tokenizer."""
+
+    vocab_size: int
+    eod_id: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+    def token_byte_lengths(self) -> np.ndarray: ...
+
+    def describe(self) -> dict[str, Any]: ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens: ids 0..255 are the bytes, 256 ends a document; ``vocab_size`` 257.
+
+    Needs no files and no training, so the demo corpus and tests run anywhere, and bits per byte are
+    exact (every byte token stands for exactly one source byte).
+    """
+
+    kind = "byte"
+    vocab_size = 257
+    eod_id = 256
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def encode_array(self, text: str) -> np.ndarray:
+        """Fast path for preparation: the UTF-8 bytes as a uint8 array (no Python list)."""
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Bytes back to text; EOD tokens are dropped and invalid UTF-8 becomes U+FFFD."""
+        arr = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if arr.size and (arr.min() < 0 or arr.max() > self.eod_id):
+            bad = int(arr[(arr < 0) | (arr > self.eod_id)][0])
+            raise DataError(f"byte tokenizer cannot decode token id {bad}: valid ids are 0..{self.eod_id}")
+        return arr[arr < 256].astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+
+    def token_byte_lengths(self) -> np.ndarray:
+        lengths = np.ones(self.vocab_size, dtype=np.int64)
+        lengths[self.eod_id] = 0
+        return lengths
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": "byte", "vocab_size": self.vocab_size, "eod_id": self.eod_id}
+
+
+# Names under which tokenizers commonly spell their end-of-document token, most specific first.
+_EOD_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "[EOS]", "<|im_end|>")
+
+
+def _import_tokenizers() -> Any:
+    try:
+        import tokenizers
+    except ImportError:
+        raise DataError(
+            "a Hugging Face tokenizer.json needs the 'tokenizers' package: pip install tessera[tokenizers]"
+        ) from None
+    return tokenizers
+
+
+def _gpt2_unicode_to_byte() -> dict[str, int]:
+    """Inverse of the GPT-2 byte-level alphabet (each byte is shown as one printable character)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
+        range(ord("®"), ord("ÿ") + 1)
+    )
+    chars = printable[:]
+    n = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(printable, chars)}
+
+
+class HFTokenizer:
+    """A Hugging Face ``tokenizer.json`` (``tokenizers`` library) behind the tessera interface."""
+
+    kind = "hf"
+
+    def __init__(self, path: str | os.PathLike, eod_token: str | None = None):
+        tokenizers = _import_tokenizers()
+        self.path = os.fspath(path)
+        if not os.path.isfile(self.path):
+            raise DataError(f"tokenizer file not found: {self.path}")
+        try:
+            self._tok = tokenizers.Tokenizer.from_file(self.path)
+        except Exception as e:  # noqa: BLE001 - the library raises its own exception types
+            raise DataError(f"cannot read tokenizer file {self.path}: {e}") from e
+        self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
+        self.eod_token = eod_token or self._find_eod()
+        eod = self._tok.token_to_id(self.eod_token)
+        if eod is None:
+            raise DataError(f"tokenizer {self.path} has no token {self.eod_token!r} to use as end of document")
+        self.eod_id = int(eod)
+
+    def _find_eod(self) -> str:
+        for name in _EOD_CANDIDATES:
+            if self._tok.token_to_id(name) is not None:
+                return name
+        raise DataError(
+            f"tokenizer {self.path} has none of the usual end-of-document tokens {list(_EOD_CANDIDATES)}; "
+            "name one with --eod-token"
+        )
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """Several documents at once (the library parallelizes this)."""
+        return [list(e.ids) for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def token_byte_lengths(self) -> np.ndarray:
+        """Source bytes per token, for bits per byte. Exact for byte-level BPE; an estimate otherwise.
+
+        Special/added tokens count 0; ``<0xAB>`` byte-fallback tokens count 1; SentencePiece's "▁" is a
+        space. Normalizers that rewrite text (lowercasing, NFKC) make any per-token count approximate.
+        """
+        spec = json.loads(self._tok.to_str())
+        decoder = spec.get("decoder") or {}
+        byte_level = decoder.get("type") == "ByteLevel"
+        inverse = _gpt2_unicode_to_byte() if byte_level else {}
+        special = {int(i) for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+        lengths = np.zeros(self.vocab_size, dtype=np.int64)
+        for token, i in self._tok.get_vocab(with_added_tokens=True).items():
+            if i in special or i >= self.vocab_size:
+                continue
+            if byte_level and all(c in inverse for c in token):
+                lengths[i] = len(token)
+            elif len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
+                lengths[i] = 1
+            else:
+                lengths[i] = len(token.replace("▁", " ").encode("utf-8"))
+        return lengths
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": "hf", "vocab_size": self.vocab_size, "eod_id": self.eod_id, "eod_token": self.eod_token}
+
+
+def build_tokenizer(spec: str | os.PathLike, eod_token: str | None = None) -> ByteTokenizer | HFTokenizer:
+    """``"byte"`` -> ByteTokenizer; a path to a ``tokenizer.json`` -> HFTokenizer."""
+    if os.fspath(spec) == "byte":
+        return ByteTokenizer()
+    return HFTokenizer(spec, eod_token=eod_token)
+
+
+def load_tokenizer(meta: Mapping[str, Any], folder: str | os.PathLike | None = None) -> ByteTokenizer | HFTokenizer:
+    """Rebuild the tokenizer a token folder's meta.json records (an HF file is copied next to it)."""
+    desc = meta.get("tokenizer")
+    if not isinstance(desc, Mapping) or "kind" not in desc:
+        raise DataError(f"meta.json in {folder} has no tokenizer description")
+    if desc["kind"] == "byte":
+        return ByteTokenizer()
+    if desc["kind"] == "hf":
+        if folder is None:
+            raise DataError("an 'hf' tokenizer is stored next to meta.json; pass the folder to load_tokenizer")
+        tok = HFTokenizer(os.path.join(os.fspath(folder), desc.get("file", "tokenizer.json")), desc.get("eod_token"))
+        if tok.vocab_size != desc.get("vocab_size") or tok.eod_id != desc.get("eod_id"):
+            raise DataError(
+                f"tokenizer in {folder} does not match meta.json: vocab {tok.vocab_size} vs {desc.get('vocab_size')}, "
+                f"eod {tok.eod_id} vs {desc.get('eod_id')}"
+            )
+        return tok
+    raise DataError(f"meta.json in {folder}: unknown tokenizer kind {desc['kind']!r} (expected 'byte' or 'hf')")
