@@ -1,0 +1,137 @@
+"""One optimizer step over ``micro_num`` micro-batches, validation, and the run's stop conditions.
+
+Kept separate from ``train.py`` so tests and benchmarks drive exactly the step that training runs.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
+
+import torch
+import torch.distributed as dist
+
+from tessera.parallel import vocab_parallel_cross_entropy
+
+
+@dataclass
+class StepResult:
+    loss: float  # mean over micro-batches and DP ranks
+    grad_norm: float
+    success: bool  # False when the update was skipped (inf/NaN)
+    tokens: int  # tokens processed by the whole job in this step
+    step_time: float
+
+
+def _to_device(batch: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
+    return {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+
+
+def _all_reduce_sum(values: list[float], group: Any, device: torch.device) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(t, group=group)
+    return t.tolist()
+
+
+class Trainer:
+    """Forward/backward/step for a TP x DP model wrapped in NaiveAMPModel + HybridZeroOptimizer."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: Any, *, tp_group: Any, dp_group: Any,
+                 device: torch.device, label_smoothing: float = 0.0, dp_size: int = 1,
+                 loss_hook: Any = None):
+        self.model = model
+        self.optimizer = optimizer
+        self.tp_group = tp_group
+        self.dp_group = dp_group
+        self.device = device
+        self.label_smoothing = label_smoothing
+        self.dp_size = dp_size
+        self.loss_hook = loss_hook  # test hook: f(loss) -> loss (e.g. inject NaN at chosen steps)
+
+    def _loss(self, batch: Mapping[str, Any], reduction: str = "mean", label_smoothing: float | None = None) -> torch.Tensor:
+        logits = self.model(batch["input_ids"], cu_seqlens=batch.get("cu_seqlens"),
+                            position_ids=batch.get("position_ids"))
+        return vocab_parallel_cross_entropy(
+            logits, batch["labels"], self.tp_group, ignore_index=-100,
+            label_smoothing=self.label_smoothing if label_smoothing is None else label_smoothing, reduction=reduction)
+
+    def train_step(self, micro_batches: list[Mapping[str, Any]]) -> StepResult:
+        """Accumulate gradients over the micro-batches, then one optimizer step (or a skip)."""
+        t0 = time.perf_counter()
+        self.model.train()
+        self.optimizer.zero_grad()
+        total = 0.0
+        tokens = 0
+        for batch in micro_batches:
+            batch = _to_device(batch, self.device)
+            loss = self._loss(batch)
+            if self.loss_hook is not None:
+                loss = self.loss_hook(loss)
+            self.optimizer.backward(loss / len(micro_batches))
+            total += float(loss.detach())
+            tokens += batch["input_ids"].numel()
+        success, grad_norm = self.optimizer.step()
+        mean_loss = _all_reduce_sum([total / len(micro_batches)], self.dp_group, self.device)[0] / self.dp_size
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        return StepResult(mean_loss, float(grad_norm), bool(success), tokens * self.dp_size,
+                          time.perf_counter() - t0)
+
+    @torch.no_grad()
+    def evaluate(self, batches: Iterable[Mapping[str, Any]]) -> dict[str, float]:
+        """Loss, bits per token and (when byte counts are known) bits per byte over the batches.
+
+        Sums of nats, tokens and bytes are reduced over DP before dividing, so the figure is the
+        token-weighted mean over the whole validation set, independent of the DP size.
+        """
+        self.model.eval()
+        nats = tokens = nbytes = 0.0
+        for batch in batches:
+            batch = _to_device(batch, self.device)
+            nats += float(self._loss(batch, reduction="sum", label_smoothing=0.0))
+            tokens += float((batch["labels"] != -100).sum())
+            if "num_bytes" in batch:
+                nbytes += float(batch["num_bytes"].sum())
+        self.model.train()
+        nats, tokens, nbytes = _all_reduce_sum([nats, tokens, nbytes], self.dp_group, self.device)
+        out = {"loss": nats / max(tokens, 1.0), "tokens": int(tokens)}
+        out["bits_per_token"] = out["loss"] / math.log(2)
+        if nbytes > 0:
+            out["bits_per_byte"] = nats / nbytes / math.log(2)
+        return out
+
+
+@dataclass
+class StopRequest:
+    """SIGTERM / SIGINT / a stop file, agreed on by all ranks at a step boundary.
+
+    The handler only sets a flag; the ranks all-reduce it once per step, so every rank stops after the
+    same step and can save a checkpoint together instead of dying at different points.
+    """
+
+    stop_file: str | None = None
+    reason: str | None = None
+    _signals: list[int] = field(default_factory=list)
+
+    def install(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handler)
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        self._signals.append(signum)
+        self.reason = signal.Signals(signum).name
+
+    def should_stop(self, group: Any = None) -> tuple[bool, str | None]:
+        local = bool(self._signals) or bool(self.stop_file and os.path.exists(self.stop_file))
+        if local and self.reason is None:
+            self.reason = f"stop file {self.stop_file}"
+        flag = torch.tensor([1 if local else 0], dtype=torch.int32)
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        stop = bool(flag.item())
+        return stop, (self.reason or "stop requested on another rank") if stop else None

@@ -1,0 +1,218 @@
+"""Train a tessera decoder: ``torchrun --nproc_per_node=N train.py --config configs/7B.py [key.sub=value ...]``.
+
+Read top to bottom: config -> launch (groups, seeds, precision) -> data -> model -> precision wrapper
+-> optimizer and LR schedule -> resume -> loop (step, log, validate, checkpoint, stop) -> final
+validation, checkpoint and sample.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import sys
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+from tessera.core.checkpoint import CheckpointError, Layout, find_resumable_checkpoint, load_checkpoint, save_checkpoint
+from tessera.core.config import Config, ConfigError
+from tessera.core.context import ParallelMode, gpc, launch_from_slurm, launch_from_torch
+from tessera.core.lr_scheduler import WarmupCosineLR
+from tessera.core.metrics import MetricsWriter, gpu_peak_tflops, measure_matmul_tflops, peak_memory_gib, setup_logging
+from tessera.core.naive_amp import naive_amp_from_config, unwrap_model
+from tessera.core.optimizer import TooManySkippedSteps, build_optimizer
+from tessera.core.precision import resolve_precision
+from tessera.core.trainer import StopRequest, Trainer
+from tessera.data import build_data
+from tessera.data.errors import DataError
+from tessera.model import build_model, flops_per_token
+from tessera.model.generation import generate_text
+
+logger = logging.getLogger("tessera")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", required=True, help="Python config file (runs as code, like any training script)")
+    p.add_argument("--launcher", choices=["torch", "slurm"], default="torch")
+    p.add_argument("--seed", type=int, default=None, help="overrides the config's seed")
+    p.add_argument("--host", default=None, help="slurm: rendezvous host (default: first node of the job)")
+    p.add_argument("--port", type=int, default=29500, help="slurm: rendezvous port")
+    p.add_argument("--stop-file", default=None, help="touch this file to save a checkpoint and stop")
+    p.add_argument("overrides", nargs="*", help="key.sub=value pairs (Python literals) overriding the config")
+    return p.parse_args(argv)
+
+
+def peak_tflops_per_device(cfg: Config, precision_name: str, device: torch.device) -> tuple[float, str]:
+    """MFU denominator: the config's override, the GPU table, or a matmul measured here (CPU)."""
+    if cfg.metrics.peak_tflops:
+        return cfg.metrics.peak_tflops, "config"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        peak = gpu_peak_tflops(name, precision_name)
+        if peak:
+            return peak, name
+        logger.warning("no peak TFLOP/s known for %s; measuring a matmul instead (set metrics.peak_tflops)", name)
+    dtype = resolve_precision(cfg.model.dtype).dtype
+    return measure_matmul_tflops(dtype, device), f"measured {dtype} matmul"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+
+    # 1. config: every mistake is reported here, before any process group exists
+    cfg = Config.from_file(args.config, args.overrides)
+    seed = cfg.seed if args.seed is None else args.seed
+
+    # 2. launch: process groups, RNG streams, TF32 switches
+    if args.launcher == "slurm":
+        launch_from_slurm(cfg, host=args.host, port=args.port, seed=seed)
+    else:
+        launch_from_torch(cfg, seed=seed)
+    setup_logging(gpc.get_global_rank())
+    layout = Layout.from_gpc()
+    precision = resolve_precision(cfg.model.dtype)
+    device = gpc.device
+    tp_group, dp_group = gpc.get_group(ParallelMode.TENSOR), gpc.get_group(ParallelMode.DATA)
+    is_rank0 = gpc.get_global_rank() == 0
+    logger.info("launched: world %d = tp %d x dp %d, zero1 %d, dtype %s, device %s", layout.world_size,
+                layout.tp_size, layout.dp_size, layout.zero1_size, precision.name, device)
+
+    # 3. data
+    data = build_data(cfg.data, vocab_size=cfg.model.vocab_size, max_seq_len=cfg.model.max_position_embeddings,
+                      dp_rank=layout.dp_rank, dp_size=layout.dp_size, seed=seed, barrier=dist.barrier,
+                      is_main=layout.global_rank == 0, progress=is_rank0)
+    logger.info("data: %s", data.info)
+
+    # 4. model (fp32, TP-sharded), optional weights-only start, then the precision wrapper
+    model = build_model(cfg.model, tp_group=tp_group, seed=seed, device=device)
+    if cfg.ckpt.load_ckpt_folder and not _has_checkpoint(cfg):
+        load_checkpoint(cfg.ckpt.load_ckpt_folder, model=model, optimizer=None, layout=layout, load_optimizer=False)
+        logger.info("initialized weights from %s", cfg.ckpt.load_ckpt_folder)
+    model = naive_amp_from_config(model, cfg.model)
+
+    # 5. optimizer (fp32 masters, ZeRO-1) and LR schedule
+    optimizer = build_optimizer(model, cfg)
+    scheduler = WarmupCosineLR.from_config(optimizer.param_groups, cfg.adam, cfg.lr_scheduler)
+    trainer = Trainer(model, optimizer, tp_group=tp_group, dp_group=dp_group, device=device,
+                      label_smoothing=cfg.loss.label_smoothing, dp_size=layout.dp_size)
+
+    # 6. resume from the newest complete checkpoint (damaged ones are skipped with a warning)
+    step, consumed_tokens, last_ckpt = 0, 0, None
+    if cfg.ckpt.auto_resume and cfg.ckpt.save_ckpt_folder:
+        def _load(path: str):
+            return load_checkpoint(path, model=unwrap_model(model), optimizer=optimizer, layout=layout)
+
+        last_ckpt, meta = find_resumable_checkpoint(cfg.ckpt.save_ckpt_folder, layout, load=_load)
+        if last_ckpt:
+            state = meta["trainer_state"]
+            step, consumed_tokens = state["step"], state["consumed_tokens"]
+            scheduler.load_state_dict(state["lr_scheduler"])
+            data.train.load_state_dict(state["sampler"])
+            if meta["rng_states"] is not None:
+                gpc.set_rng_states(meta["rng_states"])
+            else:  # a different TP/DP layout: per-rank streams cannot be carried over
+                gpc.set_seed(seed + step)
+            logger.info("resumed from %s at step %d", last_ckpt, step)
+
+    # 7. metrics
+    peak, peak_source = peak_tflops_per_device(cfg, precision.name, device)
+    flops_tok = flops_per_token(cfg.model, cfg.data.seq_len)
+    log_dir = os.path.join(cfg.log_folder, cfg.job_name)
+    metrics = MetricsWriter(log_dir, is_rank0, cfg.data.total_steps, step, cfg.metrics.tensorboard,
+                            cfg.metrics.progress_bar)
+    metrics.log_event(f"peak {peak:.3f} TFLOP/s per device ({peak_source}); {flops_tok / 1e6:.2f} MFLOP per token",
+                      peak_tflops=peak, flops_per_token=flops_tok, resumed_from=last_ckpt, start_step=step)
+
+    def save(at_step: int) -> str:
+        nonlocal last_ckpt
+        state = {"step": at_step, "consumed_tokens": consumed_tokens, "lr_scheduler": scheduler.state_dict(),
+                 "sampler": data.train.state_dict()}
+        last_ckpt = save_checkpoint(cfg.ckpt.save_ckpt_folder, at_step, model=unwrap_model(model),
+                                    optimizer=optimizer, trainer_state=state, config=cfg.to_dict(),
+                                    rng_states=gpc.get_rng_states(), layout=layout, keep_last=cfg.ckpt.keep_last)
+        metrics.log_event(f"saved checkpoint {last_ckpt}", checkpoint=last_ckpt)
+        return last_ckpt
+
+    def validate(at_step: int) -> None:
+        if data.valid is not None:
+            metrics.log_valid(at_step, trainer.evaluate(data.valid))
+
+    # 8. the loop
+    stop = StopRequest(stop_file=args.stop_file)
+    stop.install()
+    saving = cfg.ckpt.enable_save_ckpt
+    while step < cfg.data.total_steps:
+        lr = scheduler.current_lr
+        try:
+            result = trainer.train_step(data.train.next_step_batches())
+        except TooManySkippedSteps as e:
+            raise RuntimeError(f"stopping at step {step + 1}: {e}; last good checkpoint: {last_ckpt or 'none'}") from None
+        scheduler.step()
+        step += 1
+        consumed_tokens += result.tokens
+        if step % cfg.metrics.log_every == 0 or step == cfg.data.total_steps:
+            tgs = result.tokens / result.step_time / layout.world_size
+            tflops = tgs * flops_tok / 1e12
+            metrics.log_train(step, {
+                "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm, "loss_scale": optimizer.loss_scale,
+                "skipped_steps": optimizer.skipped_steps, "success": result.success, "tgs": tgs,
+                "tflops": tflops, "mfu": tflops / peak, "step_time": result.step_time,
+                "consumed_tokens": consumed_tokens, "peak_mem_gib": peak_memory_gib(device),
+            })
+        if cfg.data.valid_every and step % cfg.data.valid_every == 0 and step < cfg.data.total_steps:
+            validate(step)
+        if saving and cfg.ckpt.checkpoint_every and step % cfg.ckpt.checkpoint_every == 0 and step < cfg.data.total_steps:
+            save(step)
+        requested, reason = stop.should_stop()
+        if requested:
+            metrics.log_event(f"stop requested ({reason}) after step {step}")
+            if saving:
+                save(step)
+            break
+
+    # 9. the end: validation, checkpoint, a sample
+    if step >= cfg.data.total_steps:
+        validate(step)
+        if saving:
+            save(step)
+        if cfg.generate.max_new_tokens and data.tokenizer is not None:
+            sample = generate_text(model, data.tokenizer, cfg.generate.prompt, cfg.generate.max_new_tokens,
+                                   temperature=cfg.generate.temperature, top_k=cfg.generate.top_k,
+                                   top_p=cfg.generate.top_p, tp_group=tp_group, device=device, seed=seed)
+            metrics.log_event("sample:\n" + sample, sample=sample)
+    metrics.close()
+    gpc.destroy()
+    return 0
+
+
+def _has_checkpoint(cfg: Config) -> bool:
+    """A run that already saved checkpoints resumes from them instead of re-loading load_ckpt_folder."""
+    from tessera.core.checkpoint import list_checkpoints
+
+    return bool(cfg.ckpt.auto_resume and cfg.ckpt.save_ckpt_folder and list_checkpoints(cfg.ckpt.save_ckpt_folder))
+
+
+def run() -> None:
+    """Exit non-zero on every failing rank at once; never wait on peers that may be gone."""
+    try:
+        sys.exit(main())
+    except (ConfigError, DataError, CheckpointError) as e:
+        rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "?"))
+        print(f"[rank {rank}] error: {e}", file=sys.stderr, flush=True)
+    except Exception:  # noqa: BLE001 - report with the traceback, then take the whole job down
+        rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "?"))
+        print(f"[rank {rank}] training failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+    # os._exit: skip interpreter teardown, which can block on a process group whose peers died;
+    # torchrun sees the non-zero exit and stops the other ranks.
+    sys.stderr.flush()
+    sys.stdout.flush()
+    os._exit(1)
+
+
+if __name__ == "__main__":
+    run()
