@@ -1,0 +1,240 @@
+"""Causal self-attention with grouped KV heads, tensor-parallel over heads, packed-document aware.
+
+Heads are split contiguously over the TP group: rank r holds query heads
+``[r*Hq/tp, (r+1)*Hq/tp)`` and KV heads ``[r*Hkv/tp, (r+1)*Hkv/tp)``; since both counts divide by tp,
+every local query head's KV head is local too.
+
+Backends, chosen once per forward by ``plan_attention`` and logged once per distinct choice:
+
+1. the ``flash_attn`` package (``flash_attn_varlen_func`` with ``cu_seqlens``, ``flash_attn_func``
+   otherwise) when installed, on CUDA, for fp16/bf16, with ``use_flash_attn=True``;
+2. otherwise ``F.scaled_dot_product_attention``: ``is_causal=True`` when every row is one document
+   (torch picks its flash / memory-efficient kernel on CUDA), or a block-diagonal causal boolean mask
+   ``[B, 1, S, S]`` built once per forward and shared by all layers when rows hold several documents.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tessera.model.rotary import apply_rotary, document_ids
+from tessera.parallel.comm import copy_to_region, group_size
+from tessera.parallel.layers import ColumnParallelLinear, RowParallelLinear, divide
+
+__all__ = ["Attention", "AttentionPlan", "plan_attention", "check_cu_seqlens", "RNGReplay"]
+
+logger = logging.getLogger("tessera")
+_LOGGED: set[str] = set()
+_FLASH_AVAILABLE: bool | None = None
+
+
+def flash_attn_available() -> bool:
+    """Whether the ``flash_attn`` package is importable (checked once, without importing it)."""
+    global _FLASH_AVAILABLE
+    if _FLASH_AVAILABLE is None:
+        _FLASH_AVAILABLE = importlib.util.find_spec("flash_attn") is not None
+    return _FLASH_AVAILABLE
+
+
+def _log_once(message: str) -> None:
+    if message not in _LOGGED:
+        _LOGGED.add(message)
+        logger.info(message)
+
+
+def select_backend(device: torch.device, dtype: torch.dtype, use_flash_attn: bool) -> tuple[str, str]:
+    """``("flash_attn", "")`` or ``("sdpa", why flash_attn was not used)``."""
+    if not use_flash_attn:
+        why = "disabled by model.use_flash_attn=False"
+    elif not flash_attn_available():
+        why = "the flash_attn package is not installed"
+    elif device.type != "cuda":
+        why = f"the device is {device.type}, not cuda"
+    elif dtype not in (torch.float16, torch.bfloat16):
+        why = f"the activations are {dtype}, flash_attn needs float16/bfloat16"
+    else:
+        return "flash_attn", ""
+    return "sdpa", why
+
+
+@dataclass
+class AttentionPlan:
+    """What every layer's attention needs for one forward: backend plus document layout."""
+
+    backend: str  # "flash_attn" | "sdpa"
+    cu_seqlens: torch.Tensor | None = None  # int32, on the activations' device (flash varlen)
+    max_seqlen: int | None = None  # longest document (flash varlen)
+    mask: torch.Tensor | None = None  # [B, 1, S, S] bool, True = may attend (sdpa, packed rows)
+
+
+def check_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, seqlen: int) -> torch.Tensor:
+    """Validate ``cu_seqlens`` (values only when it lives on the CPU: no device sync) and return it."""
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.dtype.is_floating_point:
+        raise ValueError(
+            f"cu_seqlens must be a 1-D integer tensor of document boundaries, got shape "
+            f"{tuple(cu_seqlens.shape)} and dtype {cu_seqlens.dtype}"
+        )
+    if cu_seqlens.device.type == "cpu":
+        total = batch * seqlen
+        if int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != total:
+            raise ValueError(f"cu_seqlens must start at 0 and end at batch*seq_len={total}, got {cu_seqlens.tolist()}")
+        if bool((cu_seqlens[1:] <= cu_seqlens[:-1]).any()):
+            raise ValueError(f"cu_seqlens must be strictly increasing, got {cu_seqlens.tolist()}")
+        rows = torch.arange(0, total + 1, seqlen, dtype=cu_seqlens.dtype)
+        if not bool(torch.isin(rows, cu_seqlens).all()):
+            raise ValueError(f"every row boundary (multiples of seq_len={seqlen}) must be a document boundary, "
+                             f"got cu_seqlens={cu_seqlens.tolist()}")
+    return cu_seqlens
+
+
+def plan_attention(
+    cu_seqlens: torch.Tensor | None,
+    batch: int,
+    seqlen: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    use_flash_attn: bool,
+) -> AttentionPlan:
+    """Pick the backend for these activations, log it once, and build what it needs (mask / varlen)."""
+    backend, why = select_backend(device, dtype, use_flash_attn)
+    # one document per row (B+1 boundaries, all of them row boundaries): plain causal attention
+    packed = cu_seqlens is not None and cu_seqlens.numel() != batch + 1
+    if backend == "flash_attn":
+        _log_once("attention backend: flash_attn (flash_attn_varlen_func for packed rows, flash_attn_func otherwise)")
+        if not packed:
+            return AttentionPlan(backend)
+        cu = cu_seqlens.to(device=device, dtype=torch.int32)
+        max_seqlen = int((cu[1:] - cu[:-1]).max())
+        return AttentionPlan(backend, cu_seqlens=cu, max_seqlen=max_seqlen)
+    _log_once(
+        f"attention backend: torch scaled_dot_product_attention on {device.type} (is_causal for one document "
+        f"per row, block-diagonal causal mask for packed rows); flash_attn not used: {why}"
+    )
+    if not packed:
+        return AttentionPlan(backend)
+    docs = document_ids(cu_seqlens.to(device), batch, seqlen)
+    causal = torch.ones(seqlen, seqlen, dtype=torch.bool, device=device).tril()
+    mask = (docs.unsqueeze(2) == docs.unsqueeze(1)) & causal
+    return AttentionPlan(backend, mask=mask.unsqueeze(1))
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan, dropout_p: float) -> torch.Tensor:
+    """Causal attention within documents: q ``[B, S, Hq, d]``, k/v ``[B, S, Hkv, d]`` -> ``[B, S, Hq, d]``."""
+    if plan.backend == "flash_attn":
+        from flash_attn import flash_attn_func, flash_attn_varlen_func
+
+        if plan.cu_seqlens is None:
+            return flash_attn_func(q, k, v, dropout_p=dropout_p, causal=True)
+        b, s = q.shape[:2]
+        out = flash_attn_varlen_func(
+            q.reshape(b * s, *q.shape[2:]), k.reshape(b * s, *k.shape[2:]), v.reshape(b * s, *v.shape[2:]),
+            plan.cu_seqlens, plan.cu_seqlens, plan.max_seqlen, plan.max_seqlen,
+            dropout_p=dropout_p, causal=True,
+        )
+        return out.view_as(q)
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+        attn_mask=plan.mask, dropout_p=dropout_p, is_causal=plan.mask is None,
+        enable_gqa=q.shape[2] != k.shape[2],
+    )
+    return out.transpose(1, 2)
+
+
+class RNGReplay:
+    """Replays the attention-dropout RNG state when a checkpointed layer is recomputed.
+
+    The TENSOR stream lives outside torch's ambient generator (``gpc`` swaps it in), so
+    ``torch.utils.checkpoint``'s own RNG stashing does not cover it. The first run records the
+    state at the dropout; the recomputation replays it inside ``fork_rng`` so the stream is not
+    advanced twice.
+    """
+
+    def __init__(self) -> None:
+        self.state: dict[str, torch.Tensor] | None = None
+
+    def run(self, fn: Callable[[], torch.Tensor], device: torch.device) -> torch.Tensor:
+        cuda = device.type == "cuda"
+        if self.state is None:
+            self.state = {"cpu": torch.get_rng_state()}
+            if cuda:
+                self.state["cuda"] = torch.cuda.get_rng_state(device)
+            return fn()
+        with torch.random.fork_rng(devices=[device] if cuda else []):
+            torch.set_rng_state(self.state["cpu"])
+            if cuda:
+                torch.cuda.set_rng_state(self.state["cuda"], device)
+            return fn()
+
+
+class Attention(nn.Module):
+    """Multi-head attention with grouped KV heads: ``wq``/``wk``/``wv`` column-parallel, ``wo`` row-parallel.
+
+    ``tensor_rng``: a factory of context managers that switch to the per-TP-rank RNG stream for the
+    attention-probability dropout (sharded heads need different masks per rank).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        process_group: Any = None,
+        *,
+        bias: bool = False,
+        attn_dropout: float = 0.0,
+        init_std: float = 0.02,
+        out_init_std: float | None = None,
+        tensor_rng: Callable[[], ContextManager[Any]] | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        if hidden_size % num_heads:
+            raise ValueError(f"hidden_size={hidden_size} is not divisible by num_attention_heads={num_heads}")
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_attention_heads={num_heads} is not divisible by num_kv_attention_heads={num_kv_heads}")
+        tp = group_size(process_group)
+        self.process_group = process_group
+        self.head_dim = hidden_size // num_heads
+        self.num_heads_per_rank = divide(num_heads, tp, "num_attention_heads")
+        self.num_kv_heads_per_rank = divide(num_kv_heads, tp, "num_kv_attention_heads")
+        self.attn_dropout = attn_dropout
+        self.tensor_rng = tensor_rng
+        kw = dict(process_group=process_group, init_seed=None, device=device, dtype=dtype)
+        q_dim, kv_dim = num_heads * self.head_dim, num_kv_heads * self.head_dim
+        self.wq = ColumnParallelLinear(hidden_size, q_dim, bias, init_std=init_std, **kw)
+        self.wk = ColumnParallelLinear(hidden_size, kv_dim, bias, init_std=init_std, **kw)
+        self.wv = ColumnParallelLinear(hidden_size, kv_dim, bias, init_std=init_std, **kw)
+        self.wo = RowParallelLinear(q_dim, hidden_size, bias, init_std=init_std if out_init_std is None else out_init_std, **kw)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        plan: AttentionPlan,
+        rng_replay: RNGReplay | None = None,
+    ) -> torch.Tensor:
+        b, s, _ = x.shape
+        x = copy_to_region(x, self.process_group)  # one gradient all-reduce for q, k and v together
+        q = self.wq(x, input_is_copied=True).view(b, s, self.num_heads_per_rank, self.head_dim)
+        k = self.wk(x, input_is_copied=True).view(b, s, self.num_kv_heads_per_rank, self.head_dim)
+        v = self.wv(x, input_is_copied=True).view(b, s, self.num_kv_heads_per_rank, self.head_dim)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        p = self.attn_dropout if self.training else 0.0
+        if p == 0.0 or self.tensor_rng is None:
+            out = attend(q, k, v, plan, p)
+        else:
+            with self.tensor_rng():
+                if rng_replay is None:
+                    out = attend(q, k, v, plan, p)
+                else:
+                    out = rng_replay.run(lambda: attend(q, k, v, plan, p), q.device)
+        return self.wo(out.reshape(b, s, self.num_heads_per_rank * self.head_dim))

@@ -1,0 +1,49 @@
+"""SwiGLU feed-forward: ``w2(silu(w1 x) * w3 x)``; w1 (gate) and w3 (up) column-parallel, w2 row-parallel."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tessera.parallel.comm import copy_to_region
+from tessera.parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+__all__ = ["FeedForward", "ffn_hidden_size"]
+
+
+def ffn_hidden_size(hidden_size: int, mlp_ratio: float, multiple_of: int) -> int:
+    """``multiple_of * ceil(int(hidden_size * mlp_ratio) / multiple_of)``: 4096, 8/3, 256 -> 11008."""
+    raw = int(hidden_size * mlp_ratio)
+    return multiple_of * -(-raw // multiple_of)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP, tensor-parallel over the hidden (intermediate) features."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        ffn_hidden: int,
+        process_group: Any = None,
+        *,
+        bias: bool = False,
+        init_std: float = 0.02,
+        out_init_std: float | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.process_group = process_group
+        kw = dict(process_group=process_group, init_seed=None, device=device, dtype=dtype)
+        self.w1 = ColumnParallelLinear(hidden_size, ffn_hidden, bias, init_std=init_std, **kw)
+        self.w3 = ColumnParallelLinear(hidden_size, ffn_hidden, bias, init_std=init_std, **kw)
+        self.w2 = RowParallelLinear(ffn_hidden, hidden_size, bias, init_std=init_std if out_init_std is None else out_init_std, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = copy_to_region(x, self.process_group)  # one gradient all-reduce for w1 and w3 together
+        gate = self.w1(x, input_is_copied=True)
+        up = self.w3(x, input_is_copied=True)
+        return self.w2(F.silu(gate) * up)

@@ -1,0 +1,201 @@
+"""The pre-norm decoder (``Transformer``) and ``build_model``.
+
+Module names are a contract (fp32 marking by fnmatch patterns, Hugging Face export)::
+
+    embedding                          VocabParallelEmbedding
+    layers.{i}.attention_norm          RMSNorm
+    layers.{i}.attention.{wq,wk,wv}    ColumnParallelLinear
+    layers.{i}.attention.wo            RowParallelLinear
+    layers.{i}.ffn_norm                RMSNorm
+    layers.{i}.feed_forward.{w1,w3}    ColumnParallelLinear (w1 gate, w3 up)
+    layers.{i}.feed_forward.w2         RowParallelLinear (down)
+    norm                               RMSNorm
+    output                             ColumnParallelLinear (vocab-sharded head)
+
+Initialization (TP-invariant, see ``tessera.parallel.layers``): every weight ~ N(0, init_std) except the
+residual-branch output projections ``wo`` and ``w2``, which use ``init_std / sqrt(2 * num_layers)`` so
+the residual stream's variance does not grow with depth; biases 0, norms 1. The values are a function
+of (seed, parameter name) only.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, ContextManager
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from tessera.model.args import ModelArgs
+from tessera.model.attention import Attention, AttentionPlan, RNGReplay, check_cu_seqlens, plan_attention
+from tessera.model.mlp import FeedForward
+from tessera.model.norm import RMSNorm
+from tessera.model.rotary import positions_from_cu_seqlens, rotary_cos_sin
+from tessera.parallel.comm import group_size
+from tessera.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+
+__all__ = ["DecoderLayer", "Transformer", "build_model", "check_tensor_parallel_sizes"]
+
+TensorRNG = Callable[[], ContextManager[Any]]
+_INIT_MODULES = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, RMSNorm)
+
+
+def check_tensor_parallel_sizes(args: ModelArgs, tp: int) -> None:
+    """Raise a ValueError naming the sizes when the model cannot be split over ``tp`` ranks."""
+    sizes = {
+        "num_attention_heads": args.num_attention_heads,
+        "num_kv_attention_heads": args.num_kv_attention_heads,
+        "vocab_size": args.vocab_size,
+        "ffn hidden size (hidden_size*mlp_ratio rounded up to multiple_of)": args.ffn_hidden_size,
+    }
+    bad = [f"{name}={value}" for name, value in sizes.items() if value % tp]
+    if bad:
+        raise ValueError(f"{', '.join(bad)} not divisible by tensor-parallel size {tp}")
+
+
+class DecoderLayer(nn.Module):
+    """``h = x + drop(attention(attention_norm(x)))``; ``out = h + drop(feed_forward(ffn_norm(h)))``."""
+
+    def __init__(
+        self,
+        args: ModelArgs,
+        process_group: Any = None,
+        *,
+        tensor_rng: TensorRNG | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        out_std = args.init_std / math.sqrt(2 * args.num_layers)
+        self.dropout = args.dropout
+        self.attention_norm = RMSNorm(args.hidden_size, args.layer_norm_epsilon, device=device)
+        self.attention = Attention(
+            args.hidden_size, args.num_attention_heads, args.num_kv_attention_heads, process_group,
+            bias=args.bias, attn_dropout=args.attn_dropout, init_std=args.init_std, out_init_std=out_std,
+            tensor_rng=tensor_rng, device=device,
+        )
+        self.ffn_norm = RMSNorm(args.hidden_size, args.layer_norm_epsilon, device=device)
+        self.feed_forward = FeedForward(
+            args.hidden_size, args.ffn_hidden_size, process_group,
+            bias=args.bias, init_std=args.init_std, out_init_std=out_std, device=device,
+        )
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        plan: AttentionPlan,
+        rng_replay: RNGReplay | None = None,
+    ) -> torch.Tensor:
+        # residual dropout draws from the ambient stream, identical on all TP ranks (replicated activations)
+        attn = self.attention(self.attention_norm(x), cos, sin, plan, rng_replay)
+        h = x + F.dropout(attn, self.dropout, self.training)
+        return h + F.dropout(self.feed_forward(self.ffn_norm(h)), self.dropout, self.training)
+
+
+class Transformer(nn.Module):
+    """Decoder-only LM: ``model(input_ids, cu_seqlens=None, position_ids=None) -> logits``.
+
+    Logits are ``[B, S, V/tp]`` with ``parallel_output`` (feed them to ``vocab_parallel_cross_entropy``),
+    else gathered to ``[B, S, V]``. ``cu_seqlens`` (1-D int, over the flattened ``B*S`` tokens, first 0,
+    last ``B*S``, every row boundary included) marks packed documents: attention stays inside a
+    document and, unless ``position_ids`` is given, positions restart at 0 per document.
+    """
+
+    def __init__(
+        self,
+        args: ModelArgs,
+        process_group: Any = None,
+        *,
+        seed: int = 1024,
+        device: torch.device | str | None = None,
+        tensor_rng: TensorRNG | None = None,
+    ) -> None:
+        super().__init__()
+        self.args = args
+        self.process_group = process_group
+        self.tp_size = group_size(process_group)
+        check_tensor_parallel_sizes(args, self.tp_size)
+        if args.hidden_size % args.num_attention_heads or args.head_dim % 2:
+            raise ValueError(f"hidden_size={args.hidden_size} / num_attention_heads={args.num_attention_heads} "
+                             "must be an even integer head dim (rotary)")
+        self.num_checkpoint_layers = args.num_checkpoint_layers
+        self.embedding = VocabParallelEmbedding(
+            args.vocab_size, args.hidden_size, process_group, init_std=args.init_std, init_seed=None, device=device
+        )
+        self.layers = nn.ModuleList(
+            DecoderLayer(args, process_group, tensor_rng=tensor_rng, device=device) for _ in range(args.num_layers)
+        )
+        self.norm = RMSNorm(args.hidden_size, args.layer_norm_epsilon, device=device)
+        self.output = ColumnParallelLinear(
+            args.hidden_size, args.vocab_size, bias=False, gather_output=not args.parallel_output,
+            process_group=process_group, init_std=args.init_std, init_seed=None, device=device,
+        )
+        if args.tie_word_embeddings:
+            self.output.weight = self.embedding.weight
+        self.init_weights(seed)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """(Re)initialize every parameter from ``seed`` and its dotted name (TP-invariant); no-op on meta."""
+        for name, module in self.named_modules():
+            if module is self.output and self.args.tie_word_embeddings:
+                continue  # shares the embedding's weight, initialized under the name embedding.weight
+            if isinstance(module, _INIT_MODULES):
+                module.init_weights(seed, name)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        batch, seqlen = input_ids.shape
+        if cu_seqlens is not None:
+            cu_seqlens = check_cu_seqlens(cu_seqlens, batch, seqlen)
+        h = self.embedding(input_ids)
+        if position_ids is None:
+            if cu_seqlens is not None:
+                position_ids = positions_from_cu_seqlens(cu_seqlens.to(h.device), batch, seqlen)
+            else:
+                position_ids = torch.arange(seqlen, device=h.device).expand(batch, seqlen)
+        cos, sin = rotary_cos_sin(position_ids.to(h.device), self.args.head_dim, self.args.rope_base)
+        plan = plan_attention(cu_seqlens, batch, seqlen, h.device, h.dtype, self.args.use_flash_attn)
+        recompute = self.training and torch.is_grad_enabled()
+        for i, layer in enumerate(self.layers):
+            if recompute and i < self.num_checkpoint_layers:
+                h = checkpoint(layer, h, cos, sin, plan, RNGReplay(), use_reentrant=False)
+            else:
+                h = layer(h, cos, sin, plan)
+        return self.output(self.norm(h))
+
+
+def build_model(
+    model_cfg: Any,
+    tp_group: Any = None,
+    *,
+    seed: int | None = None,
+    device: torch.device | str | None = None,
+    tensor_rng: TensorRNG | None = None,
+) -> Transformer:
+    """Build the decoder from the config's ``model`` section, fp32, sharded over ``tp_group``.
+
+    Defaults come from ``gpc`` when it is set up: ``tp_group`` = its TENSOR group, ``seed`` = its seed
+    (else 1024), ``device`` = its device (else the CPU), ``tensor_rng`` = its TENSOR RNG stream. Pass
+    ``tessera.parallel.MetaGroup(tp)`` with ``device="meta"`` to get TP shard shapes without any
+    process group or allocation.
+    """
+    from tessera.core.context import ParallelMode, gpc
+
+    tensor_ready = gpc.is_initialized(ParallelMode.TENSOR)
+    if tp_group is None and tensor_ready:
+        tp_group = gpc.get_group(ParallelMode.TENSOR)
+    if seed is None:
+        seed = gpc.seed_value if gpc.seed_value is not None else 1024
+    if device is None:
+        device = gpc.device if tensor_ready else torch.device("cpu")
+    if tensor_rng is None and tensor_ready:
+        tensor_rng = lambda: gpc.seed(ParallelMode.TENSOR)  # noqa: E731
+    return Transformer(ModelArgs.from_config(model_cfg), tp_group, seed=seed, device=device, tensor_rng=tensor_rng)

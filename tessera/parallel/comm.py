@@ -1,0 +1,184 @@
+"""Autograd-aware collectives over an explicit tensor-parallel process group.
+
+Why explicit groups: leaf layers must not read global state, so every function takes ``group``. A
+``None`` group or a group of one rank is the identity (no communication, no autograd node), so the
+same layer code runs unchanged in a plain single process.
+
+The four region functions are the conjugate pairs of Megatron-style tensor parallelism:
+
+==================  ===========================  ===========================
+function            forward                      backward
+==================  ===========================  ===========================
+copy_to_region      identity                     all-reduce (sum)
+reduce_from_region  all-reduce (sum)             identity
+gather_from_region  all-gather along last dim    keep this rank's slice
+scatter_to_region   keep this rank's slice       all-gather along last dim
+==================  ===========================  ===========================
+
+``MetaGroup`` stands in for a group when only shapes matter (meta-device builds, summaries).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "MetaGroup",
+    "group_size",
+    "group_rank",
+    "copy_to_region",
+    "reduce_from_region",
+    "gather_from_region",
+    "scatter_to_region",
+    "all_reduce",
+    "gather_tensor",
+]
+
+
+@dataclass(frozen=True)
+class MetaGroup:
+    """A stand-in for a process group of ``size`` ranks, as seen from ``rank``; it cannot communicate.
+
+    Layers built with it get the shard shapes of a real TP run, which is all a meta-device build
+    (parameter counts, per-rank shapes) needs. A collective on a real tensor raises; on a meta tensor
+    it only propagates shapes.
+    """
+
+    size: int
+    rank: int = 0
+
+    def __post_init__(self) -> None:
+        if self.size < 1 or not 0 <= self.rank < self.size:
+            raise ValueError(f"MetaGroup(size={self.size}, rank={self.rank}): need size >= 1 and 0 <= rank < size")
+
+
+def group_size(group: Any) -> int:
+    """Number of ranks in ``group`` (1 for None)."""
+    if group is None:
+        return 1
+    if isinstance(group, MetaGroup):
+        return group.size
+    return dist.get_world_size(group)
+
+
+def group_rank(group: Any) -> int:
+    """This process's index inside ``group`` (0 for None)."""
+    if group is None:
+        return 0
+    if isinstance(group, MetaGroup):
+        return group.rank
+    return dist.get_rank(group)
+
+
+def _check_can_communicate(x: torch.Tensor, group: Any) -> bool:
+    """True when a real collective must run; False for a shape-only (meta) call."""
+    if isinstance(group, MetaGroup):
+        if x.is_meta:
+            return False
+        raise RuntimeError(
+            f"a collective was called on a real tensor with {group}: a MetaGroup only describes shard shapes"
+        )
+    return True
+
+
+def all_reduce(x: torch.Tensor, group: Any, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
+    """In-place all-reduce of ``x`` over ``group`` (no autograd); the identity for a 1-rank group."""
+    if group_size(group) > 1 and _check_can_communicate(x, group):
+        dist.all_reduce(x, op=op, group=group)
+    return x
+
+
+def _all_reduce_copy(x: torch.Tensor, group: Any) -> torch.Tensor:
+    # a private copy: the input may be saved by another autograd node or be a leaf
+    out = x.contiguous().clone()
+    return all_reduce(out, group)
+
+
+def _split_last(x: torch.Tensor, group: Any) -> torch.Tensor:
+    size, rank = group_size(group), group_rank(group)
+    last = x.shape[-1]
+    if last % size:
+        raise ValueError(f"last dimension {last} is not divisible by tensor-parallel size {size}")
+    return x.narrow(-1, rank * (last // size), last // size).contiguous()
+
+
+def gather_tensor(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+    """All-gather ``x`` along ``dim`` in rank order (no autograd); useful for tests, export, checkpoints."""
+    size = group_size(group)
+    if size == 1:
+        return x
+    if not _check_can_communicate(x, group):
+        shape = list(x.shape)
+        shape[dim] *= size
+        return torch.empty(shape, dtype=x.dtype, device=x.device)
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(size)]
+    dist.all_gather(parts, x, group=group)
+    return torch.cat(parts, dim=dim)
+
+
+class _CopyToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:  # type: ignore[override]
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return _all_reduce_copy(grad, ctx.group), None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:  # type: ignore[override]
+        return _all_reduce_copy(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return grad, None
+
+
+class _GatherFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:  # type: ignore[override]
+        ctx.group = group
+        return gather_tensor(x, -1, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return _split_last(grad, ctx.group), None
+
+
+class _ScatterToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:  # type: ignore[override]
+        ctx.group = group
+        return _split_last(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return gather_tensor(grad, -1, ctx.group), None
+
+
+def copy_to_region(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """Enter a TP region with a replicated input: identity forward, all-reduce of the gradient backward."""
+    return x if group_size(group) == 1 else _CopyToRegion.apply(x, group)
+
+
+def reduce_from_region(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """Leave a TP region by summing partial results: all-reduce forward, identity backward."""
+    return x if group_size(group) == 1 else _ReduceFromRegion.apply(x, group)
+
+
+def gather_from_region(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """Concatenate the ranks' last-dim shards (rank order); backward keeps this rank's slice."""
+    return x if group_size(group) == 1 else _GatherFromRegion.apply(x, group)
+
+
+def scatter_to_region(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """Keep this rank's slice of the last dim; backward all-gathers the gradient."""
+    return x if group_size(group) == 1 else _ScatterToRegion.apply(x, group)

@@ -1,0 +1,292 @@
+"""Tensor-parallel linear and embedding layers with TP-invariant initialization.
+
+Sharding (every parameter is tagged with ``set_tensor_parallel_attrs``):
+
+- ``ColumnParallelLinear``: weight ``[out/tp, in]`` and bias ``[out/tp]``, both sharded along dim 0;
+- ``RowParallelLinear``: weight ``[out, in/tp]`` sharded along dim 1; bias ``[out]`` replicated, added
+  once after the all-reduce;
+- ``VocabParallelEmbedding``: weight ``[vocab/tp, dim]`` sharded along dim 0.
+
+TP-invariant initialization: a parameter is cut into slices along its partition dim (dim 0 for a
+replicated one) and slice ``i`` of the FULL tensor is drawn from its own CPU ``torch.Generator`` seeded
+with ``derive_seed(seed, "init", name, i)``. A rank draws only its own slices, so the TP=N shards put
+together are bitwise the TP=1 tensor, no rank ever holds a full copy, and neither the ambient torch RNG
+nor the device's RNG is read or advanced. Values are drawn in fp32 on the CPU and then copied, so they
+do not depend on the parameter's device or dtype (beyond the final cast).
+"""
+
+from __future__ import annotations
+
+import math
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tessera.core.context import derive_seed
+from tessera.parallel.attrs import set_tensor_parallel_attrs
+from tessera.parallel.comm import (
+    copy_to_region,
+    gather_from_region,
+    group_rank,
+    group_size,
+    reduce_from_region,
+    scatter_to_region,
+)
+
+__all__ = [
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "VocabParallelEmbedding",
+    "divide",
+    "tp_invariant_normal_",
+]
+
+DEFAULT_INIT_SEED = 1024
+_SLICES_PER_CHUNK = 256  # slices drawn into one fp32 CPU buffer before the copy into the parameter
+_PARALLEL_MIN_NUMEL = 1 << 22  # draw big shards on several CPU threads (torch releases the GIL)
+
+
+def divide(total: int, parts: int, what: str) -> int:
+    """``total // parts``, or a ValueError naming both sizes when it does not divide."""
+    if total % parts:
+        raise ValueError(f"{what}={total} is not divisible by tensor-parallel size {parts}")
+    return total // parts
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _fill_slices(view: torch.Tensor, first: int, stop: int, offset: int, std: float, base: int) -> None:
+    """Draw slices ``first..stop`` of ``view`` (slice dim moved to 0), slice j from generator (base, offset+j)."""
+    rest = view.shape[1:]
+    per = math.prod(rest)
+    for j0 in range(first, stop, _SLICES_PER_CHUNK):
+        j1 = min(stop, j0 + _SLICES_PER_CHUNK)
+        buf = torch.empty(j1 - j0, per, dtype=torch.float32)
+        for j in range(j0, j1):
+            gen = torch.Generator(device="cpu")
+            gen.manual_seed(derive_seed(base, offset + j))
+            buf[j - j0].normal_(0.0, std, generator=gen)
+        view[j0:j1].copy_(buf.view(j1 - j0, *rest))
+
+
+@torch.no_grad()
+def tp_invariant_normal_(
+    param: torch.Tensor,
+    *,
+    std: float,
+    seed: int,
+    name: str,
+    partition_dim: int | None,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+) -> torch.Tensor:
+    """Fill this rank's shard of ``param`` with N(0, std) so that the shards concatenate to the TP=1 tensor.
+
+    ``name`` is the parameter's full dotted name: it (with ``seed``) decides the values. Meta tensors
+    are left alone.
+    """
+    if param.is_meta or param.numel() == 0:
+        return param
+    dim = 0 if partition_dim is None else partition_dim
+    offset = tp_rank * param.shape[dim] if partition_dim is not None else 0
+    view = param.detach().movedim(dim, 0)
+    base = derive_seed(seed, "init", name)
+    local = view.shape[0]
+    workers = min(torch.get_num_threads(), 8, local)
+    if param.numel() < _PARALLEL_MIN_NUMEL or workers <= 1:
+        _fill_slices(view, 0, local, offset, std, base)
+        return param
+    bounds = [local * w // workers for w in range(workers + 1)]
+    with ThreadPoolExecutor(workers) as pool:
+        futures = [pool.submit(_fill_slices, view, bounds[w], bounds[w + 1], offset, std, base) for w in range(workers)]
+        for f in futures:
+            f.result()
+    return param
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x W^T + b`` with the output features split over the TP group (weight ``[out/tp, in]``).
+
+    The input is replicated on every rank (its gradient is all-reduced backward); the output stays
+    sharded along the last dim unless ``gather_output``. ``init_seed=None`` leaves the parameters
+    uninitialized for a caller that runs ``init_weights(seed, prefix)`` itself (``build_model`` does, with
+    each layer's full dotted name). With the defaults, two layers of the same shape get the same
+    weights: pass a distinct ``init_name`` per layer.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        gather_output: bool = False,
+        process_group: Any = None,
+        *,
+        init_std: float = 0.02,
+        init_seed: int | None = DEFAULT_INIT_SEED,
+        init_name: str = "",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.process_group = process_group
+        self.tp_size = group_size(process_group)
+        self.tp_rank = group_rank(process_group)
+        self.in_features = in_features
+        self.out_features = out_features
+        self.out_features_per_rank = divide(out_features, self.tp_size, "out_features")
+        self.gather_output = gather_output
+        self.init_std = init_std
+        factory = {"device": device, "dtype": dtype}
+        self.weight = nn.Parameter(torch.empty(self.out_features_per_rank, in_features, **factory))
+        set_tensor_parallel_attrs(self.weight, 0)
+        if bias:
+            self.bias = nn.Parameter(torch.empty(self.out_features_per_rank, **factory))
+            set_tensor_parallel_attrs(self.bias, 0)
+        else:
+            self.register_parameter("bias", None)
+        if init_seed is not None:
+            self.init_weights(init_seed, init_name)
+
+    def init_weights(self, seed: int, prefix: str = "") -> None:
+        """TP-invariant init: weight ~ N(0, init_std) keyed by ``prefix.weight``; bias zero."""
+        tp_invariant_normal_(self.weight, std=self.init_std, seed=seed, name=_join(prefix, "weight"),
+                             partition_dim=0, tp_rank=self.tp_rank, tp_size=self.tp_size)
+        if self.bias is not None and not self.bias.is_meta:
+            with torch.no_grad():
+                self.bias.zero_()
+
+    def forward(self, x: torch.Tensor, *, input_is_copied: bool = False) -> torch.Tensor:
+        """``input_is_copied=True``: the caller already ran ``copy_to_region`` on ``x`` (shared by several
+        layers, e.g. wq/wk/wv, so the backward needs one all-reduce instead of one per layer)."""
+        if not input_is_copied:
+            x = copy_to_region(x, self.process_group)
+        y = F.linear(x, self.weight, self.bias)
+        return gather_from_region(y, self.process_group) if self.gather_output else y
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features} "
+                f"({self.out_features_per_rank} per rank, tp={self.tp_size}), bias={self.bias is not None}, "
+                f"gather_output={self.gather_output}")
+
+
+class RowParallelLinear(nn.Module):
+    """``y = x W^T + b`` with the input features split over the TP group (weight ``[out, in/tp]``).
+
+    Each rank multiplies its input shard, the partial sums are all-reduced, then the replicated bias is
+    added once. With ``input_is_parallel=False`` the replicated input is split here first.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        input_is_parallel: bool = True,
+        process_group: Any = None,
+        *,
+        init_std: float = 0.02,
+        init_seed: int | None = DEFAULT_INIT_SEED,
+        init_name: str = "",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.process_group = process_group
+        self.tp_size = group_size(process_group)
+        self.tp_rank = group_rank(process_group)
+        self.in_features = in_features
+        self.out_features = out_features
+        self.in_features_per_rank = divide(in_features, self.tp_size, "in_features")
+        self.input_is_parallel = input_is_parallel
+        self.init_std = init_std
+        factory = {"device": device, "dtype": dtype}
+        self.weight = nn.Parameter(torch.empty(out_features, self.in_features_per_rank, **factory))
+        set_tensor_parallel_attrs(self.weight, 1)
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features, **factory))
+            set_tensor_parallel_attrs(self.bias, None)
+        else:
+            self.register_parameter("bias", None)
+        if init_seed is not None:
+            self.init_weights(init_seed, init_name)
+
+    def init_weights(self, seed: int, prefix: str = "") -> None:
+        """TP-invariant init: weight ~ N(0, init_std) keyed by ``prefix.weight``; bias zero."""
+        tp_invariant_normal_(self.weight, std=self.init_std, seed=seed, name=_join(prefix, "weight"),
+                             partition_dim=1, tp_rank=self.tp_rank, tp_size=self.tp_size)
+        if self.bias is not None and not self.bias.is_meta:
+            with torch.no_grad():
+                self.bias.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = scatter_to_region(x, self.process_group)
+        if self.tp_size == 1:
+            return F.linear(x, self.weight, self.bias)
+        y = reduce_from_region(F.linear(x, self.weight), self.process_group)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features} ({self.in_features_per_rank} per rank, tp={self.tp_size}), "
+                f"out_features={self.out_features}, bias={self.bias is not None}, "
+                f"input_is_parallel={self.input_is_parallel}")
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding with the vocabulary split over the TP group (weight ``[vocab/tp, dim]``).
+
+    Each rank looks up the ids in its vocabulary range, zeros the rest, and the all-reduce assembles
+    the full embedding on every rank.
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        process_group: Any = None,
+        *,
+        init_std: float = 0.02,
+        init_seed: int | None = DEFAULT_INIT_SEED,
+        init_name: str = "",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.process_group = process_group
+        self.tp_size = group_size(process_group)
+        self.tp_rank = group_rank(process_group)
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.num_embeddings_per_rank = divide(num_embeddings, self.tp_size, "num_embeddings (vocab size)")
+        self.vocab_start = self.tp_rank * self.num_embeddings_per_rank
+        self.vocab_end = self.vocab_start + self.num_embeddings_per_rank
+        self.init_std = init_std
+        self.weight = nn.Parameter(
+            torch.empty(self.num_embeddings_per_rank, embedding_dim, device=device, dtype=dtype)
+        )
+        set_tensor_parallel_attrs(self.weight, 0)
+        if init_seed is not None:
+            self.init_weights(init_seed, init_name)
+
+    def init_weights(self, seed: int, prefix: str = "") -> None:
+        """TP-invariant init: weight ~ N(0, init_std) keyed by ``prefix.weight``."""
+        tp_invariant_normal_(self.weight, std=self.init_std, seed=seed, name=_join(prefix, "weight"),
+                             partition_dim=0, tp_rank=self.tp_rank, tp_size=self.tp_size)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
+        local_ids = (input_ids - self.vocab_start).masked_fill(outside, 0)
+        out = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_region(out, self.process_group)
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings}, {self.embedding_dim} "
+                f"(rows {self.vocab_start}..{self.vocab_end - 1} on this rank, tp={self.tp_size})")
