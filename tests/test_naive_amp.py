@@ -1,0 +1,180 @@
+"""NaiveAMPModel: casting, fp32 islands (by attribute, by name, by norm switch), outputs, no dist needed."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from tessera.core.config import ConfigError
+from tessera.core.naive_amp import (
+    NaiveAMPModel,
+    fp32_module_names,
+    mark_fp32_modules,
+    mark_fp32_norms,
+    module_has_fp32_attr,
+    naive_amp_from_config,
+    set_fp32_attr_to_module,
+)
+
+
+class MlpModel(nn.Module):  # verbatim from DESIGN.md
+    def __init__(self):
+        super().__init__()
+        self.linear1 = nn.Linear(4, 1, bias=False)
+        self.linear2 = nn.Linear(1, 4, bias=False)
+
+    def forward(self, x):
+        return self.linear2(self.linear1(x))
+
+
+def _record_inputs(module, store, key):
+    module.register_forward_hook(lambda m, args, out: store.__setitem__(key, (args[0].dtype, out.dtype)))
+
+
+def test_design_example_bf16():
+    torch.manual_seed(0)
+    model = MlpModel()
+    w1, w2 = model.linear1.weight.detach().clone(), model.linear2.weight.detach().clone()
+    set_fp32_attr_to_module(model.linear2)
+    assert module_has_fp32_attr(model.linear2) and not module_has_fp32_attr(model.linear1)
+    model = NaiveAMPModel(model=model, output_to_fp32=True, dtype=torch.bfloat16, sync_buffer=False)
+    assert model.model.linear1.weight.dtype == torch.bfloat16
+    assert model.model.linear2.weight.dtype == torch.float32
+    seen = {}
+    _record_inputs(model.model.linear1, seen, "linear1")
+    _record_inputs(model.model.linear2, seen, "linear2")
+    x = torch.randn(3, 4)
+    out = model(x)
+    assert seen["linear1"] == (torch.bfloat16, torch.bfloat16)
+    assert seen["linear2"][0] == torch.float32  # the fp32 module receives fp32 input
+    assert out.dtype == torch.float32
+    # independent reference: bf16 first layer, fp32 second layer, computed by hand
+    h = (x.bfloat16() @ w1.bfloat16().t()).float()
+    ref = (h @ w2.t()).bfloat16().float()  # the marked module's output goes back to the model dtype
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    out.sum().backward()
+    assert model.model.linear1.weight.grad.dtype == torch.bfloat16
+    assert model.model.linear2.weight.grad.dtype == torch.float32
+
+
+@pytest.mark.parametrize("dtype", ["torch.tf32", torch.float32, "fp32"])
+def test_fp32_and_tf32_cast_nothing(dtype):
+    torch.manual_seed(0)
+    ref = MlpModel()
+    model = copy.deepcopy(ref)
+    set_fp32_attr_to_module(model.linear2)
+    wrapped = NaiveAMPModel(model, dtype=dtype, sync_buffer=False)
+    for p, q in zip(wrapped.parameters(), ref.parameters()):
+        assert p.dtype == torch.float32 and torch.equal(p, q)
+    x = torch.randn(2, 4)
+    assert torch.equal(wrapped(x), ref(x))
+
+
+class Block(nn.Module):
+    def __init__(self, d=8):
+        super().__init__()
+        self.attention_norm = nn.LayerNorm(d)
+        self.wq = nn.Linear(d, d)
+        self.ffn_norm = nn.LayerNorm(d)
+        self.w1 = nn.Linear(d, d)
+
+    def forward(self, x):
+        return self.w1(self.ffn_norm(self.wq(self.attention_norm(x))))
+
+
+class RMSNormLike(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.register_buffer("eps", torch.tensor(1e-6))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class TinyLM(nn.Module):
+    def __init__(self, vocab=16, d=8):
+        super().__init__()
+        self.embedding = nn.Embedding(vocab, d)
+        self.layers = nn.ModuleList([Block(d), Block(d)])
+        self.norm = RMSNormLike(d)
+        self.output = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, ids):
+        h = self.embedding(ids)
+        for layer in self.layers:
+            h = layer(h)
+        return {"logits": self.output(self.norm(h)), "aux": [h, ids]}
+
+
+def test_mark_by_patterns_and_nested_outputs():
+    model = TinyLM()
+    marked = mark_fp32_modules(model, ["*norm*", "output"])
+    assert set(marked) == {"layers.0.attention_norm", "layers.0.ffn_norm", "layers.1.attention_norm",
+                           "layers.1.ffn_norm", "norm", "output"}
+    amp = NaiveAMPModel(model, dtype="fp16", sync_buffer=False)
+    dtypes = {n: p.dtype for n, p in amp.model.named_parameters()}
+    for n, dt in dtypes.items():
+        want = torch.float32 if ("norm" in n or n.startswith("output")) else torch.float16
+        assert dt == want, n
+    assert amp.model.norm.eps.dtype == torch.float32  # buffers of marked modules stay fp32 too
+    seen = {}
+    _record_inputs(amp.model.layers[0].wq, seen, "wq")  # right after a marked norm
+    _record_inputs(amp.model.layers[0].ffn_norm, seen, "ffn_norm")
+    ids = torch.randint(0, 16, (2, 5))
+    out = amp(ids)
+    assert seen["wq"] == (torch.float16, torch.float16)  # the norm's output went back to fp16
+    assert seen["ffn_norm"][0] == torch.float32
+    assert out["logits"].dtype == torch.float32 and out["aux"][0].dtype == torch.float32
+    assert out["aux"][1].dtype == torch.int64  # integer tensors are never cast
+    amp_raw = NaiveAMPModel(TinyLM(), dtype="fp16", sync_buffer=False, output_to_fp32=False)
+    assert amp_raw(ids)["logits"].dtype == torch.float16
+
+
+def test_unknown_pattern_is_a_clear_error():
+    with pytest.raises(ConfigError, match="outptu"):
+        mark_fp32_modules(TinyLM(), ["outptu"])
+
+
+def test_use_fp32_norm_by_class_and_name():
+    model = TinyLM()
+    marked = mark_fp32_norms(model)
+    assert "norm" in marked and "layers.1.ffn_norm" in marked
+    assert all(module_has_fp32_attr(model.get_submodule(n)) for n in marked)
+    assert not module_has_fp32_attr(model.output)
+    amp = naive_amp_from_config(TinyLM(), {"dtype": "torch.bfloat16", "use_fp32_norm": True,
+                                           "fp32_modules": ["output"]}, sync_buffer=False)
+    assert fp32_module_names(amp) >= {"norm", "output", "layers.0.attention_norm"}
+    assert amp.model.embedding.weight.dtype == torch.bfloat16
+    assert amp.model.output.weight.dtype == torch.float32
+    assert amp.model.layers[1].ffn_norm.weight.dtype == torch.float32
+    assert amp(torch.randint(0, 16, (1, 4)))["logits"].dtype == torch.float32
+
+
+def test_nested_marks_do_not_cast_back_inside_fp32():
+    model = TinyLM()
+    set_fp32_attr_to_module(model.layers[0])
+    set_fp32_attr_to_module(model.layers[0].attention_norm)  # nested mark inside a marked block
+    amp = NaiveAMPModel(model, dtype="bf16", sync_buffer=False)
+    seen = {}
+    _record_inputs(amp.model.layers[0].wq, seen, "wq")
+    amp(torch.randint(0, 16, (1, 3)))
+    assert seen["wq"] == (torch.float32, torch.float32)
+
+
+def test_tp_tags_and_parameter_identity_survive_cast():
+    from tessera.parallel.attrs import partition_dim, set_tensor_parallel_attrs
+
+    model = TinyLM()
+    set_tensor_parallel_attrs(model.output.weight, 0)
+    before = list(model.parameters())
+    amp = NaiveAMPModel(model, dtype="bf16", sync_buffer=False)
+    assert all(a is b for a, b in zip(before, amp.model.parameters()))
+    assert partition_dim(amp.model.output.weight) == 0
+
+
+def test_sync_buffer_is_a_no_op_without_distributed():
+    model = TinyLM()
+    amp = NaiveAMPModel(model, dtype="bf16", sync_buffer=True)
+    amp(torch.randint(0, 16, (1, 3)))  # no process group: must simply run
