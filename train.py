@@ -183,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.generate.max_new_tokens and data.tokenizer is not None:
             sample = generate_text(model, data.tokenizer, cfg.generate.prompt, cfg.generate.max_new_tokens,
                                    temperature=cfg.generate.temperature, top_k=cfg.generate.top_k,
-                                   top_p=cfg.generate.top_p, tp_group=tp_group, device=device, seed=seed)
+                                   top_p=cfg.generate.top_p, tp_group=tp_group, device=device, seed=seed,
+                                   max_seq_len=cfg.model.max_position_embeddings)
             metrics.log_event("sample:\n" + sample, sample=sample)
     metrics.close()
     gpc.destroy()

@@ -122,14 +122,14 @@ class ParallelContext:
 
     # ------------------------------------------------------------------ setup
     def init_global_dist(
-        self, rank: int, world_size: int, backend: str, host: str, port: int, local_rank: int, timeout_s: float
+        self, rank: int, world_size: int, backend: str, init_method: str, local_rank: int, timeout_s: float
     ) -> None:
         if torch.cuda.is_available() and backend == "nccl":
             torch.cuda.set_device(local_rank % torch.cuda.device_count())
             self.device = torch.device("cuda", torch.cuda.current_device())
         if not dist.is_initialized():
             dist.init_process_group(
-                backend, init_method=f"tcp://{host}:{port}", rank=rank, world_size=world_size,
+                backend, init_method=init_method, rank=rank, world_size=world_size,
                 timeout=timedelta(seconds=timeout_s),
             )
         self._global_rank = rank
@@ -236,8 +236,7 @@ def launch(
     config: Config | Mapping[str, Any] | str | os.PathLike,
     rank: int,
     world_size: int,
-    host: str,
-    port: int,
+    init_method: str,
     local_rank: int = 0,
     backend: str | None = None,
     seed: int | None = None,
@@ -252,7 +251,7 @@ def launch(
     if backend is None:
         backend = cfg.dist.backend or ("nccl" if torch.cuda.is_available() else "gloo")
     gpc.config = cfg
-    gpc.init_global_dist(rank, world_size, backend, host, port, local_rank, cfg.dist.timeout_s)
+    gpc.init_global_dist(rank, world_size, backend, init_method, local_rank, cfg.dist.timeout_s)
     gpc.init_parallel_groups(tp, zero1, cfg.dist.timeout_s)
     apply_precision(cfg.model.dtype)
     torch.backends.cudnn.deterministic = cfg.cudnn_deterministic
@@ -276,11 +275,12 @@ def launch_from_torch(
 ) -> ParallelContext:
     """Launch under torchrun: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT from the env.
 
+    Joins through ``env://``, which reuses the store torchrun's agent already serves on MASTER_PORT.
     ``seed=None`` takes the config's ``seed`` key.
     """
+    _env_int("MASTER_PORT")  # a clear error instead of a hang when it is missing
     return launch(
-        config, rank=_env_int("RANK"), world_size=_env_int("WORLD_SIZE"),
-        host=os.environ.get("MASTER_ADDR", "127.0.0.1"), port=_env_int("MASTER_PORT"),
+        config, rank=_env_int("RANK"), world_size=_env_int("WORLD_SIZE"), init_method="env://",
         local_rank=_env_int("LOCAL_RANK"), backend=backend, seed=seed,
     )
 
@@ -323,5 +323,5 @@ def launch_from_slurm(
             host = expand_slurm_nodelist(nodelist)[0]
     return launch(
         config, rank=_env_int("SLURM_PROCID"), world_size=_env_int("SLURM_NPROCS", "SLURM_NTASKS"),
-        host=host, port=port, local_rank=_env_int("SLURM_LOCALID"), backend=backend, seed=seed,
+        init_method=f"tcp://{host}:{port}", local_rank=_env_int("SLURM_LOCALID"), backend=backend, seed=seed,
     )
