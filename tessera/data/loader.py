@@ -7,6 +7,10 @@ Train: each optimizer step consumes the next ``G = dp_size * micro_bsz * micro_n
 global sequence (see sampler.py). Viewed as ``[micro_num, dp_size, micro_bsz]``, rank ``r`` takes
 ``[:, r, :]``: micro-batch ``m`` of all ranks together is one contiguous piece of the sequence.
 
+``data.num_workers`` is accepted for InternEvo config compatibility but unused: a micro-batch is a
+few slices of a memory map, far cheaper than a training step, so worker processes would only add
+start-up time and state to resume.
+
 Valid: up to ``valid_micro_num`` micro-batches per rank, rows spread evenly over the valid set, the
 same on every call; slots beyond the end of a tiny valid set are all-padding rows (``sample_ids``
 -1, no labels) so every rank runs the same number of micro-batches (collectives stay matched).
@@ -119,11 +123,13 @@ def _data_settings(data_cfg: Mapping[str, Any]) -> dict[str, Any]:
     unknown = set(data_cfg) - set(spec)
     if unknown:
         raise DataError(f"unknown data key(s) {sorted(unknown)}; valid keys: {sorted(spec)}")
-    out = {}
-    for name, key in spec.items():
-        assert isinstance(key, Key)
-        out[name] = data_cfg[name] if name in data_cfg else key.default
-    return out
+    return {name: data_cfg[name] if name in data_cfg else key.default
+            for name, key in spec.items() if isinstance(key, Key)}
+
+
+def _tokenizer_id(meta: Mapping[str, Any]) -> dict[str, Any]:
+    """The parts of a tokenizer description that decide the token ids (not where it was copied from)."""
+    return {k: v for k, v in meta["tokenizer"].items() if k not in ("source_path", "file")}
 
 
 def build_data(
@@ -172,8 +178,9 @@ def build_data(
             raise DataError(f"data.type={c['type']!r} must be one of 'tokens', 'synthetic', 'stdlib'")
         train_streams = open_token_folder(train_folder, vocab_size)
         valid_streams = open_token_folder(valid_folder, vocab_size) if valid_folder else None
-        if valid_streams and valid_streams[0].meta["tokenizer"].get("kind") != train_streams[0].meta["tokenizer"].get("kind"):
-            raise DataError(f"{valid_folder} and {train_folder} were made with different tokenizers")
+        if valid_streams and _tokenizer_id(valid_streams[0].meta) != _tokenizer_id(train_streams[0].meta):
+            raise DataError(f"{valid_folder} and {train_folder} were made with different tokenizers: "
+                            f"{_tokenizer_id(valid_streams[0].meta)} vs {_tokenizer_id(train_streams[0].meta)}")
         tokenizer = train_streams[0].tokenizer()
         byte_lengths = tokenizer.token_byte_lengths()
         source = train_folder

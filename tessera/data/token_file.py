@@ -16,6 +16,7 @@ A train/valid folder is one such set, or sub-folders (shards) that each hold one
 
 from __future__ import annotations
 
+import array
 import datetime
 import hashlib
 import json
@@ -67,7 +68,7 @@ class TokenFileWriter:
         self.dtype = dtype_for_vocab(tokenizer.vocab_size)
         self._file = open(os.path.join(self.folder, TOKENS_FILE), "wb")
         self._hash = hashlib.sha256()
-        self._offsets: list[int] = [0]
+        self._offsets = array.array("q", [0])  # compact: corpora may hold many millions of documents
         self._num_bytes = 0
         self._max_id = -1
         self._sources: list[str] | None = [] if record_sources else None
@@ -106,7 +107,7 @@ class TokenFileWriter:
         if self.num_documents == 0:
             raise DataError(f"no documents were written to {self.folder}")
         index_path = os.path.join(self.folder, INDEX_FILE)
-        np.asarray(self._offsets, dtype="<i8").tofile(index_path)
+        np.frombuffer(self._offsets, dtype=np.int64).astype("<i8").tofile(index_path)
         tok_desc = self.tokenizer.describe()
         if isinstance(self.tokenizer, HFTokenizer):
             shutil.copyfile(self.tokenizer.path, os.path.join(self.folder, "tokenizer.json"))
@@ -174,9 +175,10 @@ class TokenShard:
         self.offsets = np.memmap(self.index_path, dtype="<i8", mode="r", shape=(self.num_documents + 1,))
         self._check_index()
         if check_ids:
-            self._check_ids(int(m["vocab_size"]), "its tokenizer's vocab_size (file corrupt?)")
             if vocab_size is not None and vocab_size < int(m["vocab_size"]):
                 self._check_ids(vocab_size, "the model's vocab_size")
+            else:
+                self._check_ids(int(m["vocab_size"]), "its tokenizer's vocab_size (file corrupt?)")
 
     def _check_index(self) -> None:
         off = self.offsets
@@ -197,6 +199,7 @@ class TokenShard:
                                 f"token {int(ends[i - a])} at offset {int(off[i + 1]) - 1}, not the EOD id {self.eod_id}")
 
     def _check_ids(self, limit: int, what: str) -> None:
+        """One chunked pass over the file (the smaller of the two limits implies the other)."""
         for a in range(0, self.num_tokens, _CHUNK):
             chunk = np.asarray(self.tokens[a:a + _CHUNK])
             if int(chunk.max()) >= limit:
