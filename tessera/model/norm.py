@@ -1,6 +1,6 @@
 """RMSNorm with fp32 statistics.
 
-The mean of squares is computed in fp32 whatever the input dtype (bf16/fp16 sums of squares lose
+The mean of squares is computed in fp32 (fp64 for fp64 inputs) whatever the input dtype (bf16/fp16 sums of squares lose
 precision and can overflow); the result is scaled by the weight in fp32 and cast back to the input
 dtype once. The weight is TP-replicated.
 """
@@ -34,9 +34,10 @@ class RMSNorm(nn.Module):
                 self.weight.fill_(1.0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * self.weight.float()).to(x.dtype)
+        compute = torch.promote_types(x.dtype, torch.float32)  # fp32, or fp64 for fp64 inputs
+        xc = x.to(compute)
+        y = xc * torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * self.weight.to(compute)).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.dim}, eps={self.eps}"

@@ -34,9 +34,9 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[B, S, heads, d]`` by the angles; computed in fp32, returned in ``x``'s dtype."""
-    x32 = x.float()
-    return (x32 * cos + rotate_half(x32) * sin).to(x.dtype)
+    """Rotate ``x`` ``[B, S, heads, d]`` by the angles; computed in (at least) fp32, returned in ``x``'s dtype."""
+    xc = x.to(torch.promote_types(x.dtype, torch.float32))
+    return (xc * cos + rotate_half(xc) * sin).to(x.dtype)
 
 
 def document_ids(cu_seqlens: torch.Tensor, batch: int, seqlen: int) -> torch.Tensor:
