@@ -107,9 +107,7 @@ def _default_group(mode: ParallelMode) -> Any:
 class _Bucket:
     """Parameters of one inner param group and one storage dtype, in flat padded buffers."""
 
-    def __init__(
-        self, params: list[nn.Parameter], names: list[str], grad_dtype: torch.dtype, zero1: _Comm
-    ) -> None:
+    def __init__(self, params: list[nn.Parameter], names: list[str], grad_flat: torch.Tensor, zero1: _Comm) -> None:
         self.params = params
         self.names = names
         self.dtype = params[0].dtype
@@ -119,9 +117,10 @@ class _Bucket:
         for n in self.numels[:-1]:
             self.offsets.append(self.offsets[-1] + n)
         self.numel = sum(self.numels)
-        d = zero1.size
-        self.shard = max(1, math.ceil(self.numel / d))
-        self.padded = self.shard * d
+        self.shard = self.shard_size(self.numel, zero1.size)
+        self.padded = self.shard * zero1.size
+        if grad_flat.numel() != self.padded:
+            raise AssertionError("internal: main-grad slice of the wrong size")
         self.lo, self.hi = zero1.rank * self.shard, (zero1.rank + 1) * self.shard
         device = params[0].device
         with torch.no_grad():
@@ -129,13 +128,17 @@ class _Bucket:
             for p, off, n in zip(params, self.offsets, self.numels):
                 self.param_flat[off : off + n].copy_(p.data.reshape(-1))
                 p.data = self.param_flat[off : off + n].view(p.shape)
-            self.grad_flat = torch.zeros(self.padded, dtype=grad_dtype, device=device)
+            self.grad_flat = grad_flat  # a slice of one buffer shared by all buckets of its dtype
             self.grad_views = [self.grad_flat[off : off + n].view(p.shape) for p, off, n in
                                zip(params, self.offsets, self.numels)]
             if self.own_masters:
                 self.master = self.param_flat[self.lo : self.hi].detach()
             else:
                 self.master = self.param_flat[self.lo : self.hi].detach().float()
+
+    @staticmethod
+    def shard_size(numel: int, d: int) -> int:
+        return max(1, math.ceil(numel / d))
 
     def full_from(self, tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         """A padded flat buffer built from per-parameter tensors (used when loading)."""
@@ -251,19 +254,30 @@ class HybridZeroOptimizer(torch.optim.Optimizer):
         names = _name_map(param_names, params)
 
         # rebuild the inner optimizer on master slices: one inner group per (group, storage dtype)
-        self._buckets: list[_Bucket] = []
-        new_groups: list[dict[str, Any]] = []
+        specs: list[tuple[dict[str, Any], list[nn.Parameter], torch.dtype]] = []
         for group in optimizer.param_groups:
             hyper = {k: v for k, v in group.items() if k != "params"}
             for want_low in (True, False):
                 plist = [p for p in group["params"] if (p.dtype in _LOW) == want_low]
-                if not plist:
-                    continue
-                low = plist[0].dtype in _LOW
-                grad_dtype = plist[0].dtype if (low and self.reduce_dtype == "model") else torch.float32
-                bucket = _Bucket(plist, [names[id(p)] for p in plist], grad_dtype, self._zero1)
-                self._buckets.append(bucket)
-                new_groups.append({**hyper, "params": [bucket.master]})
+                if plist:
+                    low = plist[0].dtype in _LOW
+                    specs.append((hyper, plist, plist[0].dtype if low and self.reduce_dtype == "model" else torch.float32))
+        # one main-grad buffer per dtype, so the DP all-reduce is one collective per dtype
+        sizes: dict[torch.dtype, int] = {}
+        for _, plist, gdt in specs:
+            sizes[gdt] = sizes.get(gdt, 0) + _Bucket.shard_size(sum(p.numel() for p in plist), self._zero1.size) * self._zero1.size
+        device = params[0].device
+        self._grad_buffers = {gdt: torch.zeros(n, dtype=gdt, device=device) for gdt, n in sizes.items()}
+        used = dict.fromkeys(sizes, 0)
+        self._buckets: list[_Bucket] = []
+        new_groups: list[dict[str, Any]] = []
+        for hyper, plist, gdt in specs:
+            n = _Bucket.shard_size(sum(p.numel() for p in plist), self._zero1.size) * self._zero1.size
+            view = self._grad_buffers[gdt][used[gdt] : used[gdt] + n]
+            used[gdt] += n
+            bucket = _Bucket(plist, [names[id(p)] for p in plist], view, self._zero1)
+            self._buckets.append(bucket)
+            new_groups.append({**hyper, "params": [bucket.master]})
         optimizer.param_groups = []
         optimizer.state.clear()
         for g in new_groups:
@@ -353,8 +367,8 @@ class HybridZeroOptimizer(torch.optim.Optimizer):
         (loss if scale == 1.0 else loss * scale).backward(retain_graph=retain_graph)
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: ARG002 - main grads are always zeroed
-        for b in self._buckets:
-            b.grad_flat.zero_()
+        for buf in self._grad_buffers.values():
+            buf.zero_()
         for p in self._params:
             p.grad = None
 
@@ -387,8 +401,8 @@ class HybridZeroOptimizer(torch.optim.Optimizer):
         scale = self.scaler.scale
         self.scale_history.append(scale)
         self.num_steps += 1
-        for b in self._buckets:
-            self._dp.all_reduce(b.grad_flat)
+        for buf in self._grad_buffers.values():
+            self._dp.all_reduce(buf)
 
         device = self._buckets[0].grad_flat.device
         norms, counted = [], []
@@ -568,7 +582,7 @@ class HybridZeroOptimizer(torch.optim.Optimizer):
 
         out = {
             "weights": nbytes(self._params),
-            "main_grads": nbytes([b.grad_flat for b in self._buckets] + [p.grad for p in self._params if p.grad is not None]),
+            "main_grads": nbytes([*self._grad_buffers.values()] + [p.grad for p in self._params if p.grad is not None]),
             "masters": nbytes([b.master for b in self._buckets]),
             "optimizer_states": nbytes(
                 v for s in self.optim.state.values() for v in s.values() if isinstance(v, torch.Tensor)

@@ -1,0 +1,334 @@
+"""HybridZeroOptimizer across processes (gloo): ZeRO-1 equivalence, memory, resharded resume, TP grad
+norm, overflow agreement. Every reference is computed in this file from plain torch on one process."""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tessera.core.naive_amp import NaiveAMPModel
+from tessera.core.optimizer import HybridZeroOptimizer, build_param_groups
+from tessera.testing import run_distributed
+
+
+def rel(a, b):
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+class Net(nn.Module):
+    def __init__(self, d_in=6, d=12, d_out=3):
+        super().__init__()
+        self.fc1 = nn.Linear(d_in, d)
+        self.norm = nn.LayerNorm(d)
+        self.fc2 = nn.Linear(d, d_out)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.norm(self.fc1(x))))
+
+
+def _make(dtype, seed=0):
+    torch.manual_seed(seed)
+    return NaiveAMPModel(Net(), dtype=dtype, sync_buffer=False, fp32_modules=["norm"])
+
+
+def _make_opt(model, **groups):
+    inner = torch.optim.AdamW(build_param_groups(model, 0.1), lr=0.05, betas=(0.9, 0.95), weight_decay=0.1)
+    return HybridZeroOptimizer(inner, clip_grad_norm=0.5, param_names=model, **groups)
+
+
+def _batches(n=5, b=8, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(b, 6, generator=g), torch.randn(b, 3, generator=g)) for _ in range(n)]
+
+
+def _train(model, opt, batches, part=None):
+    """``part=(rank, world)``: this DP rank's slice of each global batch."""
+    for x, y in batches:
+        if part is not None:
+            x, y = x.chunk(part[1])[part[0]], y.chunk(part[1])[part[0]]
+        opt.backward((model(x).float() - y).pow(2).mean())
+        assert opt.step()[0]
+
+
+def _params(model):
+    return {n: p.detach().float().clone() for n, p in model.model.named_parameters()}
+
+
+def _zero_part(rank, world, batches, resume_at):
+    whole = dist.group.WORLD
+    singles = [dist.new_group([r]) for r in range(world)]  # every rank creates every group
+    out = {}
+    for dtype in ("fp32", "bf16"):
+        for zero in (2, 1):
+            model = _make(dtype)
+            opt = _make_opt(model, dp_group=whole, zero1_group=whole if zero == 2 else singles[rank],
+                            global_group=whole)
+            assert opt.zero1_size == zero
+            _train(model, opt, batches[:resume_at], (rank, world))
+            sd = opt.state_dict()  # collective over ZERO1
+            _train(model, opt, batches[resume_at:], (rank, world))
+            out[dtype, zero] = {"params": _params(model), "mem": opt.memory_bytes()}
+            if dtype == "fp32" and zero == 2:
+                out["state"] = sd
+    # resume the zero1=2 state into fresh objects: same layout (zero1=2) and zero1=1
+    for zero in (2, 1):
+        model = _make("fp32", seed=123)
+        opt = _make_opt(model, dp_group=whole, zero1_group=whole if zero == 2 else singles[rank])
+        opt.load_state_dict(out["state"])
+        _train(model, opt, batches[resume_at:], (rank, world))
+        out["resumed", zero] = _params(model)
+    if rank != 0:
+        out.pop("state")
+    return out
+
+
+def _dp2_worker(rank, world, batches, resume_at):
+    """One spawn for every DP=2 check (process start-up dominates the cost on a small CPU)."""
+    overflow = _overflow_part(rank, world)
+    zero = _zero_part(rank, world, batches, resume_at)
+    return overflow, zero
+
+
+@pytest.fixture(scope="module")
+def dp2():
+    batches, resume_at = _batches(), 3
+    res = run_distributed(_dp2_worker, 2, batches, resume_at, init_process_group=False)
+    return batches, resume_at, [r[0] for r in res], [r[1] for r in res]
+
+
+def test_zero1_equivalence_memory_and_resharded_resume(dp2):
+    batches, resume_at, _, res = dp2
+    r0, r1 = res
+
+    # independent reference: one process on the global batch
+    ref_model = _make("fp32")
+    ref_opt = _make_opt(ref_model)
+    _train(ref_model, ref_opt, batches)
+    ref = _params(ref_model)
+    for r in res:
+        for zero in (2, 1):
+            for n, t in r["fp32", zero]["params"].items():
+                assert rel(t, ref[n]) <= 1e-6, (zero, n)
+    for n in ref:  # DP replicas agree exactly; zero1=2 and zero1=1 do too (same reduction, same update)
+        assert torch.equal(r0["fp32", 2]["params"][n], r1["fp32", 2]["params"][n])
+        assert torch.equal(r0["bf16", 2]["params"][n], r1["bf16", 2]["params"][n])
+        assert rel(r0["bf16", 2]["params"][n], r0["bf16", 1]["params"][n]) <= 1e-6
+
+    # memory: masters + optimizer states per rank halve with zero1=2 (bf16 model: real fp32 masters)
+    for r in res:
+        half = r["bf16", 2]["mem"]["masters"] + r["bf16", 2]["mem"]["optimizer_states"]
+        full = r["bf16", 1]["mem"]["masters"] + r["bf16", 1]["mem"]["optimizer_states"]
+        assert half / full == pytest.approx(0.5, rel=0.05)
+        assert r["bf16", 2]["mem"]["weights"] == pytest.approx(r["bf16", 1]["mem"]["weights"], rel=0.05)  # padding
+
+    # resume: same layout is bitwise; zero1=1 and one process continue equal
+    for r in res:
+        for n in ref:
+            assert torch.equal(r["resumed", 2][n], r["fp32", 2]["params"][n]), n
+            assert rel(r["resumed", 1][n], r["fp32", 2]["params"][n]) <= 1e-6, n
+    state = r0["state"]
+    assert set(state["master"]) == set(ref)
+    assert state["master"]["fc1.weight"].shape == (12, 6)  # full shapes, gathered over ZERO1
+    single = _make("fp32", seed=7)
+    single_opt = _make_opt(single)
+    single_opt.load_state_dict(state)
+    _train(single, single_opt, batches[resume_at:])
+    for n, t in _params(single).items():
+        assert rel(t, ref[n]) <= 1e-6, n
+
+
+# ---------------------------------------------------------------------- tensor parallel
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.clone()
+        dist.all_reduce(g, group=ctx.group)
+        return g, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class TPNet(nn.Module):
+    """y = tanh((x * g) @ W1.T) @ W2.T + b: W1 column-sharded, W2 row-sharded, g and b replicated."""
+
+    def __init__(self, full: dict, tp_rank: int = 0, tp: int = 1, group=None):
+        super().__init__()
+        from tessera.parallel.attrs import set_tensor_parallel_attrs
+
+        self.group, self.tp = group, tp
+        self.g = nn.Parameter(full["g"].clone())
+        self.w1 = nn.Parameter(full["w1"].chunk(tp, 0)[tp_rank].clone())
+        self.w2 = nn.Parameter(full["w2"].chunk(tp, 1)[tp_rank].clone())
+        self.b = nn.Parameter(full["b"].clone())
+        for p, dim in ((self.g, None), (self.w1, 0), (self.w2, 1), (self.b, None)):
+            set_tensor_parallel_attrs(p, dim)
+
+    def forward(self, x):
+        y = x * self.g
+        if self.tp > 1:
+            y = _CopyToTP.apply(y, self.group)
+        z = torch.tanh(y @ self.w1.t()) @ self.w2.t()
+        if self.tp > 1:
+            z = _ReduceFromTP.apply(z, self.group)
+        return z + self.b
+
+
+def _tp_full(h=8, f=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {"g": 1 + torch.rand(h, generator=g), "w1": torch.randn(f, h, generator=g) / 3,
+            "w2": torch.randn(h, f, generator=g) / 3, "b": torch.randn(h, generator=g)}
+
+
+def _tp_worker(rank, world, full, x, t, clip):
+    tp = 2
+    tp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    tp_rank, dp_rank = rank % tp, rank // tp
+    tpg, dpg = tp_groups[dp_rank], dp_groups[tp_rank]
+    model = TPNet(full, tp_rank, tp, tpg)
+    opt = HybridZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=0.1), clip_grad_norm=clip,
+                              tp_group=tpg, dp_group=dpg, zero1_group=dpg, global_group=dist.group.WORLD,
+                              param_names=model.named_parameters())
+    xs, ts = x.chunk(2)[dp_rank], t.chunk(2)[dp_rank]
+    opt.backward((model(xs) - ts).pow(2).mean())
+    ok, norm = opt.step()
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    # overflow on one rank only, agreement without a global group (TP then DP)
+    model2 = TPNet(full, tp_rank, tp, tpg)
+    opt2 = HybridZeroOptimizer(torch.optim.AdamW(model2.parameters(), lr=0.1), tp_group=tpg, dp_group=dpg)
+    if rank == 3:
+        model2.w1.register_hook(lambda g: torch.full_like(g, float("inf")))
+    opt2.backward((model2(xs) - ts).pow(2).mean())
+    skipped = opt2.step()[0] is False and torch.equal(model2.w1, model.w1.new_tensor(full["w1"].chunk(tp, 0)[tp_rank]))
+    return {"ok": ok, "norm": norm, "params": params, "tp_rank": tp_rank, "skipped": skipped}
+
+
+def test_global_grad_norm_tp2_dp2_counts_replicated_once():
+    full = _tp_full()
+    g = torch.Generator().manual_seed(5)
+    x, t = torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
+
+    ref = TPNet(full)  # TP=1, one process, the global batch
+    (ref(x) - t).pow(2).mean().backward()
+    grads = {n: p.grad.clone() for n, p in ref.named_parameters()}
+    ref_norm = float(torch.nn.utils.get_total_norm(list(grads.values())))
+    double = (ref_norm**2 + grads["g"].norm() ** 2 + grads["b"].norm() ** 2) ** 0.5
+    assert double / ref_norm - 1 > 1e-3  # counting replicated params twice would be detected
+    clip = ref_norm / 2
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.1)
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+    ref_opt.step()
+
+    res = run_distributed(_tp_worker, 4, full, x, t, clip)
+    for r in res:
+        assert r["ok"]
+        assert r["norm"] == pytest.approx(ref_norm, rel=1e-5)
+        tr = r["tp_rank"]
+        want = {"g": ref.g, "w1": ref.w1.chunk(2, 0)[tr], "w2": ref.w2.chunk(2, 1)[tr], "b": ref.b}
+        for n, p in r["params"].items():
+            assert rel(p, want[n]) <= 1e-5, n
+        assert r["skipped"]
+
+
+# ---------------------------------------------------------------------- overflow, with gpc's groups
+class BufNet(Net):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("running", torch.zeros(3))
+
+
+def _overflow_part(rank, world):
+    from tessera.core.context import gpc, launch_from_torch
+
+    cfg = dict(
+        model=dict(num_layers=1, hidden_size=8, num_attention_heads=2, vocab_size=16, dtype="torch.float16"),
+        data=dict(type="synthetic"),
+        parallel=dict(tensor=dict(size=1), zero1=dict(size=-1)),
+        grad_scaler=dict(fp16=dict(initial_scale=2**10, growth_interval=3), hysteresis=2),
+        hybrid_zero_optimizer=dict(clip_grad_norm=1.0),
+    )
+    launch_from_torch(cfg, seed=0)
+    torch.manual_seed(0)
+    net = BufNet()
+    net.running.fill_(float(rank))
+    model = NaiveAMPModel(net, dtype=gpc.config.model.dtype)  # DATA mode, sync_buffer=True
+    opt = HybridZeroOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=0.01), grad_scal_cfg=gpc.config.grad_scaler,
+        zero_cfg=gpc.config.hybrid_zero_optimizer, param_names=model,
+    )
+    g = torch.Generator().manual_seed(rank)
+    data = [(torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)) for _ in range(6)]
+
+    def step(i, inject):
+        handle = None
+        if inject and rank == 1:
+            handle = model.model.fc1.weight.register_hook(lambda gr: torch.full_like(gr, float("inf")))
+        x, y = data[i]
+        opt.backward((model(x) - y).pow(2).mean())
+        if handle is not None:
+            handle.remove()
+        return opt.step()
+
+    def snapshot():
+        sd = opt.state_dict()
+        return [p.detach().clone() for p in model.parameters()], sd
+
+    out = {"zero1": opt.zero1_size, "results": []}
+    out["results"].append(step(0, False))
+    out["buffer"] = model.model.running.float().tolist()
+    before = snapshot()
+    unchanged = []
+    for i in (1, 2):
+        out["results"].append(step(i, True))
+        after = snapshot()
+        same = all(torch.equal(a, b) for a, b in zip(before[0], after[0]))
+        for n in before[1]["master"]:
+            same &= torch.equal(before[1]["master"][n], after[1]["master"][n])
+            for k, v in before[1]["state"][n].items():
+                same &= torch.equal(v, after[1]["state"][n][k])
+        unchanged.append(same)
+        out[f"scale_after_{i}"] = opt.loss_scale
+    out["unchanged"] = unchanged
+    for i in (3, 4, 5):
+        out["results"].append(step(i, False))
+    out["scale_history"] = list(opt.scale_history)
+    out["final_scale"] = opt.loss_scale
+    out["skipped"] = opt.skipped_steps
+    out["params"] = [p.detach().float().clone() for p in model.parameters()]
+    return out
+
+
+def test_overflow_on_one_rank_skips_everywhere_with_hysteresis(dp2):
+    r0, r1 = dp2[2]
+    for r in (r0, r1):
+        assert r["zero1"] == 2  # gpc's ZERO1 group was picked up by default
+        assert r["buffer"] == [0.5, 0.5, 0.5]  # floating buffers averaged over DATA
+        oks = [ok for ok, _ in r["results"]]
+        assert oks == [True, False, False, True, True, True]
+        assert r["unchanged"] == [True, True]  # params, masters, Adam states bitwise unchanged
+        assert r["scale_after_1"] == 2**10  # hysteresis=2: the first overflow does not back off
+        assert r["scale_after_2"] == 2**9  # the second does
+        assert r["scale_history"] == [2**10, 2**10, 2**10, 2**9, 2**9, 2**9]
+        assert r["final_scale"] == 2**10  # grown after growth_interval=3 clean steps
+        assert r["skipped"] == 2
+    for a, b in zip(r0["params"], r1["params"]):
+        assert torch.equal(a, b)
