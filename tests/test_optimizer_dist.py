@@ -141,54 +141,30 @@ def test_zero1_equivalence_memory_and_resharded_resume(dp2):
 
 
 # ---------------------------------------------------------------------- tensor parallel
-class _CopyToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x
-
-    @staticmethod
-    def backward(ctx, g):
-        g = g.clone()
-        dist.all_reduce(g, group=ctx.group)
-        return g, None
-
-
-class _ReduceFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        x = x.clone()
-        dist.all_reduce(x, group=group)
-        return x
-
-    @staticmethod
-    def backward(ctx, g):
-        return g, None
-
-
 class TPNet(nn.Module):
-    """y = tanh((x * g) @ W1.T) @ W2.T + b: W1 column-sharded, W2 row-sharded, g and b replicated."""
+    """RMSNorm (replicated) -> ColumnParallelLinear -> tanh -> RowParallelLinear (replicated bias).
+
+    Built from tessera's TP layers with the shards of given full weights copied in, so TP=1 on one
+    process is the independent reference.
+    """
 
     def __init__(self, full: dict, tp_rank: int = 0, tp: int = 1, group=None):
         super().__init__()
-        from tessera.parallel.attrs import set_tensor_parallel_attrs
+        from tessera.model import RMSNorm
+        from tessera.parallel import ColumnParallelLinear, RowParallelLinear
 
-        self.group, self.tp = group, tp
-        self.g = nn.Parameter(full["g"].clone())
-        self.w1 = nn.Parameter(full["w1"].chunk(tp, 0)[tp_rank].clone())
-        self.w2 = nn.Parameter(full["w2"].chunk(tp, 1)[tp_rank].clone())
-        self.b = nn.Parameter(full["b"].clone())
-        for p, dim in ((self.g, None), (self.w1, 0), (self.w2, 1), (self.b, None)):
-            set_tensor_parallel_attrs(p, dim)
+        h, f = full["w1"].shape[1], full["w1"].shape[0]
+        self.norm = RMSNorm(h)
+        self.fc1 = ColumnParallelLinear(h, f, bias=False, process_group=group)
+        self.fc2 = RowParallelLinear(f, h, bias=True, process_group=group)
+        with torch.no_grad():
+            self.norm.weight.copy_(full["g"])
+            self.fc1.weight.copy_(full["w1"].chunk(tp, 0)[tp_rank])
+            self.fc2.weight.copy_(full["w2"].chunk(tp, 1)[tp_rank])
+            self.fc2.bias.copy_(full["b"])
 
     def forward(self, x):
-        y = x * self.g
-        if self.tp > 1:
-            y = _CopyToTP.apply(y, self.group)
-        z = torch.tanh(y @ self.w1.t()) @ self.w2.t()
-        if self.tp > 1:
-            z = _ReduceFromTP.apply(z, self.group)
-        return z + self.b
+        return self.fc2(torch.tanh(self.fc1(self.norm(x))))
 
 
 def _tp_full(h=8, f=16, seed=0):
@@ -216,9 +192,9 @@ def _tp_worker(rank, world, full, x, t, clip):
     model2 = TPNet(full, tp_rank, tp, tpg)
     opt2 = HybridZeroOptimizer(torch.optim.AdamW(model2.parameters(), lr=0.1), tp_group=tpg, dp_group=dpg)
     if rank == 3:
-        model2.w1.register_hook(lambda g: torch.full_like(g, float("inf")))
+        model2.fc1.weight.register_hook(lambda g: torch.full_like(g, float("inf")))
     opt2.backward((model2(xs) - ts).pow(2).mean())
-    skipped = opt2.step()[0] is False and torch.equal(model2.w1, model.w1.new_tensor(full["w1"].chunk(tp, 0)[tp_rank]))
+    skipped = opt2.step()[0] is False and torch.equal(model2.fc1.weight, full["w1"].chunk(tp, 0)[tp_rank])
     return {"ok": ok, "norm": norm, "params": params, "tp_rank": tp_rank, "skipped": skipped}
 
 
@@ -231,7 +207,8 @@ def test_global_grad_norm_tp2_dp2_counts_replicated_once():
     (ref(x) - t).pow(2).mean().backward()
     grads = {n: p.grad.clone() for n, p in ref.named_parameters()}
     ref_norm = float(torch.nn.utils.get_total_norm(list(grads.values())))
-    double = (ref_norm**2 + grads["g"].norm() ** 2 + grads["b"].norm() ** 2) ** 0.5
+    replicated = grads["norm.weight"].norm() ** 2 + grads["fc2.bias"].norm() ** 2
+    double = (ref_norm**2 + replicated) ** 0.5
     assert double / ref_norm - 1 > 1e-3  # counting replicated params twice would be detected
     clip = ref_norm / 2
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.1)
@@ -243,7 +220,8 @@ def test_global_grad_norm_tp2_dp2_counts_replicated_once():
         assert r["ok"]
         assert r["norm"] == pytest.approx(ref_norm, rel=1e-5)
         tr = r["tp_rank"]
-        want = {"g": ref.g, "w1": ref.w1.chunk(2, 0)[tr], "w2": ref.w2.chunk(2, 1)[tr], "b": ref.b}
+        want = {"norm.weight": ref.norm.weight, "fc1.weight": ref.fc1.weight.chunk(2, 0)[tr],
+                "fc2.weight": ref.fc2.weight.chunk(2, 1)[tr], "fc2.bias": ref.fc2.bias}
         for n, p in r["params"].items():
             assert rel(p, want[n]) <= 1e-5, n
         assert r["skipped"]
