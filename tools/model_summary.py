@@ -40,7 +40,9 @@ def summarize(config_path: str, tp: int | None = None, seq_len: int | None = Non
     expected = count_parameters(cfg.model)
     built = sum(p.numel() for p in _meta_model(cfg.model, 1).parameters())
     if built != expected:
-        raise SystemExit(f"parameter count mismatch: meta model at tp=1 has {built:,}, count_parameters says {expected:,}")
+        raise SystemExit(
+            f"parameter count mismatch: meta model at tp=1 has {built:,}, count_parameters says {expected:,}"
+        )
     model = _meta_model(cfg.model, tp)
     if _full_count(model, tp) != expected:
         raise SystemExit(f"tp={tp} shards add up to {_full_count(model, tp):,} parameters, expected {expected:,}")

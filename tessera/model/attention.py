@@ -110,8 +110,8 @@ def plan_attention(
         _log_once("attention backend: flash_attn (flash_attn_varlen_func for packed rows, flash_attn_func otherwise)")
         if not packed:
             return AttentionPlan(backend)
+        max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())  # no device sync for a CPU cu_seqlens
         cu = cu_seqlens.to(device=device, dtype=torch.int32)
-        max_seqlen = int((cu[1:] - cu[:-1]).max())
         return AttentionPlan(backend, cu_seqlens=cu, max_seqlen=max_seqlen)
     _log_once(
         f"attention backend: torch scaled_dot_product_attention on {device.type} (is_causal for one document "
@@ -199,7 +199,9 @@ class Attention(nn.Module):
         if hidden_size % num_heads:
             raise ValueError(f"hidden_size={hidden_size} is not divisible by num_attention_heads={num_heads}")
         if num_heads % num_kv_heads:
-            raise ValueError(f"num_attention_heads={num_heads} is not divisible by num_kv_attention_heads={num_kv_heads}")
+            raise ValueError(
+                f"num_attention_heads={num_heads} is not divisible by num_kv_attention_heads={num_kv_heads}"
+            )
         tp = group_size(process_group)
         self.process_group = process_group
         self.head_dim = hidden_size // num_heads
@@ -212,7 +214,8 @@ class Attention(nn.Module):
         self.wq = ColumnParallelLinear(hidden_size, q_dim, bias, init_std=init_std, **kw)
         self.wk = ColumnParallelLinear(hidden_size, kv_dim, bias, init_std=init_std, **kw)
         self.wv = ColumnParallelLinear(hidden_size, kv_dim, bias, init_std=init_std, **kw)
-        self.wo = RowParallelLinear(q_dim, hidden_size, bias, init_std=init_std if out_init_std is None else out_init_std, **kw)
+        out_std = init_std if out_init_std is None else out_init_std
+        self.wo = RowParallelLinear(q_dim, hidden_size, bias, init_std=out_std, **kw)
 
     def forward(
         self,

@@ -40,7 +40,8 @@ class FeedForward(nn.Module):
         kw = dict(process_group=process_group, init_seed=None, device=device, dtype=dtype)
         self.w1 = ColumnParallelLinear(hidden_size, ffn_hidden, bias, init_std=init_std, **kw)
         self.w3 = ColumnParallelLinear(hidden_size, ffn_hidden, bias, init_std=init_std, **kw)
-        self.w2 = RowParallelLinear(ffn_hidden, hidden_size, bias, init_std=init_std if out_init_std is None else out_init_std, **kw)
+        out_std = init_std if out_init_std is None else out_init_std
+        self.w2 = RowParallelLinear(ffn_hidden, hidden_size, bias, init_std=out_std, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = copy_to_region(x, self.process_group)  # one gradient all-reduce for w1 and w3 together

@@ -50,7 +50,8 @@ def check_tensor_parallel_sizes(args: ModelArgs, tp: int) -> None:
         "vocab_size": args.vocab_size,
         "ffn hidden size (hidden_size*mlp_ratio rounded up to multiple_of)": args.ffn_hidden_size,
     }
-    bad = [f"{name}={value} is not divisible by tensor-parallel size {tp}" for name, value in sizes.items() if value % tp]
+    bad = [f"{name}={value} is not divisible by tensor-parallel size {tp}"
+           for name, value in sizes.items() if value % tp]
     if bad:
         raise ValueError("; ".join(bad))
 

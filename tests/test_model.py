@@ -1,0 +1,311 @@
+"""The decoder: TP=2/4 against TP=1, packed documents, checkpointing, sizes, FLOPs, the summary tool.
+
+The TP test runs on 4 gloo processes. Every rank builds the TP=1 reference itself (no group) and the
+TP model over its group, then compares bitwise initial weights (gathered), logits, loss (the reference
+loss is plain F.cross_entropy on the TP=1 logits), every gradient and the weights after 3 SGD steps.
+Tolerances are norm-wise relative errors (1e-5, fp32): sharded matmuls sum in a different order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import resource
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from tessera.core.config import Config
+from tessera.model import build_model, count_parameters, flops_per_token, rotary_cos_sin
+from tessera.model import attention as attention_module
+from tessera.model.rotary import apply_rotary
+from tessera.parallel import ColumnParallelLinear, MetaGroup, RowParallelLinear, vocab_parallel_cross_entropy
+from tessera.parallel.attrs import partition_dim
+from tessera.parallel.comm import gather_tensor
+from tessera.testing import run_distributed
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REL_TOL = 1e-5
+
+# GQA (8 query heads, 4 KV heads) so that tp=4 still splits KV heads; every size divisible by 4
+SMALL = dict(num_layers=2, hidden_size=32, num_attention_heads=8, num_kv_attention_heads=4, vocab_size=64,
+             mlp_ratio=2.0, multiple_of=16, dtype="torch.float32", use_flash_attn=False)
+
+
+def _model_cfg(**overrides):
+    return Config.from_dict({"model": {**SMALL, **overrides}, "data": {"type": "synthetic", "seq_len": 32}}).model
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def _assert_rel(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    assert a.shape == b.shape, f"{what}: shape {tuple(a.shape)} != {tuple(b.shape)}"
+    err = _rel_err(a, b)
+    assert err <= REL_TOL, f"{what}: relative error {err:.2e} > {REL_TOL}"
+
+
+def _full(t: torch.Tensor, param: torch.Tensor, group) -> torch.Tensor:
+    dim = partition_dim(param)
+    return t if dim is None else gather_tensor(t.contiguous(), dim, group)
+
+
+def _batch(seed: int = 0):
+    """Two rows of 16 tokens, each row two documents, a few ignored targets."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, SMALL["vocab_size"], (2, 16), generator=g)
+    target = torch.randint(0, SMALL["vocab_size"], (2, 16), generator=g)
+    target[0, 4] = target[1, 15] = -100
+    cu = torch.tensor([0, 5, 16, 27, 32], dtype=torch.int32)
+    return ids, target, cu
+
+
+def _compare_tp_run(group, overrides: dict) -> None:
+    cfg = _model_cfg(**overrides)
+    ref = build_model(cfg, tp_group=None, seed=77)
+    model = build_model(cfg, tp_group=group, seed=77)
+    ref_params = dict(ref.named_parameters())
+    params = dict(model.named_parameters())
+    assert params.keys() == ref_params.keys()
+    for name, p in params.items():
+        assert torch.equal(_full(p.detach(), p, group), ref_params[name].detach()), f"init differs: {name}"
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.5), torch.optim.SGD(ref.parameters(), lr=0.5)
+    ids, target, cu = _batch()
+    parallel_output = cfg.parallel_output
+    for step in range(3):
+        ref_logits = ref(ids, cu_seqlens=cu)
+        ref_loss = F.cross_entropy(ref_logits.view(-1, cfg.vocab_size), target.view(-1), label_smoothing=0.1)
+        ref_loss.backward()
+        logits = model(ids, cu_seqlens=cu)
+        if parallel_output:
+            assert logits.shape[-1] == cfg.vocab_size // dist.get_world_size(group)
+            loss = vocab_parallel_cross_entropy(logits, target, group, label_smoothing=0.1)
+            logits = gather_tensor(logits.detach(), -1, group)
+        else:
+            assert logits.shape[-1] == cfg.vocab_size
+            loss = vocab_parallel_cross_entropy(logits, target, None, label_smoothing=0.1)
+        loss.backward()
+        _assert_rel(logits.detach(), ref_logits.detach(), f"step {step} logits")
+        _assert_rel(loss.detach(), ref_loss.detach(), f"step {step} loss")
+        for name, p in params.items():
+            assert p.grad is not None and p.grad.abs().sum() > 0, f"no gradient for {name}"
+            _assert_rel(_full(p.grad, p, group), ref_params[name].grad, f"step {step} grad {name}")
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    for name, p in params.items():
+        _assert_rel(_full(p.detach(), p, group), ref_params[name].detach(), f"weights after 3 steps: {name}")
+
+
+def _tp_worker(rank: int, world_size: int) -> None:
+    pair = [dist.new_group([0, 1]), dist.new_group([2, 3])][rank // 2]
+    whole = dist.new_group([0, 1, 2, 3])
+    _compare_tp_run(pair, {})
+    _compare_tp_run(whole, {})
+    _compare_tp_run(whole, {"parallel_output": False, "checkpoint": True})
+    _compare_tp_run(pair, {"tie_word_embeddings": True, "bias": True, "checkpoint": 0.5})
+
+
+def test_tensor_parallel_model_matches_tp1():
+    run_distributed(_tp_worker, 4)
+
+
+# ---------------------------------------------------------------------------- packed documents
+def test_packed_documents_match_separate_runs_and_never_mix():
+    model = build_model(_model_cfg(), seed=5).eval()
+    lengths = [5, 8, 11, 9, 15]  # row 0: three documents, row 1: two
+    g = torch.Generator().manual_seed(3)
+    docs = [torch.randint(0, SMALL["vocab_size"], (n,), generator=g) for n in lengths]
+    ids = torch.cat(docs).view(2, 24)
+    cu = torch.tensor([0, 5, 13, 24, 33, 48], dtype=torch.int32)
+    with torch.no_grad():
+        packed = model(ids, cu_seqlens=cu).view(48, -1)
+        alone = [model(d.unsqueeze(0))[0] for d in docs]
+        starts = cu.tolist()
+        for i, out in enumerate(alone):
+            _assert_rel(packed[starts[i]:starts[i + 1]], out, f"document {i}")
+        # explicit restarting positions give the same result as positions derived from cu_seqlens
+        pos = torch.cat([torch.arange(n) for n in lengths]).view(2, 24)
+        assert torch.equal(model(ids, cu_seqlens=cu, position_ids=pos).view(48, -1), packed)
+        # perturb document 1 (middle of row 0): documents 0 and 2 are bitwise unchanged
+        changed = ids.clone().view(-1)
+        changed[5:13] = (changed[5:13] + 1) % SMALL["vocab_size"]
+        out = model(changed.view(2, 24), cu_seqlens=cu).view(48, -1)
+        assert torch.equal(out[0:5], packed[0:5]) and torch.equal(out[13:48], packed[13:48])
+        assert not torch.allclose(out[5:13], packed[5:13])
+        # and without cu_seqlens the later documents do see the earlier ones
+        assert not torch.allclose(model(ids).view(48, -1)[13:24], packed[13:24])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("use_flash_attn", [True, False])
+def test_cuda_bf16_packed_documents_match_separate_runs(use_flash_attn):
+    """flash_attn varlen when installed (else SDPA with the mask) on CUDA; head_dim 16 suits flash_attn."""
+    cfg = _model_cfg(hidden_size=64, num_attention_heads=4, num_kv_attention_heads=2, use_flash_attn=use_flash_attn)
+    model = build_model(cfg, seed=5, device="cuda").to(torch.bfloat16).eval()
+    lengths = [5, 8, 11, 9, 15]
+    g = torch.Generator().manual_seed(3)
+    docs = [torch.randint(0, SMALL["vocab_size"], (n,), generator=g).cuda() for n in lengths]
+    cu = torch.tensor([0, 5, 13, 24, 33, 48], dtype=torch.int32)
+    with torch.no_grad():
+        packed = model(torch.cat(docs).view(2, 24), cu_seqlens=cu).view(48, -1).float()
+        for i, d in enumerate(docs):
+            alone = model(d.unsqueeze(0))[0].float()
+            err = _rel_err(packed[cu[i]:cu[i + 1]], alone)
+            assert err < 3e-2, f"document {i}: relative error {err:.2e}"
+
+
+def test_bad_cu_seqlens_is_a_clear_error():
+    model = build_model(_model_cfg(), seed=5)
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    with pytest.raises(ValueError, match="end at batch"):
+        model(ids, cu_seqlens=torch.tensor([0, 4, 15], dtype=torch.int32))
+    with pytest.raises(ValueError, match="row boundary"):
+        model(ids, cu_seqlens=torch.tensor([0, 6, 16], dtype=torch.int32))
+
+
+def test_rotary_is_rotate_half_convention():
+    """Independent reference: pair (i, i + d/2) is a complex number rotated by pos * base^(-2i/d)."""
+    d, base = 8, 10000.0
+    x = torch.randn(1, 5, 2, d, dtype=torch.float64)
+    pos = torch.tensor([[0, 1, 2, 7, 3]])
+    cos, sin = rotary_cos_sin(pos, d, base)
+    got = apply_rotary(x, cos, sin)
+    theta = pos[..., None, None].double() * base ** (-torch.arange(d // 2, dtype=torch.float64) * 2 / d)
+    z = torch.complex(x[..., : d // 2], x[..., d // 2 :]) * torch.polar(torch.ones_like(theta), theta)
+    expected = torch.cat([z.real, z.imag], dim=-1)
+    assert torch.allclose(got, expected, rtol=0, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------- checkpointing
+class _TensorStream:
+    """A second RNG stream entered as a context manager, like gpc.seed(ParallelMode.TENSOR)."""
+
+    def __init__(self, seed: int) -> None:
+        self.state = torch.Generator().manual_seed(seed).get_state()
+
+    @contextlib.contextmanager
+    def __call__(self):
+        outer = torch.get_rng_state()
+        torch.set_rng_state(self.state)
+        try:
+            yield
+        finally:
+            self.state = torch.get_rng_state()
+            torch.set_rng_state(outer)
+
+
+def _grads_with(checkpoint, dropout: bool):
+    drop = {"dropout": 0.1, "attn_dropout": 0.2} if dropout else {}
+    model = build_model(_model_cfg(checkpoint=checkpoint, **drop), seed=9, tensor_rng=_TensorStream(4))
+    ids, target, cu = _batch(1)
+    torch.manual_seed(0)
+    loss = F.cross_entropy(model(ids, cu_seqlens=cu).view(-1, SMALL["vocab_size"]), target.view(-1))
+    loss.backward()
+    return model, loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("dropout", [False, True])
+def test_activation_checkpointing_gives_identical_gradients(dropout):
+    _, loss, grads = _grads_with(False, dropout)
+    for checkpoint in (True, 0.5):
+        model, loss_c, grads_c = _grads_with(checkpoint, dropout)
+        assert model.num_checkpoint_layers == (2 if checkpoint is True else 1)
+        assert torch.equal(loss_c, loss)
+        for name, g in grads.items():
+            assert torch.allclose(grads_c[name], g, rtol=1e-6, atol=1e-9), name
+    if dropout:  # the dropout is real: without it the loss differs
+        assert not torch.equal(_grads_with(False, False)[1], loss)
+
+
+# ---------------------------------------------------------------------------- sizes and errors
+@pytest.mark.parametrize("overrides, message", [
+    ({"hidden_size": 48, "num_attention_heads": 6, "num_kv_attention_heads": 6},
+     "num_attention_heads=6 is not divisible"),
+    ({"num_kv_attention_heads": 2}, "num_kv_attention_heads=2 is not divisible"),
+    ({"vocab_size": 250}, "vocab_size=250 is not divisible"),
+])
+def test_non_divisible_model_fails_at_build_naming_sizes(overrides, message):
+    with pytest.raises(ValueError, match=message + " by tensor-parallel size 4"):
+        build_model(_model_cfg(**overrides), tp_group=MetaGroup(4), device="meta")
+
+
+def test_module_names_and_tp_tags():
+    model = build_model(_model_cfg(), tp_group=MetaGroup(2), device="meta")
+    names = dict(model.named_modules())
+    for name in ["embedding", "layers.1.attention_norm", "layers.1.attention.wq", "layers.1.attention.wk",
+                 "layers.1.attention.wv", "layers.1.attention.wo", "layers.1.ffn_norm", "layers.1.feed_forward.w1",
+                 "layers.1.feed_forward.w2", "layers.1.feed_forward.w3", "norm", "output"]:
+        assert name in names, name
+    assert isinstance(names["output"], ColumnParallelLinear)
+    assert isinstance(names["layers.0.attention.wo"], RowParallelLinear)
+    dims = {n: partition_dim(p) for n, p in model.named_parameters()}
+    assert dims["embedding.weight"] == 0 and dims["output.weight"] == 0 and dims["norm.weight"] is None
+    assert dims["layers.0.attention.wo.weight"] == 1 and dims["layers.0.feed_forward.w3.weight"] == 0
+    assert model.layers[0].attention.wk.weight.shape == (4 * 4 // 2, 32)  # 4 KV heads of 4 dims over 2 ranks
+
+
+def test_build_does_not_touch_ambient_rng_and_meta_allocates_nothing():
+    state = torch.get_rng_state()
+    a = build_model(_model_cfg(), seed=3)
+    assert torch.equal(torch.get_rng_state(), state)
+    meta = build_model(_model_cfg(), seed=3, device="meta")
+    assert all(p.is_meta for p in meta.parameters())
+    assert sum(p.numel() for p in meta.parameters()) == sum(p.numel() for p in a.parameters())
+
+
+def test_attention_backend_logged_once(caplog):
+    attention_module._LOGGED.clear()
+    model = build_model(_model_cfg(), seed=1)
+    ids, _, cu = _batch()
+    with caplog.at_level(logging.INFO, logger="tessera"):
+        model(ids)
+        model(ids, cu_seqlens=cu)
+    records = [r.getMessage() for r in caplog.records if "attention backend" in r.getMessage()]
+    assert len(records) == 1 and "flash_attn not used" in records[0] and "use_flash_attn=False" in records[0]
+
+
+# ---------------------------------------------------------------------------- counts and FLOPs
+def test_7b_shapes_and_parameter_count_on_meta():
+    cfg = Config.from_file(os.path.join(ROOT, "configs", "7B.py"))
+    model = build_model(cfg.model, tp_group=MetaGroup(1), device="meta")
+    assert model.layers[0].feed_forward.w1.weight.shape == (11008, 4096)  # 4096 * 8/3 rounded up to 256
+    assert sum(p.numel() for p in model.parameters()) == count_parameters(cfg.model)
+    assert 7.0e9 < count_parameters(cfg.model) < 7.5e9
+
+
+@pytest.mark.parametrize("overrides", [{}, {"tie_word_embeddings": True, "bias": True}])
+def test_count_parameters_and_flops_match_the_built_model(overrides):
+    cfg = _model_cfg(**overrides)
+    model = build_model(cfg, seed=0)
+    assert count_parameters(cfg) == sum(p.numel() for p in model.parameters())
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear)))
+    seq = 32
+    attention = 2 * 2 * seq * cfg.hidden_size * cfg.num_layers  # QK^T and AV, per token, forward
+    assert flops_per_token(cfg, seq) == pytest.approx(3 * (2 * linear + attention))
+
+
+def test_model_summary_tool_7b_is_fast_and_allocates_nothing():
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "model_summary.py"),
+                           os.path.join(ROOT, "configs", "7B.py"), "--tp", "8"],
+                          capture_output=True, text=True, timeout=60)
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 0, proc.stderr
+    cfg = Config.from_file(os.path.join(ROOT, "configs", "7B.py"))
+    assert f"{count_parameters(cfg.model):,}" in proc.stdout
+    assert "layers.0.feed_forward.w1.weight" in proc.stdout and "[1376, 4096]" in proc.stdout
+    assert elapsed < 60
+    # fp32 weights of a 7B would be ~29 GB; the child's peak resident memory stays far below
+    peak_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    assert peak_kib < 2 * 1024 * 1024, f"peak RSS of a child process {peak_kib / 1024:.0f} MiB"
+    assert math.isfinite(flops_per_token(cfg.model, 2048))
