@@ -155,15 +155,14 @@ def main(argv: list[str] | None = None) -> int:
         scheduler.step()
         step += 1
         consumed_tokens += result.tokens
-        if step % cfg.metrics.log_every == 0 or step == cfg.data.total_steps:
-            tgs = result.tokens / result.step_time / layout.world_size
-            tflops = tgs * flops_tok / 1e12
-            metrics.log_train(step, {
-                "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm, "loss_scale": optimizer.loss_scale,
-                "skipped_steps": optimizer.skipped_steps, "success": result.success, "tgs": tgs,
-                "tflops": tflops, "mfu": tflops / peak, "step_time": result.step_time,
-                "consumed_tokens": consumed_tokens, "peak_mem_gib": peak_memory_gib(device),
-            })
+        tgs = result.tokens / result.step_time / layout.world_size
+        tflops = tgs * flops_tok / 1e12
+        metrics.log_train(step, {  # every step to metrics.jsonl and TensorBoard; log_every paces the printed line
+            "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm, "loss_scale": optimizer.loss_scale,
+            "skipped_steps": optimizer.skipped_steps, "success": result.success, "tgs": tgs,
+            "tflops": tflops, "mfu": tflops / peak, "step_time": result.step_time,
+            "consumed_tokens": consumed_tokens, "peak_mem_gib": peak_memory_gib(device),
+        }, line=step % cfg.metrics.log_every == 0 or step == cfg.data.total_steps)
         if cfg.data.valid_every and step % cfg.data.valid_every == 0 and step < cfg.data.total_steps:
             validate(step)
         if saving and cfg.ckpt.checkpoint_every and step % cfg.ckpt.checkpoint_every == 0 and step < cfg.data.total_steps:

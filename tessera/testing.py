@@ -133,3 +133,35 @@ def run_distributed(
                 p.kill()
                 p.join(timeout=5)
     return [outputs[r] for r in range(world_size)]
+
+
+def run_torchrun(
+    args: Sequence[str],
+    nproc_per_node: int = 2,
+    *,
+    timeout: float = 300.0,
+    cwd: str | None = None,
+    env: dict[str, str] | None = None,
+    torchrun_args: Sequence[str] = ("--standalone",),
+) -> "subprocess.CompletedProcess[str]":
+    """Run ``torchrun <torchrun_args> --nproc_per_node=N <args>`` and capture its output (no check).
+
+    A run longer than ``timeout`` is killed (the whole process group) and reported with exit code 124.
+    """
+    import signal
+    import subprocess
+    import sys
+
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    full_env.update(env or {})
+    cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args, f"--nproc_per_node={nproc_per_node}", *args]
+    proc = subprocess.Popen(cmd, cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        code = proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        code = 124
+    return subprocess.CompletedProcess(cmd, code, out, err)

@@ -224,7 +224,7 @@ SCHEMA = Section(
         ),
         "metrics": Section(
             {
-                "log_every": Key(INT, 1, _positive),
+                "log_every": Key(INT, 1, _positive, doc="print a line every N steps (metrics.jsonl and TensorBoard get every step)"),
                 "tensorboard": Key(BOOL, True),
                 "progress_bar": Key(BOOL, True),
                 "peak_tflops": Key(FLOAT, None, _positive, nullable=True,

@@ -61,22 +61,31 @@ class Trainer:
             label_smoothing=self.label_smoothing if label_smoothing is None else label_smoothing, reduction=reduction)
 
     def train_step(self, micro_batches: list[Mapping[str, Any]]) -> StepResult:
-        """Accumulate gradients over the micro-batches, then one optimizer step (or a skip)."""
+        """Accumulate gradients over the micro-batches, then one optimizer step (or a skip).
+
+        The objective is the token-weighted mean over the whole global batch: each micro-batch's
+        summed loss is divided by the global count of labelled tokens (one small all-reduce up front).
+        Gradients and the logged loss are then the same however the batch is split over DP ranks and
+        micro-batches, so resuming on another layout continues the same run. The optimizer averages
+        gradients over DP, hence the ``dp_size`` factor.
+        """
         t0 = time.perf_counter()
         self.model.train()
         self.optimizer.zero_grad()
-        total = 0.0
+        batches = [_to_device(b, self.device) for b in micro_batches]
+        local_tokens = sum(float((b["labels"] != -100).sum()) for b in batches)
+        global_tokens = max(_all_reduce_sum([local_tokens], self.dp_group, self.device)[0], 1.0)
+        total_nats = 0.0
         tokens = 0
-        for batch in micro_batches:
-            batch = _to_device(batch, self.device)
-            loss = self._loss(batch)
+        for batch in batches:
+            loss_sum = self._loss(batch, reduction="sum")
             if self.loss_hook is not None:
-                loss = self.loss_hook(loss)
-            self.optimizer.backward(loss / len(micro_batches))
-            total += float(loss.detach())
+                loss_sum = self.loss_hook(loss_sum)
+            self.optimizer.backward(loss_sum * (self.dp_size / global_tokens))
+            total_nats += float(loss_sum.detach())
             tokens += batch["input_ids"].numel()
         success, grad_norm = self.optimizer.step()
-        mean_loss = _all_reduce_sum([total / len(micro_batches)], self.dp_group, self.device)[0] / self.dp_size
+        mean_loss = _all_reduce_sum([total_nats], self.dp_group, self.device)[0] / global_tokens
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         return StepResult(mean_loss, float(grad_norm), bool(success), tokens * self.dp_size,
