@@ -1,7 +1,7 @@
 """HybridZeroOptimizer across processes (gloo): ZeRO-1 equivalence, memory, resharded resume, TP grad
 norm, overflow agreement. Every reference is computed in this file from plain torch on one process."""
 
-import copy
+import os
 
 import pytest
 import torch
@@ -11,6 +11,8 @@ from torch import nn
 from tessera.core.naive_amp import NaiveAMPModel
 from tessera.core.optimizer import HybridZeroOptimizer, build_param_groups
 from tessera.testing import run_distributed
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def rel(a, b):
@@ -89,18 +91,38 @@ def _dp2_worker(rank, world, batches, resume_at):
     """One spawn for every DP=2 check (process start-up dominates the cost on a small CPU)."""
     overflow = _overflow_part(rank, world)
     zero = _zero_part(rank, world, batches, resume_at)
-    return overflow, zero
+    return overflow, zero, _report_part()
+
+
+def _report_part():
+    from tessera.core.config import Config
+    from tessera.core.precision_report import precision_report
+    from tessera.model import build_model
+
+    cfg = Config.from_file(os.path.join(ROOT, "configs", "tiny.py"))
+    model = build_model(cfg.model, tp_group=None, seed=0, device="cpu")
+    batch = torch.randint(0, cfg.model.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
+    return precision_report(model, "bf16", 2, batch=batch)  # the default group has 2 ranks: ZeRO over 2
 
 
 @pytest.fixture(scope="module")
 def dp2():
     batches, resume_at = _batches(), 3
     res = run_distributed(_dp2_worker, 2, batches, resume_at, init_process_group=False)
-    return batches, resume_at, [r[0] for r in res], [r[1] for r in res]
+    return batches, resume_at, [r[0] for r in res], [r[1] for r in res], [r[2] for r in res]
+
+
+def test_precision_report_zero1_2(dp2):
+    for r in dp2[4]:
+        assert r.zero1_size == 2
+        # bf16 weight 2 + fp32 main grad 4 + (fp32 master 4 + Adam 8) / 2, from the allocated tensors
+        expected = {"weights": 2, "main_grads": 4, "masters": 2, "optimizer_states": 4, "total": 6 + 12 / 2}
+        for role, want in expected.items():
+            assert r.measured[role] == pytest.approx(want, rel=0.05), role
 
 
 def test_zero1_equivalence_memory_and_resharded_resume(dp2):
-    batches, resume_at, _, res = dp2
+    batches, resume_at, _, res, _ = dp2
     r0, r1 = res
 
     # independent reference: one process on the global batch
