@@ -267,6 +267,9 @@ class HybridZeroOptimizer(torch.optim.Optimizer):
         for _, plist, gdt in specs:
             sizes[gdt] = sizes.get(gdt, 0) + _Bucket.shard_size(sum(p.numel() for p in plist), self._zero1.size) * self._zero1.size
         device = params[0].device
+        if any(p.device != device for p in params):
+            raise ValueError("HybridZeroOptimizer: all parameters must be on one device "
+                             "(move the model before building the optimizer)")
         self._grad_buffers = {gdt: torch.zeros(n, dtype=gdt, device=device) for gdt, n in sizes.items()}
         used = dict.fromkeys(sizes, 0)
         self._buckets: list[_Bucket] = []
@@ -284,10 +287,12 @@ class HybridZeroOptimizer(torch.optim.Optimizer):
             optimizer.add_param_group(g)
 
         self._params = params
+        self._grads_clean = True  # main-grad buffers known to be zero (zero_grad can skip the memset)
         self._hooks = [self._register_hook(p, view) for b in self._buckets for p, view in zip(b.params, b.grad_views)]
-        self._counted = [
-            [is_tensor_parallel(p) or self._tp.rank == 0 for p in b.params] for b in self._buckets
-        ]
+        # TP-replicated parameters enter the global norm on TP rank 0 only
+        self._count_mask = torch.tensor(
+            [is_tensor_parallel(p) or self._tp.rank == 0 for b in self._buckets for p in b.params], device=device
+        )
         self.skipped_steps = 0
         self.num_steps = 0
         self.consecutive_skips = 0
@@ -318,8 +323,7 @@ class HybridZeroOptimizer(torch.optim.Optimizer):
             )
         return p
 
-    @staticmethod
-    def _register_hook(p: nn.Parameter, view: torch.Tensor) -> Any:
+    def _register_hook(self, p: nn.Parameter, view: torch.Tensor) -> Any:
         def accumulate(param: torch.Tensor) -> None:
             grad = param.grad
             if grad is None:
@@ -328,6 +332,7 @@ class HybridZeroOptimizer(torch.optim.Optimizer):
                 raise TypeError("HybridZeroOptimizer: sparse gradients are not supported")
             view.add_(grad)
             param.grad = None
+            self._grads_clean = False
 
         return p.register_post_accumulate_grad_hook(accumulate)
 
@@ -367,18 +372,33 @@ class HybridZeroOptimizer(torch.optim.Optimizer):
         (loss if scale == 1.0 else loss * scale).backward(retain_graph=retain_graph)
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: ARG002 - main grads are always zeroed
-        for buf in self._grad_buffers.values():
-            buf.zero_()
+        if not self._grads_clean:
+            for buf in self._grad_buffers.values():
+                buf.zero_()
+            self._grads_clean = True
         for p in self._params:
             p.grad = None
 
     def get_main_grad(self, param: torch.Tensor) -> torch.Tensor:
-        """The accumulated (still loss-scaled, not yet DP-reduced) main gradient of ``param``."""
+        """The accumulated (still loss-scaled, not yet DP-reduced) main gradient of ``param``.
+
+        A view into the buffer: writing to it counts as a gradient (the next ``zero_grad`` clears it)."""
+        self._grads_clean = False
         for b in self._buckets:
             for p, view in zip(b.params, b.grad_views):
                 if p is param:
                     return view
         raise KeyError("get_main_grad: the parameter is not managed by this optimizer")
+
+    def _param_norms(self) -> torch.Tensor:
+        """fp32 L2 norm of every parameter's main grad, in bucket order."""
+        views = [v for b in self._buckets for v in b.grad_views]
+        if hasattr(torch, "_foreach_norm"):
+            try:
+                return torch.stack(torch._foreach_norm(views, 2, dtype=torch.float32))
+            except (TypeError, RuntimeError):  # an older signature without dtype
+                pass
+        return torch.stack([torch.linalg.vector_norm(v, dtype=torch.float32) for v in views])
 
     def _agree_any(self, flag: torch.Tensor) -> bool:
         """True on every rank when ``flag`` is set on any rank."""
@@ -401,16 +421,11 @@ class HybridZeroOptimizer(torch.optim.Optimizer):
         scale = self.scaler.scale
         self.scale_history.append(scale)
         self.num_steps += 1
+        self._grads_clean = False  # reduced / unscaled in place below; _after_step zeroes them
         for buf in self._grad_buffers.values():
             self._dp.all_reduce(buf)
 
-        device = self._buckets[0].grad_flat.device
-        norms, counted = [], []
-        for b, mask in zip(self._buckets, self._counted):
-            for view, c in zip(b.grad_views, mask):
-                norms.append(torch.linalg.vector_norm(view, dtype=torch.float32))
-                counted.append(c)
-        all_norms = torch.stack(norms)
+        all_norms = self._param_norms()
         found_inf = self._agree_any((~torch.isfinite(all_norms).all()).to(torch.float32).reshape(1))
 
         if found_inf:
@@ -418,8 +433,7 @@ class HybridZeroOptimizer(torch.optim.Optimizer):
             self.last_grad_norm = float("inf")
             return False, float("inf")
 
-        mask = torch.tensor(counted, device=device)
-        sq = torch.stack([all_norms[mask].double().square().sum()])
+        sq = torch.stack([all_norms[self._count_mask].double().square().sum()])
         self._tp.all_reduce(sq)
         grad_norm = math.sqrt(float(sq.item())) / (scale * self._dp.size)
 
