@@ -222,14 +222,17 @@ def test_build_param_groups():
     assert len(build_param_groups(model, 0.1, decay_norm_and_bias=True)) == 1
 
 
-def test_unused_parameter_and_overflow_skip_single_process():
+def test_unused_and_frozen_parameters_and_overflow_skip_single_process():
     model = _mixed_model()
-    extra = nn.Parameter(torch.ones(3))  # never receives a gradient
-    opt = HybridZeroOptimizer(_adamw([*model.parameters(), extra]), max_consecutive_skips=2)
+    extra = nn.Parameter(torch.ones(3))  # never receives a gradient: treated as a zero gradient
+    frozen = nn.Parameter(torch.ones(2), requires_grad=False)  # left alone (no weight decay either)
+    opt = HybridZeroOptimizer(_adamw([*model.parameters(), extra, frozen]), max_consecutive_skips=2)
     x, y = _batches(1)[0]
     opt.backward(_loss(model, x, y))
     ok, norm = opt.step()
     assert ok and norm > 0
+    assert torch.equal(frozen, torch.ones(2))
+    assert not torch.equal(extra, torch.ones(3))  # zero gradient, but AdamW's weight decay applies
     before = opt.state_dict()
     params = [p.detach().clone() for p in model.parameters()]
     for i in range(2):

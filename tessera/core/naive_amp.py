@@ -74,6 +74,8 @@ def mark_fp32_norms(model: nn.Module) -> list[str]:
     """InternEvo's ``use_fp32_norm``: mark every module whose class name or module name contains "norm"."""
     marked = []
     for name, module in model.named_modules():
+        if not name:
+            continue  # never the root: that would make the whole model fp32
         if "norm" in type(module).__name__.lower() or "norm" in name.rsplit(".", 1)[-1].lower():
             set_fp32_attr_to_module(module)
             marked.append(name)

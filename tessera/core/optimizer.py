@@ -239,9 +239,10 @@ class HybridZeroOptimizer(torch.optim.Optimizer):
                 f"(size {self._dp.size}); pass dp_group as well as zero1_group"
             )
 
-        params: list[nn.Parameter] = [p for g in optimizer.param_groups for p in g["params"]]
+        # frozen parameters (requires_grad=False) are left alone: no buffers, no update, no state
+        params: list[nn.Parameter] = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
         if not params:
-            raise ValueError("HybridZeroOptimizer: the optimizer has no parameters")
+            raise ValueError("HybridZeroOptimizer: the optimizer has no trainable parameters")
         if len({id(p) for p in params}) != len(params):
             raise ValueError("HybridZeroOptimizer: a parameter appears in more than one param group")
         for p in params:
@@ -258,7 +259,7 @@ class HybridZeroOptimizer(torch.optim.Optimizer):
         for group in optimizer.param_groups:
             hyper = {k: v for k, v in group.items() if k != "params"}
             for want_low in (True, False):
-                plist = [p for p in group["params"] if (p.dtype in _LOW) == want_low]
+                plist = [p for p in group["params"] if p.requires_grad and (p.dtype in _LOW) == want_low]
                 if plist:
                     low = plist[0].dtype in _LOW
                     specs.append((hyper, plist, plist[0].dtype if low and self.reduce_dtype == "model" else torch.float32))
