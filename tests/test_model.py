@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tessera.core.config import Config
+from tessera.core.context import gpc, launch_from_torch
 from tessera.model import build_model, count_parameters, flops_per_token, rotary_cos_sin
 from tessera.model import attention as attention_module
 from tessera.model.rotary import apply_rotary
@@ -118,6 +119,13 @@ def _tp_worker(rank: int, world_size: int) -> None:
     _compare_tp_run(whole, {})
     _compare_tp_run(whole, {"parallel_output": False, "checkpoint": True})
     _compare_tp_run(pair, {"tie_word_embeddings": True, "bias": True, "checkpoint": 0.5})
+    # build_model's defaults come from gpc after a launch: its TENSOR group, its seed, its TENSOR stream
+    launch_from_torch({"model": SMALL, "parallel": {"tensor": {"size": 2}}, "data": {"type": "synthetic"}}, seed=77)
+    model = build_model(gpc.config.model)
+    assert model.tp_size == 2 and model.layers[0].attention.tensor_rng is not None
+    explicit = build_model(_model_cfg(), tp_group=pair, seed=77)
+    for (name, p), q in zip(model.named_parameters(), explicit.parameters()):
+        assert torch.equal(p, q), name
 
 
 def test_tensor_parallel_model_matches_tp1():

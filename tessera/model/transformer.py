@@ -90,10 +90,12 @@ class DecoderLayer(nn.Module):
         plan: AttentionPlan,
         rng_replay: RNGReplay | None = None,
     ) -> torch.Tensor:
+        h = x + self._drop(self.attention(self.attention_norm(x), cos, sin, plan, rng_replay))
+        return h + self._drop(self.feed_forward(self.ffn_norm(h)))
+
+    def _drop(self, x: torch.Tensor) -> torch.Tensor:
         # residual dropout draws from the ambient stream, identical on all TP ranks (replicated activations)
-        attn = self.attention(self.attention_norm(x), cos, sin, plan, rng_replay)
-        h = x + F.dropout(attn, self.dropout, self.training)
-        return h + F.dropout(self.feed_forward(self.ffn_norm(h)), self.dropout, self.training)
+        return F.dropout(x, self.dropout, training=True) if self.training and self.dropout > 0 else x
 
 
 class Transformer(nn.Module):

@@ -83,12 +83,12 @@ def tp_invariant_normal_(
     name: str,
     partition_dim: int | None,
     tp_rank: int = 0,
-    tp_size: int = 1,
 ) -> torch.Tensor:
     """Fill this rank's shard of ``param`` with N(0, std) so that the shards concatenate to the TP=1 tensor.
 
-    ``name`` is the parameter's full dotted name: it (with ``seed``) decides the values. Meta tensors
-    are left alone.
+    ``name`` is the parameter's full dotted name: it (with ``seed``) decides the values. ``param`` is
+    rank ``tp_rank``'s shard along ``partition_dim`` (None: a replicated tensor). Meta tensors are left
+    alone.
     """
     if param.is_meta or param.numel() == 0:
         return param
@@ -156,7 +156,7 @@ class ColumnParallelLinear(nn.Module):
     def init_weights(self, seed: int, prefix: str = "") -> None:
         """TP-invariant init: weight ~ N(0, init_std) keyed by ``prefix.weight``; bias zero."""
         tp_invariant_normal_(self.weight, std=self.init_std, seed=seed, name=_join(prefix, "weight"),
-                             partition_dim=0, tp_rank=self.tp_rank, tp_size=self.tp_size)
+                             partition_dim=0, tp_rank=self.tp_rank)
         if self.bias is not None and not self.bias.is_meta:
             with torch.no_grad():
                 self.bias.zero_()
@@ -219,7 +219,7 @@ class RowParallelLinear(nn.Module):
     def init_weights(self, seed: int, prefix: str = "") -> None:
         """TP-invariant init: weight ~ N(0, init_std) keyed by ``prefix.weight``; bias zero."""
         tp_invariant_normal_(self.weight, std=self.init_std, seed=seed, name=_join(prefix, "weight"),
-                             partition_dim=1, tp_rank=self.tp_rank, tp_size=self.tp_size)
+                             partition_dim=1, tp_rank=self.tp_rank)
         if self.bias is not None and not self.bias.is_meta:
             with torch.no_grad():
                 self.bias.zero_()
@@ -277,7 +277,7 @@ class VocabParallelEmbedding(nn.Module):
     def init_weights(self, seed: int, prefix: str = "") -> None:
         """TP-invariant init: weight ~ N(0, init_std) keyed by ``prefix.weight``."""
         tp_invariant_normal_(self.weight, std=self.init_std, seed=seed, name=_join(prefix, "weight"),
-                             partition_dim=0, tp_rank=self.tp_rank, tp_size=self.tp_size)
+                             partition_dim=0, tp_rank=self.tp_rank)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
