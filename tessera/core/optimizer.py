@@ -35,7 +35,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tessera.core.config import ConfigError
 from tessera.core.context import ParallelMode, gpc
 from tessera.core.grad_scaler import BaseGradScaler, build_grad_scaler
 from tessera.core.precision import Precision, resolve_precision
@@ -215,7 +214,9 @@ class HybridZeroOptimizer(torch.optim.Optimizer):
                              "restore state through HybridZeroOptimizer.load_state_dict instead")
         zero_cfg = dict(zero_cfg or {})
         self.optim = optimizer
-        self.clip_grad_norm = float(clip_grad_norm if clip_grad_norm is not None else zero_cfg.get("clip_grad_norm", 1.0))
+        if clip_grad_norm is None:
+            clip_grad_norm = zero_cfg.get("clip_grad_norm", 1.0)
+        self.clip_grad_norm = float(clip_grad_norm)
         if self.clip_grad_norm < 0:
             raise ValueError(f"clip_grad_norm must be >= 0 (0 disables), got {self.clip_grad_norm}")
         self.reduce_dtype = reduce_dtype if reduce_dtype is not None else zero_cfg.get("reduce_dtype", "fp32")
@@ -262,11 +263,13 @@ class HybridZeroOptimizer(torch.optim.Optimizer):
                 plist = [p for p in group["params"] if p.requires_grad and (p.dtype in _LOW) == want_low]
                 if plist:
                     low = plist[0].dtype in _LOW
-                    specs.append((hyper, plist, plist[0].dtype if low and self.reduce_dtype == "model" else torch.float32))
+                    grad_dtype = plist[0].dtype if low and self.reduce_dtype == "model" else torch.float32
+                    specs.append((hyper, plist, grad_dtype))
         # one main-grad buffer per dtype, so the DP all-reduce is one collective per dtype
+        d = self._zero1.size
         sizes: dict[torch.dtype, int] = {}
         for _, plist, gdt in specs:
-            sizes[gdt] = sizes.get(gdt, 0) + _Bucket.shard_size(sum(p.numel() for p in plist), self._zero1.size) * self._zero1.size
+            sizes[gdt] = sizes.get(gdt, 0) + _Bucket.shard_size(sum(p.numel() for p in plist), d) * d
         device = params[0].device
         if any(p.device != device for p in params):
             raise ValueError("HybridZeroOptimizer: all parameters must be on one device "
@@ -276,7 +279,7 @@ class HybridZeroOptimizer(torch.optim.Optimizer):
         self._buckets: list[_Bucket] = []
         new_groups: list[dict[str, Any]] = []
         for hyper, plist, gdt in specs:
-            n = _Bucket.shard_size(sum(p.numel() for p in plist), self._zero1.size) * self._zero1.size
+            n = _Bucket.shard_size(sum(p.numel() for p in plist), d) * d
             view = self._grad_buffers[gdt][used[gdt] : used[gdt] + n]
             used[gdt] += n
             bucket = _Bucket(plist, [names[id(p)] for p in plist], view, self._zero1)
@@ -612,7 +615,9 @@ class HybridZeroOptimizer(torch.optim.Optimizer):
 
 
 # ---------------------------------------------------------------------- param groups / config
-def build_param_groups(model: nn.Module, weight_decay: float, decay_norm_and_bias: bool = False) -> list[dict[str, Any]]:
+def build_param_groups(
+    model: nn.Module, weight_decay: float, decay_norm_and_bias: bool = False
+) -> list[dict[str, Any]]:
     """Two AdamW groups: decayed weights and (unless ``decay_norm_and_bias``) undecayed norms/biases.
 
     Norms are recognized by 1-D parameters or an owning module class containing "Norm"; biases by
