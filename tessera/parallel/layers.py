@@ -115,8 +115,8 @@ class ColumnParallelLinear(nn.Module):
     The input is replicated on every rank (its gradient is all-reduced backward); the output stays
     sharded along the last dim unless ``gather_output``. ``init_seed=None`` leaves the parameters
     uninitialized for a caller that runs ``init_weights(seed, prefix)`` itself (``build_model`` does, with
-    each layer's full dotted name). With the defaults, two layers of the same shape get the same
-    weights: pass a distinct ``init_name`` per layer.
+    each layer's full dotted name). ``init_name=None`` names the layer by class and full shape, so two
+    standalone layers of the same class and shape get the same weights unless given distinct names.
     """
 
     def __init__(
@@ -129,7 +129,7 @@ class ColumnParallelLinear(nn.Module):
         *,
         init_std: float = 0.02,
         init_seed: int | None = DEFAULT_INIT_SEED,
-        init_name: str = "",
+        init_name: str | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -151,7 +151,10 @@ class ColumnParallelLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
         if init_seed is not None:
-            self.init_weights(init_seed, init_name)
+            self.init_weights(init_seed, self._default_name() if init_name is None else init_name)
+
+    def _default_name(self) -> str:
+        return f"ColumnParallelLinear({self.in_features},{self.out_features})"
 
     def init_weights(self, seed: int, prefix: str = "") -> None:
         """TP-invariant init: weight ~ N(0, init_std) keyed by ``prefix.weight``; bias zero."""
@@ -192,7 +195,7 @@ class RowParallelLinear(nn.Module):
         *,
         init_std: float = 0.02,
         init_seed: int | None = DEFAULT_INIT_SEED,
-        init_name: str = "",
+        init_name: str | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -214,7 +217,10 @@ class RowParallelLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
         if init_seed is not None:
-            self.init_weights(init_seed, init_name)
+            self.init_weights(init_seed, self._default_name() if init_name is None else init_name)
+
+    def _default_name(self) -> str:
+        return f"RowParallelLinear({self.in_features},{self.out_features})"
 
     def init_weights(self, seed: int, prefix: str = "") -> None:
         """TP-invariant init: weight ~ N(0, init_std) keyed by ``prefix.weight``; bias zero."""
@@ -253,7 +259,7 @@ class VocabParallelEmbedding(nn.Module):
         *,
         init_std: float = 0.02,
         init_seed: int | None = DEFAULT_INIT_SEED,
-        init_name: str = "",
+        init_name: str | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -272,7 +278,10 @@ class VocabParallelEmbedding(nn.Module):
         )
         set_tensor_parallel_attrs(self.weight, 0)
         if init_seed is not None:
-            self.init_weights(init_seed, init_name)
+            self.init_weights(init_seed, self._default_name() if init_name is None else init_name)
+
+    def _default_name(self) -> str:
+        return f"VocabParallelEmbedding({self.num_embeddings},{self.embedding_dim})"
 
     def init_weights(self, seed: int, prefix: str = "") -> None:
         """TP-invariant init: weight ~ N(0, init_std) keyed by ``prefix.weight``."""
