@@ -100,7 +100,7 @@ def _decode(node: Any, get: Callable[[str], torch.Tensor]) -> Any:
     return node["v"]
 
 
-def _write_safetensors(path: str, obj: Any) -> dict[str, Any]:
+def write_tree(path: str, obj: Any) -> dict[str, Any]:
     """Write ``obj`` to ``path`` (via a temporary name), fsync, and return its size and sha256."""
     tensors: dict[str, torch.Tensor] = {}
     skeleton = _encode(obj, "", tensors)
@@ -124,7 +124,7 @@ def _write_safetensors(path: str, obj: Any) -> dict[str, Any]:
     return {"size": os.path.getsize(path), "sha256": _sha256(path)}
 
 
-def _read_safetensors(path: str) -> Any:
+def read_tree(path: str) -> Any:
     with safe_open(path, framework="pt") as f:
         meta = f.metadata() or {}
         aliases = json.loads(meta.get("aliases", "{}"))
@@ -276,14 +276,14 @@ def save_checkpoint(
     files: dict[str, Any] = {}
     writes_shards = layout.dp_rank == 0
     if writes_shards:
-        files[f"model_tp{layout.tp_rank}.safetensors"] = _write_safetensors(
+        files[f"model_tp{layout.tp_rank}.safetensors"] = write_tree(
             os.path.join(partial, f"model_tp{layout.tp_rank}.safetensors"), dict(model.state_dict()))
     optim_state = optimizer.state_dict() if optimizer is not None else None  # collective under ZeRO
     if writes_shards and optim_state is not None:
-        files[f"optim_tp{layout.tp_rank}.safetensors"] = _write_safetensors(
+        files[f"optim_tp{layout.tp_rank}.safetensors"] = write_tree(
             os.path.join(partial, f"optim_tp{layout.tp_rank}.safetensors"), optim_state)
     if rng_states is not None:
-        files[f"rng_rank{layout.global_rank}.safetensors"] = _write_safetensors(
+        files[f"rng_rank{layout.global_rank}.safetensors"] = write_tree(
             os.path.join(partial, f"rng_rank{layout.global_rank}.safetensors"), rng_states)
 
     gathered = _gather_to_rank0(files, layout)
@@ -340,8 +340,8 @@ def _load_resharded(path: str, kind: str, old_tp: int, layout: Layout,
                     sharded_dim_of: Callable[[str, torch.Tensor], int | None]) -> Any:
     """Read ``kind`` (model/optim) for this TP rank, concatenating/slicing if the TP size changed."""
     if old_tp == layout.tp_size:
-        return _read_safetensors(os.path.join(path, f"{kind}_tp{layout.tp_rank}.safetensors"))
-    per_rank = [_read_safetensors(os.path.join(path, name)) for name in _tp_source_files(kind, old_tp)]
+        return read_tree(os.path.join(path, f"{kind}_tp{layout.tp_rank}.safetensors"))
+    per_rank = [read_tree(os.path.join(path, name)) for name in _tp_source_files(kind, old_tp)]
 
     def merge(nodes: list[Any], key_path: str) -> Any:
         first = nodes[0]
@@ -409,7 +409,7 @@ def load_checkpoint(
     _load_model_state(model, model_state, path)
     if want_optim:
         optimizer.load_state_dict(_load_resharded(path, "optim", old_tp, layout, lookup))
-    meta["rng_states"] = _read_safetensors(os.path.join(path, rng_name)) if rng_name in need else None
+    meta["rng_states"] = read_tree(os.path.join(path, rng_name)) if rng_name in need else None
     return meta
 
 
