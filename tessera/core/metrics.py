@@ -49,19 +49,22 @@ def measure_matmul_tflops(dtype: torch.dtype, device: torch.device, size: int = 
     """Achieved TFLOP/s of a square matmul in ``dtype`` on this device with this process's threads.
 
     Used as the CPU "peak" for MFU: there is no datasheet figure for an arbitrary CPU, so the best a
-    dense kernel reaches here is the honest denominator.
+    dense kernel reaches here is the honest denominator. It runs through ``tessera.parallel.lowp.linear``,
+    the kernel the model's linears use, so numerator and denominator share one kernel choice.
     """
+    from tessera.parallel.lowp import linear
+
     a = torch.randn(size, size, device=device).to(dtype)
     b = torch.randn(size, size, device=device).to(dtype)
     for _ in range(2):
-        a @ b
+        linear(a, b)
     best = 0.0
     deadline = time.perf_counter() + seconds
     while time.perf_counter() < deadline:
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        a @ b
+        linear(a, b)
         if device.type == "cuda":
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0

@@ -24,6 +24,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from tessera.parallel import lowp
+
 from tessera.model.rotary import apply_rotary, document_ids
 from tessera.parallel.comm import copy_to_region, group_size
 from tessera.parallel.layers import ColumnParallelLinear, RowParallelLinear, divide
@@ -139,7 +141,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPla
             dropout_p=dropout_p, causal=True,
         )
         return out.view_as(q)
-    out = F.scaled_dot_product_attention(
+    out = lowp.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
         attn_mask=plan.mask, dropout_p=dropout_p, is_causal=plan.mask is None,
         enable_gqa=q.shape[2] != k.shape[2],

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from tessera.core.context import derive_seed
 from tessera.parallel.attrs import set_tensor_parallel_attrs
+from tessera.parallel.lowp import linear
 from tessera.parallel.comm import (
     copy_to_region,
     gather_from_region,
@@ -169,7 +170,7 @@ class ColumnParallelLinear(nn.Module):
         layers, e.g. wq/wk/wv, so the backward needs one all-reduce instead of one per layer)."""
         if not input_is_copied:
             x = copy_to_region(x, self.process_group)
-        y = F.linear(x, self.weight, self.bias)
+        y = linear(x, self.weight, self.bias)
         return gather_from_region(y, self.process_group) if self.gather_output else y
 
     def extra_repr(self) -> str:
@@ -234,8 +235,8 @@ class RowParallelLinear(nn.Module):
         if not self.input_is_parallel:
             x = scatter_to_region(x, self.process_group)
         if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = reduce_from_region(F.linear(x, self.weight), self.process_group)
+            return linear(x, self.weight, self.bias)
+        y = reduce_from_region(linear(x, self.weight), self.process_group)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:

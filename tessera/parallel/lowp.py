@@ -1,0 +1,100 @@
+"""Low-precision (bf16/fp16) matmuls on CPUs without native bf16/fp16 GEMM instructions.
+
+What a bf16 GEMM means on a GPU tensor core: bf16 operands, exact products, fp32 accumulation, the
+result rounded to bf16. On a CPU without avx512_bf16/AMX, torch's bf16 kernels are reference loops,
+5-60x slower than fp32 (measured on an AVX2 EPYC: fp32 linear ~60 GFLOP/s, bf16 ~5, bf16 backward ~1).
+Upcasting the bf16 operands to fp32 and running the fp32 GEMM computes the same thing -- products of
+bf16 values are exact in fp32, accumulation is fp32, the output is rounded to bf16 -- so we do that,
+keeping bf16 tensors as the saved activations. The choice is made once per process and logged.
+``TESSERA_CPU_LOWP_MATMUL=native`` forces torch's own kernels (for benchmarks), ``=upcast`` forces ours.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger("tessera")
+
+_NATIVE_FLAGS = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}
+_LOGGED: set[torch.dtype] = set()
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_flags() -> frozenset[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def upcast_on_cpu(dtype: torch.dtype) -> bool:
+    """True when ``dtype`` matmuls on this CPU should run as fp32 GEMMs on upcast operands."""
+    if dtype not in _NATIVE_FLAGS:
+        return False
+    choice = os.environ.get("TESSERA_CPU_LOWP_MATMUL", "auto")
+    if choice == "native":
+        upcast = False
+    elif choice == "upcast":
+        upcast = True
+    else:
+        upcast = not any(flag in _cpu_flags() for flag in _NATIVE_FLAGS[dtype])
+    if dtype not in _LOGGED:
+        _LOGGED.add(dtype)
+        how = ("fp32 GEMMs on upcast operands, fp32 accumulation, output rounded to " + str(dtype).split(".")[-1]
+               if upcast else "torch's native kernels")
+        why = f"TESSERA_CPU_LOWP_MATMUL={choice}" if choice != "auto" else (
+            f"this CPU has {'none' if upcast else 'one'} of {'/'.join(_NATIVE_FLAGS[dtype])}")
+        logger.info("CPU %s matmuls and attention: %s (%s)", str(dtype).split(".")[-1], how, why)
+    return upcast
+
+
+def needs_upcast(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and x.dtype in _NATIVE_FLAGS and upcast_on_cpu(x.dtype)
+
+
+class _UpcastLinear(torch.autograd.Function):
+    """``x W^T + b`` in fp32 on low-precision operands; saves the low-precision tensors only."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        y = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+        return y.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        g = grad.float()
+        gx = gw = gb = None
+        if ctx.needs_input_grad[0]:
+            gx = (g @ weight.float()).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            gw = (g.reshape(-1, g.shape[-1]).t() @ x.float().reshape(-1, x.shape[-1])).to(weight.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            gb = g.reshape(-1, g.shape[-1]).sum(0).to(weight.dtype)
+        return gx, gw, gb
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``, with bf16/fp16 on CPUs lacking native kernels computed as described above."""
+    if needs_upcast(x) and x.dtype == weight.dtype:
+        return _UpcastLinear.apply(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def scaled_dot_product_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
+    """SDPA; low precision on such CPUs runs in fp32 on the low-precision inputs (as flash kernels
+    accumulate in fp32) and returns the input dtype."""
+    if needs_upcast(q):
+        return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), **kwargs).to(q.dtype)
+    return F.scaled_dot_product_attention(q, k, v, **kwargs)
