@@ -69,11 +69,11 @@ def main(argv: list[str] | None = None) -> int:
     seed = cfg.seed if args.seed is None else args.seed
 
     # 2. launch: process groups, RNG streams, TF32 switches
+    setup_logging(int(os.environ.get("RANK" if args.launcher == "torch" else "SLURM_PROCID", "0")))
     if args.launcher == "slurm":
         launch_from_slurm(cfg, host=args.host, port=args.port, seed=seed)
     else:
         launch_from_torch(cfg, seed=seed)
-    setup_logging(gpc.get_global_rank())
     layout = Layout.from_gpc()
     precision = resolve_precision(cfg.model.dtype)
     device = gpc.device

@@ -173,3 +173,6 @@ def test_two_agents_nnodes_2(tmp_path):
     rows = records(str(log_folder / "nnodes"))
     assert [r["step"] for r in rows] == [1, 2]
     assert "world 4 = tp 2 x dp 2" in outs[0][1]
+    # TP groups are contiguous ranks, so each stays inside one torchrun agent ("node")
+    assert "tensor-parallel groups are node-local (node0 holds ranks [0, 1])" in outs[0][1]
+    assert "spans nodes" not in outs[0][1] + outs[1][1]

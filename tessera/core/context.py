@@ -21,7 +21,9 @@ import contextlib
 import hashlib
 import os
 import random
+import logging
 import re
+import socket
 import subprocess
 from datetime import timedelta
 from enum import Enum
@@ -33,6 +35,8 @@ import torch.distributed as dist
 
 from tessera.core.config import Config, ConfigError, check_world_size
 from tessera.core.precision import apply_precision
+
+logger = logging.getLogger("tessera")
 
 
 class ParallelMode(str, Enum):
@@ -253,11 +257,35 @@ def launch(
     gpc.config = cfg
     gpc.init_global_dist(rank, world_size, backend, init_method, local_rank, cfg.dist.timeout_s)
     gpc.init_parallel_groups(tp, zero1, cfg.dist.timeout_s)
+    _check_tensor_groups_are_node_local()
     apply_precision(cfg.model.dtype)
     torch.backends.cudnn.deterministic = cfg.cudnn_deterministic
     torch.backends.cudnn.benchmark = cfg.cudnn_benchmark
     gpc.set_seed(cfg.seed if seed is None else seed)
     return gpc
+
+
+def node_id() -> str:
+    """This process's node: torchrun's GROUP_RANK, slurm's SLURM_NODEID, else the host name."""
+    for key in ("GROUP_RANK", "SLURM_NODEID"):
+        if key in os.environ:
+            return f"node{os.environ[key]}"
+    return socket.gethostname()
+
+
+def _check_tensor_groups_are_node_local() -> None:
+    """TP all-reduces run every layer: warn loudly when a TP group crosses nodes (slow interconnect)."""
+    if not gpc.is_using_parallel_mode(ParallelMode.TENSOR):
+        return
+    nodes: list[Any] = [None] * gpc.get_world_size(ParallelMode.TENSOR)
+    dist.all_gather_object(nodes, node_id(), group=gpc.get_group(ParallelMode.TENSOR))
+    gpc.tensor_group_nodes = sorted(set(nodes))
+    if len(gpc.tensor_group_nodes) > 1:
+        logger.warning("tensor-parallel group %s spans nodes %s: make parallel.tensor.size divide the "
+                       "processes per node", gpc.get_ranks_in_group(ParallelMode.TENSOR), gpc.tensor_group_nodes)
+    else:
+        logger.info("tensor-parallel groups are node-local (%s holds ranks %s)", gpc.tensor_group_nodes[0],
+                    gpc.get_ranks_in_group(ParallelMode.TENSOR))
 
 
 def _env_int(name: str, *fallbacks: str) -> int:
