@@ -357,7 +357,8 @@ def _load_resharded(path: str, kind: str, old_tp: int, layout: Layout,
 
 
 def _param_dims(model: torch.nn.Module) -> dict[str, tuple[int | None, int]]:
-    return {name: (partition_dim(p), p.dim()) for name, p in model.named_parameters()}
+    # remove_duplicate=False: a tied output head (same tensor as the embedding) must be resharded too
+    return {name: (partition_dim(p), p.dim()) for name, p in model.named_parameters(remove_duplicate=False)}
 
 
 def _sharded_dim_lookup(model: torch.nn.Module) -> Callable[[str, torch.Tensor], int | None]:
