@@ -126,15 +126,16 @@ class ParallelContext:
 
     # ------------------------------------------------------------------ setup
     def init_global_dist(
-        self, rank: int, world_size: int, backend: str, init_method: str, local_rank: int, timeout_s: float
+        self, rank: int, world_size: int, backend: str, init_method: Any, local_rank: int, timeout_s: float
     ) -> None:
         if torch.cuda.is_available() and backend == "nccl":
             torch.cuda.set_device(local_rank % torch.cuda.device_count())
             self.device = torch.device("cuda", torch.cuda.current_device())
         if not dist.is_initialized():
+            # init_method: a URL, or a Store already connected (see _torchrun_store)
+            where = {"store": init_method} if isinstance(init_method, dist.Store) else {"init_method": init_method}
             dist.init_process_group(
-                backend, init_method=init_method, rank=rank, world_size=world_size,
-                timeout=timedelta(seconds=timeout_s),
+                backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s), **where,
             )
         self._global_rank = rank
         self._local_rank = local_rank
@@ -240,7 +241,7 @@ def launch(
     config: Config | Mapping[str, Any] | str | os.PathLike,
     rank: int,
     world_size: int,
-    init_method: str,
+    init_method: Any,
     local_rank: int = 0,
     backend: str | None = None,
     seed: int | None = None,
@@ -307,10 +308,34 @@ def launch_from_torch(
     ``seed=None`` takes the config's ``seed`` key.
     """
     _env_int("MASTER_PORT")  # a clear error instead of a hang when it is missing
+    world_size = _env_int("WORLD_SIZE")
+    init = _torchrun_store(world_size, _as_config(config).dist.timeout_s) or "env://"
     return launch(
-        config, rank=_env_int("RANK"), world_size=_env_int("WORLD_SIZE"), init_method="env://",
+        config, rank=_env_int("RANK"), world_size=world_size, init_method=init,
         local_rank=_env_int("LOCAL_RANK"), backend=backend, seed=seed,
     )
+
+
+def _torchrun_store(world_size: int, timeout_s: float) -> Any:
+    """torchrun's agent store, with a key prefix per restart attempt on a single node; else None.
+
+    The agent serves one TCPStore for the whole job and does not clear it between restart attempts
+    (``--max-restarts``), so a restarted worker can read the addresses the previous attempt's
+    workers published and fail to connect (pytorch/pytorch#135712). On one node every worker of an
+    attempt sees the same TORCHELASTIC_RESTART_COUNT, so that count separates the attempts. Across
+    nodes it does not (an agent restarted for a membership change keeps its count): there we keep
+    the plain store and say how to get a fresh one per attempt.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "TORCHELASTIC_RESTART_COUNT" not in os.environ:
+        return None
+    if os.environ.get("GROUP_WORLD_SIZE", "1") != "1":
+        if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:
+            logger.warning("torchrun --max-restarts on several nodes with the shared agent store can reuse stale "
+                           "rendezvous keys after a restart; launch torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1")
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], _env_int("MASTER_PORT"), world_size, is_master=False,
+                          timeout=timedelta(seconds=timeout_s))
+    return dist.PrefixStore(f"tessera/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}/", store)
 
 
 def expand_slurm_nodelist(nodelist: str) -> list[str]:

@@ -54,8 +54,12 @@ def measure_matmul_tflops(dtype: torch.dtype, device: torch.device, size: int = 
     """
     from tessera.parallel.lowp import linear
 
-    a = torch.randn(size, size, device=device).to(dtype)
-    b = torch.randn(size, size, device=device).to(dtype)
+    # a private generator: drawing from the ambient one would shift the training RNG streams (dropout)
+    # by however many numbers this takes, and a resumed run, which measures after restoring them,
+    # would no longer continue the interrupted run's streams
+    g = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(size, size, device=device, generator=g).to(dtype)
+    b = torch.randn(size, size, device=device, generator=g).to(dtype)
     for _ in range(2):
         linear(a, b)
     best = 0.0
