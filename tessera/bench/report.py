@@ -1,0 +1,330 @@
+"""Render ``tessera.bench.runner.run_bench`` results as BENCHMARKS.md.
+
+Every number in the file comes from the result dict of one run; ratios are paired per round
+(median, with min-max over rounds) as described in ``tessera.bench.runner``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+SECTIONS = (
+    "## 1. Framework overhead: tessera step vs plain PyTorch step",
+    "## 2. Precisions on this machine: bf16, fp16, fp32, tf32",
+    "## 3. Parallelism on the same cores: TP=2 and DP=2 vs one process",
+    "## 4. Persistent memory per parameter",
+    "## 5. Achieved TFLOP/s and MFU",
+    "## 6. GPU",
+)
+
+REPRODUCE_GPU = "python tools/bench.py --only-gpu --out BENCHMARKS_GPU.md"
+
+
+def _f(x: float | None, nd: int = 3) -> str:
+    return "n/a" if x is None else f"{x:.{nd}f}"
+
+
+def _ratio(p: dict[str, float], nd: int = 2) -> str:
+    return f"**{p['median']:.{nd}f}** ({p['min']:.{nd}f}-{p['max']:.{nd}f}, n={p['n']})"
+
+
+def _paired(a: dict[str, Any], b: dict[str, Any]) -> dict[str, float]:
+    from tessera.bench.runner import paired
+
+    return paired(a["times"], b["times"])
+
+
+def header(res: dict[str, Any], command: str) -> list[str]:
+    m = res["machine"]
+    flags = ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in m["flags"].items())
+    mode = res["mode"]
+    s = res["single"]
+    lines = [
+        "# tessera benchmarks",
+        "",
+        f"Produced by `{command}` on {res['date']} in {res['elapsed_s']:.0f} s (mode `{mode['name']}`).",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| CPU | {m['cpu']}, {m['cores']} cores (torch CPU capability {m['torch_cpu_capability']}) |",
+        f"| flags relevant to bf16/fp16 | {flags} |",
+        f"| torch / Python | {m['torch']} / {m['python']} |",
+        f"| CUDA | {m['cuda'] or 'none'} |",
+        f"| CPU bf16/fp16 matmuls in tessera | TESSERA_CPU_LOWP_MATMUL={m['lowp_env']}: bf16 "
+        f"{'fp32 GEMMs on bf16 operands (upcast)' if m['bf16_upcast'] else 'torch native kernels'}, fp16 "
+        f"{'upcast' if m['fp16_upcast'] else 'native'} |",
+        f"| load average (1/5/15 min) | start {res['loadavg_start']}, after single-process sections "
+        f"{res['loadavg_mid']}, end {res['loadavg_end']} |",
+        f"| model | `{mode['config']}` dims {s['model']}, {s['num_params']:,} parameters, seq_len {s['seq_len']}; "
+        f"{s['flops_per_token'] / 1e6:.2f} MFLOP per token (tessera.model.flops_per_token) |",
+        "",
+        "Method: every variant is built once; after one warm-up step each, the variants run one training "
+        "step per round in a rotated order (A B C, B C A, ...). Times are medians over rounds; a ratio is the "
+        "median over rounds of the two variants' times *in the same round* (min-max over rounds in brackets), "
+        "so a slow phase of this shared machine hits both sides of a ratio alike. Data: synthetic token rows "
+        "(`data.type='synthetic'`, one document per row, so tessera and the plain model both use causal SDPA).",
+        "",
+    ]
+    return lines
+
+
+def section_overhead(res: dict[str, Any]) -> list[str]:
+    s = res["single"]
+    main, nat = s["main"], s["native"]
+    tb, tf = main["tessera_bf16"], main["tessera_fp32"]
+    pb, pf = main["plain_bf16_lowp"], main["plain_fp32"]
+    over_bf16 = _paired(tb, pb)
+    over_fp32 = _paired(tf, pf)
+    lines = [
+        SECTIONS[0],
+        "",
+        f"One process, {s['threads']} thread(s), batch {s['micro_bsz']} x {s['seq_len']} = {s['tokens']} tokens, "
+        "TP=1. tessera = `Trainer.train_step` on `NaiveAMPModel` + `HybridZeroOptimizer` (fp32 masters, "
+        "fp32 main grads, global-norm clipping), built as train.py builds them. plain = "
+        "`tessera/bench/plain.py`: nn.Linear/nn.Embedding, RMSNorm, rotary, SDPA, SwiGLU with the same "
+        "matmuls and the same initial weights, fp32 cross-entropy, `clip_grad_norm_(1.0)`, `torch.optim.AdamW`; "
+        "bf16 under `torch.autocast('cpu', torch.bfloat16)` (fp32 parameters).",
+        "",
+        "| variant | median step (s) | tokens/s | first-step loss |",
+        "|---|---:|---:|---:|",
+    ]
+    rows = [("tessera bf16", tb), ("tessera fp32", tf),
+            ("plain fp32", pf), ("plain bf16 autocast, GEMMs/attention via tessera.parallel.lowp (= tessera's kernel choice)", pb)]
+    for name, v in rows:
+        lines.append(f"| {name} | {_f(v['median_s'])} | {s['tokens'] / v['median_s']:.0f} | {v['first_loss']:.4f} |")
+    lines += [
+        "",
+        "| ratio (time, lower is better for tessera) | value |",
+        "|---|---:|",
+        f"| **framework overhead, bf16**: tessera bf16 / plain bf16 autocast with the same GEMM kernels | {_ratio(over_bf16)} |",
+        f"| framework overhead, fp32: tessera fp32 / plain fp32 | {_ratio(over_fp32)} |",
+        f"| tessera bf16 / plain fp32 | {_ratio(_paired(tb, pf))} |",
+        "",
+        f"Plain `torch.autocast` bf16 uses torch's native bf16 CPU kernels. On this CPU they are slow, so that "
+        f"comparison runs at a smaller batch ({s['native_tokens']} tokens: micro_bsz "
+        f"{res['mode']['native_micro_bsz']} x seq {s['native_seq_len']}), every variant below at that batch, "
+        f"{nat['tessera_bf16']['times'].__len__()} round(s):",
+        "",
+        "| variant (small batch) | median step (s) | first-step loss |",
+        "|---|---:|---:|",
+    ]
+    for name, key in (("tessera bf16 (auto kernel choice)", "tessera_bf16"),
+                      ("tessera bf16, TESSERA_CPU_LOWP_MATMUL=native", "tessera_bf16_native"),
+                      ("tessera fp32", "tessera_fp32"),
+                      ("plain bf16 torch.autocast (torch native bf16 kernels)", "plain_bf16_autocast"),
+                      ("plain bf16 autocast, lowp GEMMs", "plain_bf16_lowp")):
+        lines.append(f"| {name} | {_f(nat[key]['median_s'])} | {nat[key]['first_loss']:.4f} |")
+    lines += [
+        "",
+        "| ratio (small batch) | value |",
+        "|---|---:|",
+        f"| tessera bf16 / plain bf16 torch.autocast (native kernels) | "
+        f"{_ratio(_paired(nat['tessera_bf16'], nat['plain_bf16_autocast']), 3)} |",
+        f"| tessera bf16 / plain bf16 autocast with lowp GEMMs (overhead at this batch) | "
+        f"{_ratio(_paired(nat['tessera_bf16'], nat['plain_bf16_lowp']))} |",
+        f"| plain bf16 autocast native / plain bf16 autocast lowp (kernel choice alone) | "
+        f"{_ratio(_paired(nat['plain_bf16_autocast'], nat['plain_bf16_lowp']))} |",
+        "",
+        f"Acceptance target (issue): framework overhead in bf16 on the demo model <= 1.10. Measured "
+        f"{over_bf16['median']:.2f}: **{'met' if over_bf16['median'] <= 1.10 else 'NOT met'}** "
+        f"(fp32: {over_fp32['median']:.2f}).",
+        "",
+    ]
+    return lines
+
+
+def section_precision(res: dict[str, Any]) -> list[str]:
+    s = res["single"]
+    main, nat = s["main"], s["native"]
+    lines = [
+        SECTIONS[1],
+        "",
+        f"tessera steps from section 1's rounds (same run, same batch of {s['tokens']} tokens).",
+        "",
+        "| model.dtype | median step (s) | tokens/s | speed-up vs fp32 (t_fp32 / t_dtype) | skipped steps |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for d in ("bf16", "fp16", "fp32", "tf32"):
+        v = main[f"tessera_{d}"]
+        sp = _paired(main["tessera_fp32"], v)
+        lines.append(f"| {d} | {_f(v['median_s'])} | {s['tokens'] / v['median_s']:.0f} | {_ratio(sp)} | "
+                     f"{v['skipped_steps']} |")
+    bf = _paired(main["tessera_fp32"], main["tessera_bf16"])
+    nat_sp = _paired(nat["tessera_fp32"], nat["tessera_bf16_native"])
+    lines += [
+        "",
+        f"With torch's native bf16 kernels (`TESSERA_CPU_LOWP_MATMUL=native`, small batch of {s['native_tokens']} "
+        f"tokens): speed-up of bf16 over fp32 = {_ratio(nat_sp, 3)}.",
+        "",
+        f"Expectation from the issue: bf16 >= 1.8x faster than fp32. Measured {bf['median']:.2f}x: "
+        f"**{'holds' if bf['median'] >= 1.8 else 'does not hold on this machine'}**. "
+        + ("Why: this CPU has no bf16/fp16 matrix instructions (no avx512_bf16, avx512_fp16 or AMX; see the "
+           "flags above). A bf16 GEMM can only be computed as an fp32 GEMM on upcast operands (what tessera does "
+           "here: same FLOPs at the fp32 rate, plus the conversions) or with torch's reference bf16 kernels, "
+           "which are far slower. Low precision saves memory and bandwidth, but these matmuls are compute-bound, "
+           "and elementwise bf16 ops convert to fp32 internally. tf32 is a CUDA compute mode; on the CPU it is "
+           "IEEE fp32, so tf32 = fp32 here by construction. The 1.8x+ is a tensor-core property: see section 6."
+           if not (m := res["machine"])["flags"].get("avx512_bf16") and not m["flags"].get("amx_bf16") else ""),
+        "",
+    ]
+    return lines
+
+
+def section_parallel(res: dict[str, Any]) -> list[str]:
+    p = res["parallel"]
+    w = p["world"]
+    med = p["median_s"]
+    tok = p["tokens"]
+    lines = [
+        SECTIONS[2],
+        "",
+        f"bf16, global batch {tok} tokens per step in every layout, {p['rounds']} interleaved rounds. "
+        f"1 process x {w} threads (TP=1, DP=1; the other process blocks in a gloo barrier, using no CPU) vs "
+        f"{w} gloo processes x 1 thread as TP={w} (each rank the full batch, sharded heads/MLP/vocab) or DP={w} "
+        f"(each rank {tok // w} tokens, ZeRO-1 over the {w} DP ranks). Step time = slowest rank. "
+        "Communication share = time inside torch.distributed collectives (timers wrapped around "
+        "all_reduce/all_gather/... in the bench processes; waiting for the peer counts) / step time, per rank.",
+        "",
+        "| layout | median step (s) | tokens/s (job) | throughput vs 1 x "
+        f"{w} threads | comm share (rank 0 / rank 1) | comm s per step | collectives per step |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+        f"| 1 process x {w} threads | {_f(med['tp1'])} | {tok / med['tp1']:.0f} | 1 | 0 | 0 | 0 |",
+    ]
+    for n, label in (("tp2", f"TP={w}: {w} processes x 1 thread"), ("dp2", f"DP={w}, ZeRO-1 {w}: {w} processes x 1 thread")):
+        sh = " / ".join(f"{100 * x:.1f}%" for x in p["comm_share"][n])
+        cs = " / ".join(f"{x:.3f}" for x in p["comm_s"][n])
+        lines.append(f"| {label} | {_f(med[n])} | {tok / med[n]:.0f} | {_ratio(p['throughput_ratio'][n])} | {sh} | "
+                     f"{cs} | {p['comm_calls'][n]} |")
+    lines += [""]
+    return lines
+
+
+def section_memory(res: dict[str, Any]) -> list[str]:
+    ms, mp = res["memory_single"], res["parallel"]["memory"]
+    w = res["parallel"]["world"]
+    lines = [
+        SECTIONS[3],
+        "",
+        "Bytes per parameter held after one real training step, summed from the allocated tensors by "
+        "`HybridZeroOptimizer.memory_bytes()` (each storage counted once; flat buffers include the padding to a "
+        "multiple of the ZeRO size), vs the closed form 2 + 4 + (4 + 8)/d for bf16/fp16 and 4 + 4 + 8/d for "
+        f"fp32/tf32 (tessera.core.precision_report.closed_form_bytes). DP={w} rows are rank 0 of {w} processes.",
+        "",
+        "| dtype | layout | weights | main grads | masters | Adam states | **measured total** | closed form |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for d in ("bf16", "fp16", "fp32", "tf32"):
+        for label, row in (("DP=1, ZeRO-1 1", ms[d]), (f"DP={w}, ZeRO-1 1", mp[f"{d}_z1"]),
+                           (f"DP={w}, ZeRO-1 {w}", mp[f"{d}_z{w}"])):
+            m = row["measured"]
+            lines.append(f"| {d} | {label} | {m['weights']:.3f} | {m['main_grads']:.3f} | {m['masters']:.3f} | "
+                         f"{m['optimizer_states']:.3f} | **{m['total']:.3f}** | {row['closed_form']['total']:.3f} |")
+    lines += [""]
+    return lines
+
+
+def section_mfu(res: dict[str, Any]) -> list[str]:
+    s = res["single"]
+    fpt = s["flops_per_token"]
+    lines = [
+        SECTIONS[4],
+        "",
+        "As train.py computes them: TFLOP/s = flops_per_token x tokens / step time (per process); MFU = that / "
+        "the peak, which on a CPU is `metrics.measure_matmul_tflops(dtype)` (a 1024^3 matmul through "
+        "`tessera.parallel.lowp.linear`, the kernel the model's linears use), measured in this run with the "
+        f"same {s['threads']} thread(s) before and after the timed rounds; the larger of the two is the peak.",
+        "",
+        "| model.dtype | median step (s) | achieved TFLOP/s | matmul peak TFLOP/s (before / after) | MFU |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for d in ("bf16", "fp16", "fp32", "tf32"):
+        pk = "fp32" if d == "tf32" else d
+        t = s["main"][f"tessera_{d}"]["median_s"]
+        tf = fpt * s["tokens"] / t / 1e12
+        peak = s["peaks"][pk]
+        lines.append(f"| {d} | {_f(t)} | {tf:.4f} | {peak:.4f} ({s['peaks_before'][pk]:.4f} / "
+                     f"{s['peaks_after'][pk]:.4f}) | {100 * tf / peak:.1f}% |")
+    lines += [""]
+    return lines
+
+
+def section_gpu(res: dict[str, Any], command: str) -> list[str]:
+    g = res.get("gpu")
+    lines = [SECTIONS[5], ""]
+    if not g:
+        lines += [
+            "not measured: no CUDA device in this run. To reproduce on a CUDA machine (1B-like dims from "
+            "`configs/1B.py`, bf16, TP=1, one GPU):",
+            "",
+            "```",
+            REPRODUCE_GPU,
+            "```",
+            "",
+            "(`python tools/bench.py` measures this section too whenever `torch.cuda.is_available()`.)",
+            "",
+        ]
+        return lines
+    tb, pb = g["timed"]["tessera_bf16"], g["timed"]["plain_bf16_autocast"]
+    ds = g["datasheet_peak"]
+    lines += [
+        f"Device: **{g['device']}**; `{g['config']}` dims, bf16, micro_bsz {g['micro_bsz']} x seq {g['seq_len']} = "
+        f"{g['tokens']} tokens per step, TP=1; attention backend: {g['attention_backend']}; "
+        f"{len(tb['times'])} interleaved rounds; peak memory {_f(g['peak_mem_gib'], 1)} GiB.",
+        "",
+        "| variant | median step (s) | TFLOP/s | MFU vs datasheet bf16 peak | MFU vs measured 8192^3 bf16 matmul |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for name, key, v in (("tessera bf16", "tessera_bf16", tb), ("plain bf16 torch.autocast", "plain_bf16_autocast", pb)):
+        tf = g["tflops"][key]
+        lines.append(f"| {name} | {_f(v['median_s'], 4)} | {tf:.1f} | "
+                     f"{'n/a' if not ds else f'{100 * tf / ds:.1f}% of {ds:.0f}'} | "
+                     f"{100 * tf / g['measured_peak']:.1f}% of {g['measured_peak']:.0f} |")
+    lines += ["", f"tessera / plain time ratio on this GPU: {_ratio(g['overhead'])}.", ""]
+    return lines
+
+
+def notes(res: dict[str, Any]) -> list[str]:
+    load = max(res["loadavg_start"][0], res["loadavg_mid"][0], res["loadavg_end"][0])
+    cores = res["machine"]["cores"] or 1
+    lines = ["## Notes", ""]
+    if load > 0.75 * cores:
+        lines.append(f"- The machine was loaded during this run (1-minute load average up to {load:.1f} on {cores} "
+                     "cores, from other processes): absolute times are inflated and noisy. The paired, interleaved "
+                     "ratios are the figures to read; their min-max spread shows how noisy each one was.")
+    else:
+        lines.append(f"- 1-minute load average stayed at or below {load:.1f} on {cores} cores during the run.")
+    s = res["single"]
+    lines += [
+        f"- Single-process sections use {s['threads']} torch thread(s) (`--threads`); fewer threads than cores "
+        "make the timings less sensitive to other processes on a shared machine.",
+        "- First-step losses: every variant starts from the same initial weights (the plain model loads "
+        "tessera's initial state dict), so equal first-step losses show both compute the same model.",
+        "- fp16 uses tessera's dynamic loss scaling; 'skipped steps' counts steps skipped for inf/NaN during "
+        "the warm-up and the timed rounds.",
+        "",
+    ]
+    return lines
+
+
+def to_markdown(res: dict[str, Any], command: str) -> str:
+    parts = header(res, command)
+    parts += section_overhead(res)
+    parts += section_precision(res)
+    parts += section_parallel(res)
+    parts += section_memory(res)
+    parts += section_mfu(res)
+    parts += section_gpu(res, command)
+    parts += notes(res)
+    return "\n".join(parts)
+
+
+def gpu_only_markdown(res: dict[str, Any], command: str) -> str:
+    """``--only-gpu``: the command, date, machine and section 6 alone."""
+    from tessera.bench.runner import machine_info
+    import datetime
+
+    m = machine_info()
+    lines = ["# tessera benchmarks: GPU section", "",
+             f"Produced by `{command}` on {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}; "
+             f"host CPU {m['cpu']} ({m['cores']} cores), torch {m['torch']}.", ""]
+    return "\n".join(lines + section_gpu(res, command))

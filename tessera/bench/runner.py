@@ -1,0 +1,553 @@
+"""Measurements behind ``tools/bench.py``: every figure is taken side by side in one run.
+
+Why interleaving: the CPU machines this runs on are shared and noisy (other test runs, a loaded
+hypervisor). Each variant runs one step per round, the variants in a rotated order, and ratios are
+the median over rounds of the per-round (paired) ratio, so a slow phase of the machine hits every
+variant alike instead of whichever happened to run then.
+
+Sections (keys of the result dict):
+
+- ``single``: tessera's ``Trainer.train_step`` (NaiveAMPModel + HybridZeroOptimizer, TP=1) in
+  bf16/fp16/fp32/tf32 and a plain PyTorch step of the same model (``tessera.bench.plain``) in fp32
+  and bf16 autocast with tessera's GEMM choice, on the main batch;
+- ``native``: the same at a small batch with torch's native bf16 CPU kernels (slow on CPUs without
+  avx512_bf16/AMX, hence the small batch): tessera with ``TESSERA_CPU_LOWP_MATMUL=native`` and plain
+  ``torch.autocast``;
+- ``peaks``: ``metrics.measure_matmul_tflops`` per dtype, the MFU denominator train.py uses on CPU;
+- ``parallel``: 1 process x N threads (TP=1=DP=1) vs N processes x 1 thread as TP=N and as DP=N
+  (ZeRO-1 over DP), same global batch, with the time spent inside torch.distributed collectives;
+- ``memory``: persistent bytes per parameter from ``HybridZeroOptimizer.memory_bytes()`` after one
+  real step, for DP=1 and DP=N with ZeRO-1 over 1 and N ranks, next to the closed form;
+- ``gpu``: a bf16 step on configs/1B.py dims when CUDA is available.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from tessera.core.config import Config
+from tessera.core.metrics import gpu_peak_tflops, measure_matmul_tflops
+from tessera.core.naive_amp import naive_amp_from_config
+from tessera.core.optimizer import build_optimizer
+from tessera.core.precision import apply_precision, resolve_precision
+from tessera.core.precision_report import closed_form_bytes
+from tessera.core.trainer import Trainer
+from tessera.data import build_data
+from tessera.model import ModelArgs, build_model, flops_per_token
+from tessera.parallel import lowp
+
+__all__ = ["Mode", "MODES", "run_bench", "measure_gpu", "machine_info"]
+
+DTYPES = ("bf16", "fp16", "fp32", "tf32")
+_FULL_NAME = {"bf16": "torch.bfloat16", "fp16": "torch.float16", "fp32": "torch.float32", "tf32": "torch.tf32"}
+_ENV = "TESSERA_CPU_LOWP_MATMUL"
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _path(config: str) -> str:
+    """Config paths are relative to the repository root, wherever the bench is started from."""
+    return config if os.path.isabs(config) or os.path.exists(config) else os.path.join(_ROOT, config)
+
+
+@dataclass(frozen=True)
+class Mode:
+    """How much to measure. ``overrides`` apply to ``config`` (the demo config unless tiny)."""
+
+    name: str
+    config: str = "configs/demo.py"
+    overrides: tuple[str, ...] = ()
+    micro_bsz: int = 16  # main batch (rows of seq_len) for the single-process and parallel sections
+    threads: int = 1  # torch threads of the single-process sections
+    min_rounds: int = 5
+    max_rounds: int = 12
+    budget_s: float = 150.0  # single-process rounds stop after this once min_rounds are done
+    native_micro_bsz: int = 1
+    native_seq_len: int | None = None  # None: the config's seq_len
+    native_rounds: int = 3
+    world: int = 2  # processes of the parallel section (= threads of its 1-process baseline)
+    par_min_rounds: int = 5
+    par_max_rounds: int = 12
+    par_budget_s: float = 60.0
+    gpu_config: str = "configs/1B.py"
+    gpu_micro_bsz: int = 4
+    gpu_steps: int = 8
+    peak_seconds: float = 0.5
+
+
+MODES: dict[str, Mode] = {
+    "full": Mode("full"),
+    "quick": Mode("quick", micro_bsz=4, min_rounds=3, max_rounds=3, budget_s=0.0, native_seq_len=64,
+                  native_rounds=2, par_min_rounds=3, par_max_rounds=3, par_budget_s=0.0, gpu_steps=4,
+                  peak_seconds=0.25),
+    # the test mode: configs/tiny.py dims, seconds in all
+    "tiny": Mode("tiny", config="configs/tiny.py", overrides=("data.seq_len=32",), micro_bsz=4, min_rounds=2,
+                 max_rounds=2, budget_s=0.0, native_micro_bsz=1, native_rounds=1, par_min_rounds=2,
+                 par_max_rounds=2, par_budget_s=0.0, gpu_config="configs/tiny.py", gpu_micro_bsz=2, gpu_steps=2,
+                 peak_seconds=0.05),
+}
+
+
+# ---------------------------------------------------------------------------- helpers
+def machine_info() -> dict[str, Any]:
+    """CPU model, cores, the flags that decide bf16/fp16 kernels, torch version, load."""
+    model, flags = platform.processor() or "unknown", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") and model in ("unknown", "x86_64", ""):
+                    model = line.split(":", 1)[1].strip()
+                elif line.startswith("flags") and not flags:
+                    flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    relevant = ["avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_fp16"]
+    return {
+        "cpu": model,
+        "cores": os.cpu_count(),
+        "flags": {f: f in flags for f in relevant},
+        "torch": torch.__version__,
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "python": platform.python_version(),
+        "lowp_env": os.environ.get(_ENV, "auto"),
+        "bf16_upcast": lowp.upcast_on_cpu(torch.bfloat16),
+        "fp16_upcast": lowp.upcast_on_cpu(torch.float16),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+
+
+def _loadavg() -> list[float]:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return [float("nan")] * 3
+
+
+@contextlib.contextmanager
+def _env(name: str, value: str | None) -> Iterator[None]:
+    """Set an environment variable for a block (lowp reads TESSERA_CPU_LOWP_MATMUL on every call)."""
+    old = os.environ.get(name)
+    if value is not None:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if value is not None:
+            if old is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = old
+
+
+def _config(mode: Mode, dtype: str, micro_bsz: int, seq_len: int | None = None, config: str | None = None,
+            extra: tuple[str, ...] = ()) -> Config:
+    """The mode's config at TP=1 on synthetic rows, one document per row (``is_causal`` attention in both
+    tessera and the plain model, so both compute exactly the same attention)."""
+    over = [*mode.overrides, f"model.dtype='{_FULL_NAME[dtype]}'", "parallel.tensor.size=1", "data.type='synthetic'",
+            "data.pack_sample_into_one=True", f"data.micro_bsz={micro_bsz}", "data.micro_num=1", *extra]
+    if seq_len is not None:
+        over.append(f"data.seq_len={seq_len}")
+    return Config.from_file(_path(config or mode.config), over)
+
+
+def _batches(cfg: Config, dp_rank: int = 0, dp_size: int = 1) -> list[dict[str, torch.Tensor]]:
+    data = build_data(cfg.data, vocab_size=cfg.model.vocab_size, max_seq_len=cfg.model.max_position_embeddings,
+                      dp_rank=dp_rank, dp_size=dp_size, seed=cfg.seed)
+    return data.train.next_step_batches()
+
+
+def _tessera(cfg: Config, batches: list[dict[str, torch.Tensor]], device: torch.device | str = "cpu",
+             **groups: Any) -> tuple[Trainer, Any]:
+    """Model, NaiveAMPModel and HybridZeroOptimizer exactly as train.py builds them."""
+    device = torch.device(device)
+    apply_precision(cfg.model.dtype)
+    model = build_model(cfg.model, tp_group=groups.get("tp_group"), seed=cfg.seed, device=device)
+    model = naive_amp_from_config(model, cfg.model, sync_buffer=False)
+    opt = build_optimizer(model, cfg, **groups)
+    dp_group = groups.get("dp_group")
+    dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
+    trainer = Trainer(model, opt, tp_group=groups.get("tp_group"), dp_group=dp_group, device=device, dp_size=dp_size)
+    return trainer, opt
+
+
+class _Variant:
+    """A named step function; ``step()`` returns the loss, ``env`` is applied around it."""
+
+    def __init__(self, name: str, fn: Callable[[], float], env: str | None = None, skipped: Callable[[], int] | None = None):
+        self.name, self.fn, self.env, self.skipped = name, fn, env, skipped
+
+    def step(self) -> tuple[float, float]:
+        with _env(_ENV, self.env):
+            t0 = time.perf_counter()
+            loss = self.fn()
+            return time.perf_counter() - t0, loss
+
+
+def _tessera_variant(name: str, cfg: Config, batches: list, env: str | None = None) -> _Variant:
+    trainer, opt = _tessera(cfg, batches)
+    return _Variant(name, lambda: trainer.train_step(batches).loss, env, lambda: opt.skipped_steps)
+
+
+def _plain_variant(name: str, cfg: Config, batches: list, dtype: torch.dtype, gemm: str,
+                   state: dict[str, torch.Tensor]) -> _Variant:
+    from tessera.bench.plain import PlainDecoder, PlainStep
+
+    model = PlainDecoder(ModelArgs.from_config(cfg.model), dtype, gemm)
+    model.load_state_dict(state)  # tessera's initial fp32 weights: the same model, the same first loss
+    adam = cfg.adam
+    step = PlainStep(model, dtype, adam.lr, (adam.adam_beta1, adam.adam_beta2), adam.adam_eps, adam.weight_decay,
+                     cfg.hybrid_zero_optimizer.clip_grad_norm)
+    x = torch.cat([b["input_ids"] for b in batches])
+    y = torch.cat([b["labels"] for b in batches])
+    return _Variant(name, lambda: step(x, y))
+
+
+def _interleave(variants: list[_Variant], min_rounds: int, max_rounds: int, budget_s: float,
+                log: Callable[[str], None]) -> dict[str, dict[str, Any]]:
+    """One warm-up step each (its loss is the first-step loss), then rounds in rotated order."""
+    out: dict[str, dict[str, Any]] = {v.name: {"times": [], "first_loss": None} for v in variants}
+    for v in variants:
+        dt, loss = v.step()
+        out[v.name]["first_loss"] = loss
+        out[v.name]["warmup_s"] = dt
+        log(f"  warm-up {v.name}: {dt:.3f}s loss {loss:.4f}")
+    t_start = time.perf_counter()
+    r = 0
+    while r < max_rounds and (r < min_rounds or time.perf_counter() - t_start < budget_s):
+        k = r % len(variants)
+        for v in variants[k:] + variants[:k]:
+            dt, loss = v.step()
+            out[v.name]["times"].append(dt)
+            out[v.name]["last_loss"] = loss
+        r += 1
+        log(f"  round {r}: " + ", ".join(f"{v.name} {out[v.name]['times'][-1]:.3f}s" for v in variants))
+    for v in variants:
+        out[v.name]["median_s"] = statistics.median(out[v.name]["times"])
+        out[v.name]["skipped_steps"] = v.skipped() if v.skipped else 0
+    return out
+
+
+def paired(a: list[float], b: list[float]) -> dict[str, float]:
+    """Median, min and max over rounds of ``a[i] / b[i]`` (time ratios taken in the same round)."""
+    ratios = [x / y for x, y in zip(a, b)]
+    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "n": len(ratios)}
+
+
+def _peaks(threads: int, seconds: float) -> dict[str, float]:
+    torch.set_num_threads(threads)
+    return {name: measure_matmul_tflops(dt, torch.device("cpu"), seconds=seconds)
+            for name, dt in (("bf16", torch.bfloat16), ("fp16", torch.float16), ("fp32", torch.float32))}
+
+
+# ---------------------------------------------------------------------------- single process
+def measure_single(mode: Mode, log: Callable[[str], None]) -> dict[str, Any]:
+    """Sections 1, 2 and 5: tessera vs plain, precisions, peaks -- one process, ``mode.threads`` threads."""
+    torch.set_num_threads(mode.threads)
+    cfgs = {d: _config(mode, d, mode.micro_bsz) for d in DTYPES}
+    batches = _batches(cfgs["fp32"])
+    tokens = sum(b["input_ids"].numel() for b in batches)
+    state = {k: v.clone() for k, v in build_model(cfgs["fp32"].model, seed=cfgs["fp32"].seed).state_dict().items()}
+    peaks_before = _peaks(mode.threads, mode.peak_seconds)
+    log(f"single process, {mode.threads} thread(s), {tokens} tokens per step; peaks {peaks_before}")
+    variants = [_tessera_variant(f"tessera_{d}", cfgs[d], batches) for d in DTYPES]
+    variants += [_plain_variant("plain_fp32", cfgs["fp32"], batches, torch.float32, "torch", state),
+                 _plain_variant("plain_bf16_lowp", cfgs["bf16"], batches, torch.bfloat16, "lowp", state)]
+    main = _interleave(variants, mode.min_rounds, mode.max_rounds, mode.budget_s, log)
+    del variants
+
+    # torch's native bf16 kernels: slow here, so a small batch, every variant at that same batch
+    ncfgs = {d: _config(mode, d, mode.native_micro_bsz, mode.native_seq_len) for d in ("bf16", "fp32")}
+    nbatches = _batches(ncfgs["fp32"])
+    ntokens = sum(b["input_ids"].numel() for b in nbatches)
+    log(f"native-kernel comparison at {ntokens} tokens per step")
+    nvariants = [
+        _tessera_variant("tessera_bf16", ncfgs["bf16"], nbatches),
+        _tessera_variant("tessera_bf16_native", ncfgs["bf16"], nbatches, env="native"),
+        _tessera_variant("tessera_fp32", ncfgs["fp32"], nbatches),
+        _plain_variant("plain_bf16_autocast", ncfgs["bf16"], nbatches, torch.bfloat16, "torch", state),
+        _plain_variant("plain_bf16_lowp", ncfgs["bf16"], nbatches, torch.bfloat16, "lowp", state),
+    ]
+    native = _interleave(nvariants, mode.native_rounds, mode.native_rounds, 0.0, log)
+    del nvariants
+    peaks_after = _peaks(mode.threads, mode.peak_seconds)
+    log(f"peaks after: {peaks_after}")
+    seq_len = cfgs["fp32"].data.seq_len
+    return {
+        "threads": mode.threads,
+        "tokens": tokens,
+        "seq_len": seq_len,
+        "micro_bsz": mode.micro_bsz,
+        "flops_per_token": flops_per_token(cfgs["fp32"].model, seq_len),
+        "model": {k: cfgs["fp32"].model[k] for k in ("num_layers", "hidden_size", "num_attention_heads",
+                                                      "num_kv_attention_heads", "vocab_size")},
+        "num_params": sum(v.numel() for v in state.values()),
+        "main": main,
+        "native": native,
+        "native_tokens": ntokens,
+        "native_seq_len": ncfgs["fp32"].data.seq_len,
+        "peaks_before": peaks_before,
+        "peaks_after": peaks_after,
+        "peaks": {k: max(peaks_before[k], peaks_after[k]) for k in peaks_before},
+    }
+
+
+# ---------------------------------------------------------------------------- memory
+def _memory_row(cfg: Config, **groups: Any) -> dict[str, Any]:
+    """Bytes per parameter after one real training step, from the allocated tensors."""
+    batches = _batches(cfg, *((dist.get_rank(groups["dp_group"]), dist.get_world_size(groups["dp_group"]))
+                              if groups.get("dp_group") is not None else ()))
+    trainer, opt = _tessera(cfg, batches, **groups)
+    trainer.train_step(batches)
+    mem = opt.memory_bytes()
+    n = mem["num_params"]
+    roles = ("weights", "main_grads", "masters", "optimizer_states")
+    measured = {r: mem[r] / n for r in roles}
+    measured["total"] = sum(measured.values())
+    params = list(trainer.model.parameters())
+    low = sum(p.numel() for p in params if p.dtype != torch.float32)
+    fp32 = sum(p.numel() for p in params if p.dtype == torch.float32)
+    closed = closed_form_bytes(cfg.model.dtype, opt.zero1_size, low, fp32, cfg.hybrid_zero_optimizer.reduce_dtype)
+    return {"measured": measured, "closed_form": closed, "num_params": n, "zero1": opt.zero1_size,
+            "bytes": {r: mem[r] for r in roles}}
+
+
+def measure_memory_single(mode: Mode) -> dict[str, Any]:
+    """DP=1, ZeRO-1 over 1 rank, per dtype (tiny batch: memory per parameter does not depend on it)."""
+    return {d: _memory_row(_config(mode, d, 1)) for d in DTYPES}
+
+
+# ---------------------------------------------------------------------------- parallel (workers)
+_COMM_FNS = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
+             "broadcast", "all_to_all_single")
+
+
+class _CommTimer:
+    """Wraps torch.distributed collectives: seconds spent inside them (waiting for peers included)."""
+
+    def __init__(self) -> None:
+        self.enabled = False
+        self.seconds = 0.0
+        self.calls = 0
+        for name in _COMM_FNS:
+            fn = getattr(dist, name, None)
+            if fn is not None and not getattr(fn, "_bench_timed", False):
+                setattr(dist, name, self._wrap(fn))
+
+    def _wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if not self.enabled:
+                return fn(*args, **kwargs)
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - t0
+                self.calls += 1
+
+        timed._bench_timed = True  # type: ignore[attr-defined]
+        return timed
+
+    @contextlib.contextmanager
+    def measure(self) -> Iterator[None]:
+        self.seconds, self.calls, self.enabled = 0.0, 0, True
+        try:
+            yield
+        finally:
+            self.enabled = False
+
+
+def _agree(flag: bool) -> bool:
+    """Rank 0's decision, on every rank (outside any timed region)."""
+    t = torch.tensor([1 if flag else 0])
+    dist.broadcast(t, 0)
+    return bool(t.item())
+
+
+def _parallel_worker(rank: int, world: int, mode: Mode) -> dict[str, Any]:
+    """1 x ``world`` threads (on rank 0, the others idle in a barrier) vs ``world`` x 1 thread as TP and as
+    DP (ZeRO-1 over DP), bf16, same global batch; then memory per parameter under DP=world."""
+    torch.set_num_threads(1)
+    timer = _CommTimer()
+    group = dist.new_group(list(range(world)))
+    cfg = _config(mode, "bf16", mode.micro_bsz)
+    full = _batches(cfg)
+    cfg_dp = _config(mode, "bf16", mode.micro_bsz // world)
+    shard = _batches(cfg_dp, rank, world)
+    tokens = sum(b["input_ids"].numel() for b in full)
+    steps: dict[str, Callable[[], Any]] = {}
+    if rank == 0:
+        t1, _ = _tessera(cfg, full)
+        steps["tp1"] = lambda: t1.train_step(full)
+    t2, _ = _tessera(cfg, full, tp_group=group, global_group=group)
+    steps["tp2"] = lambda: t2.train_step(full)
+    d2, _ = _tessera(cfg_dp, shard, dp_group=group, zero1_group=group, global_group=group)
+    steps["dp2"] = lambda: d2.train_step(shard)
+    names = ["tp1", "tp2", "dp2"]
+    times: dict[str, list[float]] = {n: [] for n in names}
+    comm: dict[str, list[float]] = {n: [] for n in names}
+    calls: dict[str, int] = {n: 0 for n in names}
+
+    def run(name: str) -> None:
+        dist.barrier()
+        if name == "tp1":
+            dt = math.nan
+            if rank == 0:
+                torch.set_num_threads(world)
+                t0 = time.perf_counter()
+                steps[name]()
+                dt = time.perf_counter() - t0
+                torch.set_num_threads(1)
+            dist.barrier()  # the other ranks wait here, blocked (no CPU), while rank 0 runs
+            times[name].append(dt)
+            comm[name].append(0.0)
+            return
+        with timer.measure():
+            t0 = time.perf_counter()
+            steps[name]()
+            dt = time.perf_counter() - t0
+        times[name].append(dt)
+        comm[name].append(timer.seconds)
+        calls[name] = timer.calls
+
+    for n in names:  # warm-up
+        run(n)
+    for n in names:
+        times[n].clear()
+        comm[n].clear()
+    t_start = time.perf_counter()
+    r = 0
+    while _agree(r < mode.par_max_rounds and (r < mode.par_min_rounds or time.perf_counter() - t_start < mode.par_budget_s)):
+        k = r % len(names)
+        for n in names[k:] + names[:k]:
+            run(n)
+        r += 1
+
+    memory = {}
+    for d in DTYPES:
+        mcfg = _config(mode, d, 1)
+        memory[f"{d}_z1"] = _memory_row(mcfg, dp_group=group, global_group=group)
+        memory[f"{d}_z{world}"] = _memory_row(mcfg, dp_group=group, zero1_group=group, global_group=group)
+    return {"rank": rank, "tokens": tokens, "times": times, "comm": comm, "calls": calls, "memory": memory}
+
+
+def measure_parallel(mode: Mode, log: Callable[[str], None]) -> dict[str, Any]:
+    """Run ``_parallel_worker`` on ``mode.world`` spawned gloo processes and combine their timings."""
+    from tessera.testing import run_distributed
+
+    world = mode.world
+    res = run_distributed(_parallel_worker, world, mode, timeout=1800.0, env={_ENV: os.environ.get(_ENV, "auto")})
+    # a step of the job lasts as long as its slowest rank
+    job = {n: [max(r["times"][n][i] for r in res if not math.isnan(r["times"][n][i]))
+               for i in range(len(res[0]["times"][n]))] for n in res[0]["times"]}
+    share = {n: [statistics.median([c / t for c, t in zip(r["comm"][n], r["times"][n])]) for r in res]
+             for n in ("tp2", "dp2")}
+    out = {
+        "world": world,
+        "tokens": res[0]["tokens"],
+        "rounds": len(job["tp1"]),
+        "median_s": {n: statistics.median(v) for n, v in job.items()},
+        "throughput_ratio": {n: paired(job["tp1"], job[n]) for n in ("tp2", "dp2")},  # t1/tN = speed-up
+        "comm_share": share,  # per rank
+        "comm_s": {n: [statistics.median(r["comm"][n]) for r in res] for n in ("tp2", "dp2")},
+        "comm_calls": {n: res[0]["calls"][n] for n in ("tp2", "dp2")},
+        "memory": res[0]["memory"],
+    }
+    log(f"parallel: {out['median_s']}, comm share {share}")
+    return out
+
+
+# ---------------------------------------------------------------------------- GPU
+def measure_gpu(mode: Mode, device: torch.device | str = "cuda", log: Callable[[str], None] = print) -> dict[str, Any]:
+    """bf16 tessera step (and a plain autocast step) on ``mode.gpu_config`` dims; MFU vs the datasheet peak
+    and vs a measured matmul. Runs on any device (the tests exercise it on the CPU at tiny dims)."""
+    from tessera.model.attention import select_backend
+
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    cfg = Config.from_file(_path(mode.gpu_config), [
+        "model.dtype='torch.bfloat16'", "parallel.tensor.size=1", "data.type='synthetic'",
+        "data.pack_sample_into_one=True", f"data.micro_bsz={mode.gpu_micro_bsz}", "data.micro_num=1"])
+    batches = _batches(cfg)
+    tokens = sum(b["input_ids"].numel() for b in batches)
+    backend, why = select_backend(device, torch.bfloat16, cfg.model.use_flash_attn)
+    trainer, _ = _tessera(cfg, batches, device=device)
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize(device)
+
+    def tessera_step() -> float:
+        return trainer.train_step(batches).loss
+
+    from tessera.bench.plain import PlainDecoder, PlainStep
+
+    with torch.device(device):
+        plain_model = PlainDecoder(ModelArgs.from_config(cfg.model), torch.bfloat16, "torch")
+    adam = cfg.adam
+    plain = PlainStep(plain_model, torch.bfloat16, adam.lr, (adam.adam_beta1, adam.adam_beta2), adam.adam_eps,
+                      adam.weight_decay, cfg.hybrid_zero_optimizer.clip_grad_norm)
+    x = torch.cat([b["input_ids"] for b in batches]).to(device)
+    y = torch.cat([b["labels"] for b in batches]).to(device)
+
+    def plain_step() -> float:
+        loss = plain(x, y)
+        sync()
+        return loss
+
+    variants = [_Variant("tessera_bf16", tessera_step), _Variant("plain_bf16_autocast", plain_step)]
+    timed = _interleave(variants, mode.gpu_steps, mode.gpu_steps, 0.0, log)
+    fpt = flops_per_token(cfg.model, cfg.data.seq_len)
+    name = torch.cuda.get_device_name(device) if cuda else f"{device.type} ({machine_info()['cpu']})"
+    datasheet = gpu_peak_tflops(name, "bfloat16") if cuda else None
+    measured_peak = measure_matmul_tflops(torch.bfloat16, device, size=8192 if cuda else 256,
+                                          seconds=1.0 if cuda else 0.05)
+    tflops = {k: fpt * tokens / v["median_s"] / 1e12 for k, v in timed.items()}
+    return {
+        "device": name,
+        "attention_backend": backend if backend == "flash_attn" else f"sdpa ({why})",
+        "tokens": tokens,
+        "seq_len": cfg.data.seq_len,
+        "flops_per_token": fpt,
+        "timed": timed,
+        "tflops": tflops,
+        "datasheet_peak": datasheet,
+        "measured_peak": measured_peak,
+        "overhead": paired(timed["tessera_bf16"]["times"], timed["plain_bf16_autocast"]["times"]),
+        "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
+        "config": mode.gpu_config,
+        "micro_bsz": mode.gpu_micro_bsz,
+    }
+
+
+# ---------------------------------------------------------------------------- all
+def run_bench(mode: Mode, log: Callable[[str], None] = print, gpu: bool | None = None) -> dict[str, Any]:
+    """Every section; returns a JSON-able dict (``tessera.bench.report.to_markdown`` renders it)."""
+    t0 = time.perf_counter()
+    result: dict[str, Any] = {
+        "mode": asdict(mode),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": machine_info(),
+        "loadavg_start": _loadavg(),
+    }
+    log(f"machine: {result['machine']}; load {result['loadavg_start']}")
+    result["single"] = measure_single(mode, log)
+    result["memory_single"] = measure_memory_single(mode)
+    result["loadavg_mid"] = _loadavg()
+    result["parallel"] = measure_parallel(mode, log)
+    if gpu is None:
+        gpu = torch.cuda.is_available()
+    result["gpu"] = measure_gpu(mode, "cuda", log) if gpu else None
+    result["loadavg_end"] = _loadavg()
+    result["elapsed_s"] = time.perf_counter() - t0
+    return result
