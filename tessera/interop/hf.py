@@ -1,0 +1,425 @@
+"""Hugging Face Llama <-> tessera: names, configs, and streaming export/import.
+
+The tessera decoder is a Llama: pre-norm RMSNorm, rotary in the rotate_half convention (the q/k
+rows are already in the order HF expects, so no permutation), grouped KV heads, SwiGLU with
+``w1`` = gate, ``w3`` = up, ``w2`` = down. Names map one to one:
+
+    embedding.weight                      model.embed_tokens.weight
+    layers.i.attention_norm.weight        model.layers.i.input_layernorm.weight
+    layers.i.attention.{wq,wk,wv,wo}.*    model.layers.i.self_attn.{q,k,v,o}_proj.*
+    layers.i.ffn_norm.weight              model.layers.i.post_attention_layernorm.weight
+    layers.i.feed_forward.{w1,w3,w2}.*    model.layers.i.mlp.{gate,up,down}_proj.*
+    norm.weight                           model.norm.weight
+    output.weight                         lm_head.weight (absent when tied)
+
+tessera's ``model.bias`` puts biases on all seven projections, i.e. HF ``attention_bias`` and
+``mlp_bias`` both; an HF model with only one of them cannot be imported.
+
+Vocabulary padding on import: tessera shards the vocabulary over TP, so it must divide by the TP
+size. An HF vocabulary that does not is padded with zero rows (embedding and head) up to the next
+multiple; those ids never occur in the data, their logits are exactly 0 before fine-tuning, and the
+original size is recorded in meta.json (``hf_vocab_size``) so the export trims the rows again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Any, Mapping
+
+import torch
+
+from tessera.core.checkpoint import CheckpointError
+from tessera.interop.ckpt_io import (
+    CheckpointSource,
+    commit_folder,
+    file_entry,
+    new_meta,
+    output_step_folder,
+    param_layout,
+    write_meta,
+)
+from tessera.interop.safetensors_io import SafetensorsWriter, read_header
+from tessera.model.mlp import ffn_hidden_size
+
+__all__ = ["to_hf_name", "from_hf_name", "hf_config_from_model_cfg", "model_cfg_from_hf_config", "export_hf",
+           "import_hf", "parse_dtype_name"]
+
+_LAYER = {
+    "attention_norm": "input_layernorm",
+    "attention.wq": "self_attn.q_proj",
+    "attention.wk": "self_attn.k_proj",
+    "attention.wv": "self_attn.v_proj",
+    "attention.wo": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "feed_forward.w1": "mlp.gate_proj",
+    "feed_forward.w3": "mlp.up_proj",
+    "feed_forward.w2": "mlp.down_proj",
+}
+_TOP = {"embedding": "model.embed_tokens", "norm": "model.norm", "output": "lm_head"}
+_LAYER_INV = {v: k for k, v in _LAYER.items()}
+_TOP_INV = {v: k for k, v in _TOP.items()}
+_VOCAB_ROWS = ("embedding.weight", "output.weight")  # vocab-indexed along dim 0
+_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+           "fp16": torch.float16, "float16": torch.float16}
+_HF_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def parse_dtype_name(name: str) -> torch.dtype:
+    """``fp32|bf16|fp16`` (or the long names) -> torch dtype."""
+    key = str(name).lower().removeprefix("torch.")
+    if key not in _DTYPES:
+        raise ValueError(f"unknown dtype {name!r}: use fp32, bf16 or fp16")
+    return _DTYPES[key]
+
+
+def run_dtype(model_cfg: Mapping[str, Any]) -> torch.dtype:
+    """The storage dtype a run trained in (tf32 is fp32 storage)."""
+    from tessera.core.precision import parse_dtype
+
+    return parse_dtype(model_cfg.get("dtype", "torch.float32"))[0]
+
+
+def to_hf_name(name: str) -> str:
+    """tessera parameter name -> HF Llama name (KeyError for an unknown name)."""
+    module, leaf = name.rsplit(".", 1)
+    if module.startswith("layers."):
+        _, i, rest = module.split(".", 2)
+        return f"model.layers.{i}.{_LAYER[rest]}.{leaf}"
+    return f"{_TOP[module]}.{leaf}"
+
+
+def from_hf_name(name: str) -> str | None:
+    """HF Llama name -> tessera name; None for a name tessera has no parameter for."""
+    module, leaf = name.rsplit(".", 1)
+    if module.startswith("model.layers."):
+        parts = module.split(".", 3)
+        if len(parts) == 4 and parts[3] in _LAYER_INV:
+            return f"layers.{parts[2]}.{_LAYER_INV[parts[3]]}.{leaf}"
+        return None
+    return f"{_TOP_INV[module]}.{leaf}" if module in _TOP_INV else None
+
+
+# ---------------------------------------------------------------------------------------- configs
+def hf_config_from_model_cfg(model_cfg: Mapping[str, Any], *, vocab_size: int | None = None,
+                             dtype: torch.dtype = torch.float32, eos_token_id: int | None = None,
+                             bos_token_id: int | None = None) -> dict[str, Any]:
+    """``config.json`` for ``LlamaForCausalLM`` describing the same network as tessera's ``model`` section."""
+    m = model_cfg
+    heads = int(m["num_attention_heads"])
+    kv = int(m.get("num_kv_attention_heads") or heads)
+    hidden = int(m["hidden_size"])
+    bias = bool(m.get("bias", False))
+    rope = float(m.get("rope_base", 10000.0))
+    max_pos = m.get("max_position_embeddings")
+    if max_pos is None:
+        raise CheckpointError("model.max_position_embeddings is not set in the checkpoint's config")
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": int(vocab_size if vocab_size is not None else m["vocab_size"]),
+        "hidden_size": hidden,
+        "intermediate_size": ffn_hidden_size(hidden, float(m.get("mlp_ratio", 8 / 3)), int(m.get("multiple_of", 256))),
+        "num_hidden_layers": int(m["num_layers"]),
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "head_dim": hidden // heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": int(max_pos),
+        "rms_norm_eps": float(m.get("layer_norm_epsilon", 1e-5)),
+        "rope_theta": rope,  # transformers 4.x
+        "rope_parameters": {"rope_type": "default", "rope_theta": rope},  # transformers 5.x
+        "rope_scaling": None,
+        "tie_word_embeddings": bool(m.get("tie_word_embeddings", False)),
+        "attention_bias": bias,
+        "mlp_bias": bias,
+        "attention_dropout": 0.0,
+        "initializer_range": float(m.get("init_std", 0.02)),
+        "pretraining_tp": 1,
+        "use_cache": True,
+        "bos_token_id": bos_token_id,
+        "eos_token_id": eos_token_id,
+        "pad_token_id": None,
+        "torch_dtype": _HF_DTYPE_NAMES[dtype],
+        "dtype": _HF_DTYPE_NAMES[dtype],
+    }
+
+
+def model_cfg_from_hf_config(hf: Mapping[str, Any], tp: int, where: str = "config.json") -> tuple[dict[str, Any], int]:
+    """tessera ``model`` section for an HF Llama config at TP size ``tp``; also the HF vocab size.
+
+    Raises ``CheckpointError`` naming the key for what tessera's decoder cannot represent.
+    """
+    def need(key: str) -> Any:
+        if key not in hf:
+            raise CheckpointError(f"{where}: missing key {key!r}")
+        return hf[key]
+
+    archs = hf.get("architectures") or []
+    if hf.get("model_type") != "llama" and "LlamaForCausalLM" not in archs:
+        raise CheckpointError(f"{where}: model_type={hf.get('model_type')!r}, architectures={archs}; only Llama "
+                              "(LlamaForCausalLM) checkpoints can be imported")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"{where}: hidden_act={hf['hidden_act']!r}; tessera's MLP is SwiGLU (silu)")
+    rope_params = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling")
+    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type")) if scaling else rope_params.get("rope_type", "default")
+    if rope_type not in (None, "default"):
+        raise CheckpointError(f"{where}: rope scaling {scaling or rope_params} is not supported (plain rotary only)")
+    rope = float(hf.get("rope_theta") or rope_params.get("rope_theta") or 10000.0)
+    hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
+    kv = int(hf.get("num_key_value_heads") or heads)
+    head_dim = hf.get("head_dim")
+    if head_dim is not None and int(head_dim) * heads != hidden:
+        raise CheckpointError(f"{where}: head_dim={head_dim} x num_attention_heads={heads} != hidden_size={hidden}; "
+                              "tessera needs head_dim = hidden_size / num_attention_heads")
+    attn_bias, mlp_bias = bool(hf.get("attention_bias", False)), bool(hf.get("mlp_bias", False))
+    if attn_bias != mlp_bias:
+        raise CheckpointError(f"{where}: attention_bias={attn_bias} but mlp_bias={mlp_bias}; tessera's model.bias "
+                              "sets both")
+    inter = int(need("intermediate_size"))
+    # mlp_ratio / multiple_of reproducing intermediate_size exactly: prefer a round multiple_of
+    ratio = inter / hidden
+    multiple_of = next((mo for mo in (256, 128, 64, 32, 16, 8, 4, 2, 1, inter) if ffn_hidden_size(hidden, ratio, mo) == inter))
+    vocab = int(need("vocab_size"))
+    padded = -(-vocab // tp) * tp
+    dtype_name = str(hf.get("dtype") or hf.get("torch_dtype") or "float32").removeprefix("torch.")
+    model = {
+        "num_layers": int(need("num_hidden_layers")),
+        "hidden_size": hidden,
+        "num_attention_heads": heads,
+        "num_kv_attention_heads": kv,
+        "vocab_size": padded,
+        "mlp_ratio": ratio,
+        "multiple_of": multiple_of,
+        "dtype": f"torch.{dtype_name}" if dtype_name in ("float32", "bfloat16", "float16") else "torch.bfloat16",
+        "layer_norm_epsilon": float(hf.get("rms_norm_eps", 1e-6)),
+        "rope_base": rope,
+        "max_position_embeddings": int(hf.get("max_position_embeddings", 2048)),
+        "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
+        "bias": attn_bias,
+        "init_std": float(hf.get("initializer_range", 0.02)),
+    }
+    return model, vocab
+
+
+# ---------------------------------------------------------------------------------------- export
+def export_hf(ckpt: str, out_dir: str, *, dtype: str | torch.dtype | None = None, vocab_size: int | None = None,
+              tokenizer: str | None = None, verify: bool = True, overwrite: bool = False) -> dict[str, Any]:
+    """Write ``out_dir`` (config.json, model.safetensors, generation_config.json, tokenizer files when
+    the run had a tokenizer) from tessera checkpoint ``ckpt``, streaming one full tensor at a time.
+
+    ``dtype``: output dtype (default: the run's training dtype); values come from the fp32 optimizer
+    masters when present, so ``fp32`` is exact. ``vocab_size``: trim embedding/head rows (default: the
+    HF size recorded by the import, else the model's). ``tokenizer``: ``"byte"``, a tokenizer.json,
+    ``"none"`` (write no tokenizer files), or None for the run's own. Returns a summary dict.
+    """
+    from tessera.interop.tokenizers import tokenizer_for_checkpoint, write_hf_tokenizer_files
+
+    os.makedirs(out_dir, exist_ok=True)
+    for name in ("config.json", "model.safetensors"):
+        if os.path.exists(os.path.join(out_dir, name)) and not overwrite:
+            raise FileExistsError(f"{os.path.join(out_dir, name)} exists; pass --overwrite or choose another folder")
+    with CheckpointSource(ckpt, verify=verify) as src:
+        m = src.model_cfg
+        out_dtype = run_dtype(m) if dtype is None else (dtype if isinstance(dtype, torch.dtype) else parse_dtype_name(dtype))
+        vocab = int(vocab_size or src.meta.get("hf_vocab_size") or m["vocab_size"])
+        if not 0 < vocab <= int(m["vocab_size"]):
+            raise ValueError(f"--vocab-size {vocab} must be in [1, model.vocab_size={m['vocab_size']}]")
+        if tokenizer == "none":
+            tok, tok_note = None, "--tokenizer none"
+        else:
+            tok, tok_note = tokenizer_for_checkpoint(src.path, src.meta, tokenizer)
+        if tok is not None and tok.vocab_size > vocab:
+            raise ValueError(f"the tokenizer ({tok_note}) has {tok.vocab_size} ids but the exported vocabulary only "
+                             f"{vocab}; pass --tokenizer none or another tokenizer")
+        names = src.param_names
+        if m.get("tie_word_embeddings"):
+            names = [n for n in names if n != "output.weight"]
+
+        def out_shape(n: str) -> tuple[int, ...]:
+            shape = list(src.full_shape(n))
+            if n in _VOCAB_ROWS:
+                shape[0] = vocab
+            return tuple(shape)
+
+        writer = SafetensorsWriter(os.path.join(out_dir, "model.safetensors"),
+                                   [(to_hf_name(n), out_dtype, out_shape(n)) for n in names], {"format": "pt"})
+        try:
+            for n in names:
+                t = src.full(n)
+                if n in _VOCAB_ROWS:
+                    t = t[:vocab]
+                writer.write(to_hf_name(n), t.to(out_dtype))
+            writer.close()
+        except BaseException:
+            writer.abort()
+            raise
+        eos = tok.eod_id if tok is not None else None
+        config = hf_config_from_model_cfg(m, vocab_size=vocab, dtype=out_dtype, eos_token_id=eos)
+        with open(os.path.join(out_dir, "config.json"), "w") as f:
+            json.dump(config, f, indent=2)
+        with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
+            json.dump({"eos_token_id": eos, "bos_token_id": None, "pad_token_id": None}, f, indent=2)
+        written = ["config.json", "generation_config.json", "model.safetensors"]
+        if tok is not None:
+            written += write_hf_tokenizer_files(tok, out_dir, int(m["max_position_embeddings"]))
+        return {"out_dir": out_dir, "files": written, "dtype": str(out_dtype), "vocab_size": vocab,
+                "weights_from": "fp32 optimizer masters" if src.has_optimizer else "model shards",
+                "tokenizer": tok_note if tok is not None else f"none ({tok_note})", "source": src.path}
+
+
+# ---------------------------------------------------------------------------------------- import
+def _hf_weight_files(hf_dir: str) -> dict[str, str]:
+    """HF tensor name -> safetensors file holding it (single file, sharded index, or any *.safetensors)."""
+    index = os.path.join(hf_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f).get("weight_map") or {}
+        return {k: os.path.join(hf_dir, v) for k, v in weight_map.items()}
+    files = sorted(f for f in os.listdir(hf_dir) if f.endswith(".safetensors"))
+    if not files:
+        bins = [f for f in os.listdir(hf_dir) if f.endswith(".bin") or f.endswith(".pt")]
+        hint = (f" (found {bins}: pickled weights are not loaded; re-save them with "
+                "model.save_pretrained(..., safe_serialization=True))") if bins else ""
+        raise CheckpointError(f"{hf_dir} holds no .safetensors weights{hint}")
+    out: dict[str, str] = {}
+    for f in files:
+        path = os.path.join(hf_dir, f)
+        for name in read_header(path)[0]:
+            out[name] = path
+    return out
+
+
+def _eod_token_name(tokenizer_json: str, hf: Mapping[str, Any]) -> str | None:
+    """The token string of the config's ``eos_token_id`` (the first one when it is a list)."""
+    eos = hf.get("eos_token_id")
+    if isinstance(eos, list):
+        eos = eos[0] if eos else None
+    if eos is None:
+        return None
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        return None
+    return Tokenizer.from_file(tokenizer_json).id_to_token(int(eos))
+
+
+def import_hf(hf_dir: str, dst: str, *, tp: int, dtype: str | torch.dtype | None = None, step: int = 0,
+              overwrite: bool = False) -> str:
+    """Write a tessera checkpoint (model shards for ``tp`` ranks, meta.json, tokenizer) from HF Llama ``hf_dir``.
+
+    ``dst``: a ``step_<N>`` folder, or a folder that gets ``step_<step>``. ``dtype``: storage dtype of the
+    shards (default: each HF tensor's own). Returns the step folder, ready for ``ckpt.load_ckpt_folder``.
+    """
+    from tessera.core.config import Config
+
+    cfg_path = os.path.join(hf_dir, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise CheckpointError(f"{cfg_path} is missing: not a Hugging Face model folder")
+    with open(cfg_path) as f:
+        hf = json.load(f)
+    if tp < 1:
+        raise ValueError(f"--tp must be >= 1, got {tp}")
+    model_cfg, hf_vocab = model_cfg_from_hf_config(hf, tp, cfg_path)
+    max_pos = model_cfg["max_position_embeddings"]
+    raw = {"model": model_cfg, "parallel": {"tensor": {"size": tp}},
+           "data": {"type": "synthetic", "seq_len": min(2048, max_pos)}}
+    try:
+        config = Config.from_dict(raw, source=cfg_path).to_dict()
+    except Exception as e:  # noqa: BLE001 - ConfigError/ValueError: name the problem and the file
+        raise CheckpointError(f"{cfg_path} cannot be trained at tensor-parallel size {tp}: {e}") from None
+    layout = param_layout(config["model"], tp)
+    out_dtype = None if dtype is None else (dtype if isinstance(dtype, torch.dtype) else parse_dtype_name(dtype))
+
+    weight_files = _hf_weight_files(hf_dir)
+    headers = {p: read_header(p)[0] for p in set(weight_files.values())}
+    tied = bool(model_cfg["tie_word_embeddings"])
+    wanted = [k for k in layout.state_keys if k not in layout.aliases]
+    source: dict[str, str] = {}
+    for hf_name in weight_files:
+        name = from_hf_name(hf_name)
+        if name is None:
+            if hf_name.endswith("rotary_emb.inv_freq"):
+                continue  # a recomputed buffer some older checkpoints contain
+            raise CheckpointError(f"{hf_dir}: tensor {hf_name!r} has no tessera counterpart (not a plain Llama?)")
+        if name == "output.weight" and tied:
+            continue  # tied: the head is the embedding
+        source[name] = hf_name
+    missing = [to_hf_name(k) for k in wanted if k not in source]
+    if missing:
+        raise CheckpointError(f"{hf_dir}: missing weights {missing[:5]}")
+
+    def full_shape(name: str) -> tuple[int, ...]:
+        shape = list(layout.shapes[name])
+        if layout.dims[name] is not None:
+            shape[layout.dims[name]] *= tp
+        return tuple(shape)
+
+    plan = []  # (tessera name, hf name, file, stored dtype)
+    for name in wanted:
+        hf_name = source[name]
+        info = headers[weight_files[hf_name]][hf_name]
+        expect = list(full_shape(name))
+        if name in _VOCAB_ROWS:
+            expect[0] = hf_vocab
+        if tuple(info["shape"]) != tuple(expect):
+            raise CheckpointError(f"{weight_files[hf_name]}: {hf_name} has shape {info['shape']}, {cfg_path} implies "
+                                  f"{tuple(expect)}")
+        plan.append((name, hf_name, weight_files[hf_name], out_dtype or info["dtype"]))
+
+    skeleton = json.dumps({"d": [[k, {"t": "/" + k}] for k in layout.state_keys]})
+    aliases = json.dumps({"/" + k: "/" + v for k, v in layout.aliases.items()})
+    final = output_step_folder(dst, step)
+    from safetensors import safe_open
+
+    with commit_folder(final, overwrite=overwrite) as out:
+        files: dict[str, Any] = {}
+        writers = [SafetensorsWriter(os.path.join(out, f"model_tp{r}.safetensors"),
+                                     [("/" + n, dt, layout.shapes[n]) for n, _, _, dt in plan],
+                                     {"skeleton": skeleton, "aliases": aliases}) for r in range(tp)]
+        try:
+            handles: dict[str, Any] = {}
+            for name, hf_name, path, dt in plan:
+                if path not in handles:
+                    handles[path] = safe_open(path, framework="pt")
+                t = handles[path].get_tensor(hf_name).to(dt)
+                if name in _VOCAB_ROWS and t.shape[0] != layout.shapes[name][0] * tp:
+                    pad = t.new_zeros(layout.shapes[name][0] * tp - t.shape[0], *t.shape[1:])
+                    t = torch.cat([t, pad])
+                dim = layout.dims[name]
+                pieces = t.chunk(tp, dim=dim) if dim is not None else [t] * tp
+                for w, piece in zip(writers, pieces):
+                    w.write("/" + name, piece)
+            for r, w in enumerate(writers):
+                files[f"model_tp{r}.safetensors"] = w.close()
+        except BaseException:
+            for w in writers:
+                w.abort()
+            raise
+        extra: dict[str, Any] = {"hf_vocab_size": hf_vocab,
+                                 "imported_from": {"path": os.path.abspath(hf_dir), "vocab_padded_to": model_cfg["vocab_size"]}}
+        tok_json = os.path.join(hf_dir, "tokenizer.json")
+        if os.path.isfile(tok_json):
+            for name in ("tokenizer.json", "tokenizer_config.json"):
+                if os.path.isfile(os.path.join(hf_dir, name)):
+                    shutil.copyfile(os.path.join(hf_dir, name), os.path.join(out, name))
+                    files[name] = file_entry(os.path.join(out, name))
+            extra["tokenizer"] = _tokenizer_record(os.path.join(out, "tokenizer.json"), hf)
+        meta = new_meta(step=step, layout={"tp_size": tp, "dp_size": 1, "zero1_size": 1}, has_optimizer=False,
+                        trainer_state={"step": step, "consumed_tokens": 0}, config=config, files=files, **extra)
+        write_meta(out, meta)
+    return final
+
+
+def _tokenizer_record(path: str, hf: Mapping[str, Any]) -> dict[str, Any] | None:
+    """meta.json's tokenizer description (as token folders write it) for an imported tokenizer.json."""
+    from tessera.data.errors import DataError
+    from tessera.data.tokenizer import HFTokenizer
+
+    try:
+        tok = HFTokenizer(path, eod_token=_eod_token_name(path, hf))
+    except DataError:
+        return None  # no usable end-of-document token: tools then ask for --tokenizer
+    return {**tok.describe(), "file": "tokenizer.json"}

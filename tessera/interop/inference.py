@@ -1,0 +1,35 @@
+"""Load any tessera checkpoint into one process (TP=1) for inference, consolidating on the fly."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from tessera.interop.ckpt_io import CheckpointSource
+from tessera.interop.convert import load_consolidated_state
+
+__all__ = ["load_for_inference"]
+
+
+def load_for_inference(path: str, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                       verify: bool = True) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """``(model in eval mode, meta.json)`` for checkpoint ``path`` (a step folder or a save folder).
+
+    The model is built on the meta device (no random init: a 7B model would spend minutes drawing
+    weights it then overwrites) and takes the full tensors, fp32 masters preferred, cast to ``dtype``.
+    """
+    from tessera.model import build_model
+
+    with CheckpointSource(path, verify=verify) as src:
+        cfg = dict(src.model_cfg)
+        state = load_consolidated_state(src, dtype)
+        meta = dict(src.meta, checkpoint_path=src.path)
+    cfg["checkpoint"] = False
+    model = build_model(cfg, tp_group=None, device="meta")
+    model.load_state_dict(state, strict=True, assign=True)
+    if cfg.get("tie_word_embeddings"):
+        model.output.weight = model.embedding.weight  # assign=True replaced both; share one again
+    model.to(device)
+    model.eval()
+    return model, meta

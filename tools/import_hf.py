@@ -1,0 +1,50 @@
+"""Import a Hugging Face Llama folder (config.json + safetensors) as a tessera checkpoint at TP size N.
+
+    python tools/import_hf.py path/to/hf_llama ckpts/llama_tp2 --tp 2
+    torchrun --nproc_per_node=2 train.py --config my_finetune.py ckpt.load_ckpt_folder=ckpts/llama_tp2/step_0
+
+OUT is a save folder that gets ``step_0`` (or a ``step_<N>`` folder, written as is). The checkpoint has
+model shards only (``has_optimizer: false``) and a meta.json whose config describes the network
+(``model`` section to copy into your fine-tuning config; ``data`` is a placeholder). Weights stream
+tensor by tensor in their stored dtype unless ``--dtype`` is given. ``tokenizer.json`` (and
+``tokenizer_config.json``) are copied into the step folder and recorded in meta.json, so
+``tools/generate.py`` and ``tools/export_hf.py`` find them.
+
+Vocabulary not divisible by N: the embedding and head get zero rows up to the next multiple of N
+(``model.vocab_size`` in the config is the padded size; the padded ids never occur in data, and their
+logits are 0 until fine-tuning moves them). The HF size is recorded (``hf_vocab_size``) and
+``tools/export_hf.py`` trims back to it. Only plain Llama is supported: no rope scaling, silu MLP,
+head_dim = hidden/heads, attention_bias == mlp_bias; anything else is an error naming the key.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tessera.core.checkpoint import CheckpointError  # noqa: E402
+from tessera.interop.hf import import_hf  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("hf_folder")
+    p.add_argument("out", help="save folder (gets step_0) or a step_<N> folder")
+    p.add_argument("--tp", type=int, required=True, help="tensor-parallel size of the checkpoint")
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None, help="default: as stored")
+    p.add_argument("--overwrite", action="store_true")
+    a = p.parse_args(argv)
+    try:
+        path = import_hf(a.hf_folder, a.out, tp=a.tp, dtype=a.dtype, overwrite=a.overwrite)
+    except (CheckpointError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {path}  (fine-tune with: train.py ... ckpt.load_ckpt_folder='{path}')")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
