@@ -28,10 +28,15 @@ def _ratio(p: dict[str, float], nd: int = 2) -> str:
     return f"**{p['median']:.{nd}f}** ({p['min']:.{nd}f}-{p['max']:.{nd}f}, n={p['n']})"
 
 
-def _paired(a: dict[str, Any], b: dict[str, Any]) -> dict[str, float]:
+def _paired(a: dict[str, Any], b: dict[str, Any], key: str = "times") -> dict[str, float]:
     from tessera.bench.runner import paired
 
-    return paired(a["times"], b["times"])
+    return paired(a[key], b[key])
+
+
+def _both(a: dict[str, Any], b: dict[str, Any], nd: int = 2) -> str:
+    """Wall-clock and CPU-time paired ratios as two table cells."""
+    return f"{_ratio(_paired(a, b), nd)} | {_ratio(_paired(a, b, 'cpu'), nd)}"
 
 
 def header(res: dict[str, Any], command: str) -> list[str]:
@@ -61,7 +66,10 @@ def header(res: dict[str, Any], command: str) -> list[str]:
         "Method: every variant is built once; after one warm-up step each, the variants run one training "
         "step per round in a rotated order (A B C, B C A, ...). Times are medians over rounds; a ratio is the "
         "median over rounds of the two variants' times *in the same round* (min-max over rounds in brackets), "
-        "so a slow phase of this shared machine hits both sides of a ratio alike. Data: synthetic token rows "
+        "so a slow phase of this shared machine hits both sides of a ratio alike. Single-process figures are "
+        "given as wall clock and as CPU time of the process (`time.process_time`): with one thread, CPU time "
+        "leaves out the time the process waited for a core while other processes ran, so it is the steadier "
+        "estimate of the step's cost on an idle machine when the machine is loaded. Data: synthetic token rows "
         "(`data.type='synthetic'`, one document per row, so tessera and the plain model both use causal SDPA).",
         "",
     ]
@@ -85,49 +93,54 @@ def section_overhead(res: dict[str, Any]) -> list[str]:
         "matmuls and the same initial weights, fp32 cross-entropy, `clip_grad_norm_(1.0)`, `torch.optim.AdamW`; "
         "bf16 under `torch.autocast('cpu', torch.bfloat16)` (fp32 parameters).",
         "",
-        "| variant | median step (s) | tokens/s | first-step loss |",
-        "|---|---:|---:|---:|",
+        "| variant | median step, wall (s) | median step, CPU (s) | tokens/s (wall) | first-step loss |",
+        "|---|---:|---:|---:|---:|",
     ]
     rows = [("tessera bf16", tb), ("tessera fp32", tf),
             ("plain fp32", pf), ("plain bf16 autocast, GEMMs/attention via tessera.parallel.lowp (= tessera's kernel choice)", pb)]
     for name, v in rows:
-        lines.append(f"| {name} | {_f(v['median_s'])} | {s['tokens'] / v['median_s']:.0f} | {v['first_loss']:.4f} |")
+        lines.append(f"| {name} | {_f(v['median_s'])} | {_f(v['median_cpu_s'])} | {s['tokens'] / v['median_s']:.0f} | "
+                     f"{v['first_loss']:.4f} |")
     lines += [
         "",
-        "| ratio (time, lower is better for tessera) | value |",
-        "|---|---:|",
-        f"| **framework overhead, bf16**: tessera bf16 / plain bf16 autocast with the same GEMM kernels | {_ratio(over_bf16)} |",
-        f"| framework overhead, fp32: tessera fp32 / plain fp32 | {_ratio(over_fp32)} |",
-        f"| tessera bf16 / plain fp32 | {_ratio(_paired(tb, pf))} |",
+        "| time ratio (below 1: tessera faster) | wall clock | CPU time |",
+        "|---|---:|---:|",
+        f"| **framework overhead, bf16**: tessera bf16 / plain bf16 autocast with the same GEMM kernels | {_both(tb, pb)} |",
+        f"| framework overhead, fp32: tessera fp32 / plain fp32 | {_both(tf, pf)} |",
+        f"| tessera bf16 / plain fp32 | {_both(tb, pf)} |",
         "",
         f"Plain `torch.autocast` bf16 uses torch's native bf16 CPU kernels. On this CPU they are slow, so that "
         f"comparison runs at a smaller batch ({s['native_tokens']} tokens: micro_bsz "
         f"{res['mode']['native_micro_bsz']} x seq {s['native_seq_len']}), every variant below at that batch, "
         f"{nat['tessera_bf16']['times'].__len__()} round(s):",
         "",
-        "| variant (small batch) | median step (s) | first-step loss |",
-        "|---|---:|---:|",
+        "| variant (small batch) | median step, wall (s) | median step, CPU (s) | first-step loss |",
+        "|---|---:|---:|---:|",
     ]
     for name, key in (("tessera bf16 (auto kernel choice)", "tessera_bf16"),
                       ("tessera bf16, TESSERA_CPU_LOWP_MATMUL=native", "tessera_bf16_native"),
                       ("tessera fp32", "tessera_fp32"),
                       ("plain bf16 torch.autocast (torch native bf16 kernels)", "plain_bf16_autocast"),
                       ("plain bf16 autocast, lowp GEMMs", "plain_bf16_lowp")):
-        lines.append(f"| {name} | {_f(nat[key]['median_s'])} | {nat[key]['first_loss']:.4f} |")
+        lines.append(f"| {name} | {_f(nat[key]['median_s'])} | {_f(nat[key]['median_cpu_s'])} | "
+                     f"{nat[key]['first_loss']:.4f} |")
+    cpu_bf16 = _paired(tb, pb, "cpu")
     lines += [
         "",
-        "| ratio (small batch) | value |",
-        "|---|---:|",
+        "| time ratio (small batch) | wall clock | CPU time |",
+        "|---|---:|---:|",
         f"| tessera bf16 / plain bf16 torch.autocast (native kernels) | "
-        f"{_ratio(_paired(nat['tessera_bf16'], nat['plain_bf16_autocast']), 3)} |",
+        f"{_both(nat['tessera_bf16'], nat['plain_bf16_autocast'], 3)} |",
         f"| tessera bf16 / plain bf16 autocast with lowp GEMMs (overhead at this batch) | "
-        f"{_ratio(_paired(nat['tessera_bf16'], nat['plain_bf16_lowp']))} |",
+        f"{_both(nat['tessera_bf16'], nat['plain_bf16_lowp'])} |",
         f"| plain bf16 autocast native / plain bf16 autocast lowp (kernel choice alone) | "
-        f"{_ratio(_paired(nat['plain_bf16_autocast'], nat['plain_bf16_lowp']))} |",
+        f"{_both(nat['plain_bf16_autocast'], nat['plain_bf16_lowp'])} |",
         "",
         f"Acceptance target (issue): framework overhead in bf16 on the demo model <= 1.10. Measured "
-        f"{over_bf16['median']:.2f}: **{'met' if over_bf16['median'] <= 1.10 else 'NOT met'}** "
-        f"(fp32: {over_fp32['median']:.2f}).",
+        f"{over_bf16['median']:.2f} wall clock, {cpu_bf16['median']:.2f} CPU time: **"
+        + ("met" if max(over_bf16["median"], cpu_bf16["median"]) <= 1.10 else
+           "met by one measure only" if min(over_bf16["median"], cpu_bf16["median"]) <= 1.10 else "NOT met")
+        + f"** (fp32: {over_fp32['median']:.2f} wall, {_paired(tf, pf, 'cpu')['median']:.2f} CPU).",
         "",
     ]
     return lines
@@ -141,23 +154,25 @@ def section_precision(res: dict[str, Any]) -> list[str]:
         "",
         f"tessera steps from section 1's rounds (same run, same batch of {s['tokens']} tokens).",
         "",
-        "| model.dtype | median step (s) | tokens/s | speed-up vs fp32 (t_fp32 / t_dtype) | skipped steps |",
-        "|---|---:|---:|---:|---:|",
+        "| model.dtype | median step, wall (s) | median step, CPU (s) | tokens/s (wall) | speed-up vs fp32 "
+        "(t_fp32 / t_dtype), wall | same, CPU time | skipped steps |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for d in ("bf16", "fp16", "fp32", "tf32"):
         v = main[f"tessera_{d}"]
-        sp = _paired(main["tessera_fp32"], v)
-        lines.append(f"| {d} | {_f(v['median_s'])} | {s['tokens'] / v['median_s']:.0f} | {_ratio(sp)} | "
-                     f"{v['skipped_steps']} |")
+        lines.append(f"| {d} | {_f(v['median_s'])} | {_f(v['median_cpu_s'])} | {s['tokens'] / v['median_s']:.0f} | "
+                     f"{_both(main['tessera_fp32'], v)} | {v['skipped_steps']} |")
     bf = _paired(main["tessera_fp32"], main["tessera_bf16"])
-    nat_sp = _paired(nat["tessera_fp32"], nat["tessera_bf16_native"])
+    bf_cpu = _paired(main["tessera_fp32"], main["tessera_bf16"], "cpu")
     lines += [
         "",
         f"With torch's native bf16 kernels (`TESSERA_CPU_LOWP_MATMUL=native`, small batch of {s['native_tokens']} "
-        f"tokens): speed-up of bf16 over fp32 = {_ratio(nat_sp, 3)}.",
+        f"tokens), speed-up of bf16 over fp32 (t_fp32 / t_bf16_native): wall {_ratio(_paired(nat['tessera_fp32'], nat['tessera_bf16_native']), 3)}, "
+        f"CPU {_ratio(_paired(nat['tessera_fp32'], nat['tessera_bf16_native'], 'cpu'), 3)}.",
         "",
-        f"Expectation from the issue: bf16 >= 1.8x faster than fp32. Measured {bf['median']:.2f}x: "
-        f"**{'holds' if bf['median'] >= 1.8 else 'does not hold on this machine'}**. "
+        f"Expectation from the issue: bf16 >= 1.8x faster than fp32. Measured {bf['median']:.2f}x wall clock, "
+        f"{bf_cpu['median']:.2f}x CPU time: "
+        f"**{'holds' if min(bf['median'], bf_cpu['median']) >= 1.8 else 'does not hold on this machine'}**. "
         + ("Why: this CPU has no bf16/fp16 matrix instructions (no avx512_bf16, avx512_fp16 or AMX; see the "
            "flags above). A bf16 GEMM can only be computed as an fp32 GEMM on upcast operands (what tessera does "
            "here: same FLOPs at the fp32 rate, plus the conversions) or with torch's reference bf16 kernels, "
@@ -185,17 +200,29 @@ def section_parallel(res: dict[str, Any]) -> list[str]:
         "Communication share = time inside torch.distributed collectives (timers wrapped around "
         "all_reduce/all_gather/... in the bench processes; waiting for the peer counts) / step time, per rank.",
         "",
-        "| layout | median step (s) | tokens/s (job) | throughput vs 1 x "
-        f"{w} threads | comm share (rank 0 / rank 1) | comm s per step | collectives per step |",
-        "|---|---:|---:|---:|---:|---:|---:|",
-        f"| 1 process x {w} threads | {_f(med['tp1'])} | {tok / med['tp1']:.0f} | 1 | 0 | 0 | 0 |",
+        f"| layout | median step (s) | tokens/s (job) | throughput vs 1 process x {w} threads | "
+        "throughput vs 1 process x 1 thread | comm share (rank 0 / rank 1) | comm s per step (rank 0 / rank 1) | "
+        "collectives per step |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        f"| 1 process x {w} threads (TP=1, DP=1) | {_f(med['tp1'])} | {tok / med['tp1']:.0f} | 1 | "
+        f"{_ratio(p['vs_one_core']['tp1'])} | - | - | 0 |",
     ]
-    for n, label in (("tp2", f"TP={w}: {w} processes x 1 thread"), ("dp2", f"DP={w}, ZeRO-1 {w}: {w} processes x 1 thread")):
+    for n, label in (("tp2", f"TP={w}: {w} processes x 1 thread"),
+                     ("dp2", f"DP={w}, ZeRO-1 {w}: {w} processes x 1 thread")):
         sh = " / ".join(f"{100 * x:.1f}%" for x in p["comm_share"][n])
         cs = " / ".join(f"{x:.3f}" for x in p["comm_s"][n])
-        lines.append(f"| {label} | {_f(med[n])} | {tok / med[n]:.0f} | {_ratio(p['throughput_ratio'][n])} | {sh} | "
-                     f"{cs} | {p['comm_calls'][n]} |")
-    lines += [""]
+        lines.append(f"| {label} | {_f(med[n])} | {tok / med[n]:.0f} | {_ratio(p['throughput_ratio'][n])} | "
+                     f"{_ratio(p['vs_one_core']['tp2' if n == 'tp2' else 'dp2'])} | {sh} | {cs} | {p['comm_calls'][n]} |")
+    lines += [
+        f"| reference: 1 process x 1 thread | {_f(med['tp1_1thread'])} | {tok / med['tp1_1thread']:.0f} | "
+        f"{_ratio(p['throughput_ratio']['tp1_1thread'])} | 1 | - | - | 0 |",
+        "",
+        f"Speed-ups are paired per round: e.g. TP={w} vs 1 x {w} threads = median over rounds of "
+        f"t(1 x {w} threads) / t(TP={w}). On a machine loaded by other processes, a {w}-thread OpenMP process "
+        "suffers most (each parallel region waits for its slowest thread, and a thread descheduled by another "
+        "process stalls the region), which favours the 1-thread layouts; see the notes.",
+        "",
+    ]
     return lines
 
 
@@ -234,16 +261,18 @@ def section_mfu(res: dict[str, Any]) -> list[str]:
         "`tessera.parallel.lowp.linear`, the kernel the model's linears use), measured in this run with the "
         f"same {s['threads']} thread(s) before and after the timed rounds; the larger of the two is the peak.",
         "",
-        "| model.dtype | median step (s) | achieved TFLOP/s | matmul peak TFLOP/s (before / after) | MFU |",
-        "|---|---:|---:|---:|---:|",
+        "| model.dtype | median step, wall (s) | achieved TFLOP/s | matmul peak TFLOP/s (before / after) | MFU "
+        "| MFU from CPU time |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
     for d in ("bf16", "fp16", "fp32", "tf32"):
         pk = "fp32" if d == "tf32" else d
-        t = s["main"][f"tessera_{d}"]["median_s"]
-        tf = fpt * s["tokens"] / t / 1e12
+        v = s["main"][f"tessera_{d}"]
+        tf = fpt * s["tokens"] / v["median_s"] / 1e12
+        tf_cpu = fpt * s["tokens"] / v["median_cpu_s"] / 1e12
         peak = s["peaks"][pk]
-        lines.append(f"| {d} | {_f(t)} | {tf:.4f} | {peak:.4f} ({s['peaks_before'][pk]:.4f} / "
-                     f"{s['peaks_after'][pk]:.4f}) | {100 * tf / peak:.1f}% |")
+        lines.append(f"| {d} | {_f(v['median_s'])} | {tf:.4f} | {peak:.4f} ({s['peaks_before'][pk]:.4f} / "
+                     f"{s['peaks_after'][pk]:.4f}) | {100 * tf / peak:.1f}% | {100 * tf_cpu / peak:.1f}% |")
     lines += [""]
     return lines
 

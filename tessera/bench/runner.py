@@ -150,6 +150,18 @@ def _env(name: str, value: str | None) -> Iterator[None]:
                 os.environ[name] = old
 
 
+@contextlib.contextmanager
+def _restore_process_state() -> Iterator[None]:
+    """The bench flips TF32 switches (apply_precision) and thread counts; give the caller its own back."""
+    tf32 = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    threads = torch.get_num_threads()
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+        torch.set_num_threads(threads)
+
+
 def _config(mode: Mode, dtype: str, micro_bsz: int, seq_len: int | None = None, config: str | None = None,
             extra: tuple[str, ...] = ()) -> Config:
     """The mode's config at TP=1 on synthetic rows, one document per row (``is_causal`` attention in both
@@ -187,11 +199,13 @@ class _Variant:
     def __init__(self, name: str, fn: Callable[[], float], env: str | None = None, skipped: Callable[[], int] | None = None):
         self.name, self.fn, self.env, self.skipped = name, fn, env, skipped
 
-    def step(self) -> tuple[float, float]:
+    def step(self) -> tuple[float, float, float]:
+        """(wall seconds, CPU seconds of this process, loss). With one thread, the CPU time is what the
+        step costs with the machine to itself: time spent descheduled by other processes is not in it."""
         with _env(_ENV, self.env):
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             loss = self.fn()
-            return time.perf_counter() - t0, loss
+            return time.perf_counter() - t0, time.process_time() - c0, loss
 
 
 def _tessera_variant(name: str, cfg: Config, batches: list, env: str | None = None) -> _Variant:
@@ -216,9 +230,9 @@ def _plain_variant(name: str, cfg: Config, batches: list, dtype: torch.dtype, ge
 def _interleave(variants: list[_Variant], min_rounds: int, max_rounds: int, budget_s: float,
                 log: Callable[[str], None]) -> dict[str, dict[str, Any]]:
     """One warm-up step each (its loss is the first-step loss), then rounds in rotated order."""
-    out: dict[str, dict[str, Any]] = {v.name: {"times": [], "first_loss": None} for v in variants}
+    out: dict[str, dict[str, Any]] = {v.name: {"times": [], "cpu": [], "first_loss": None} for v in variants}
     for v in variants:
-        dt, loss = v.step()
+        dt, cpu, loss = v.step()
         out[v.name]["first_loss"] = loss
         out[v.name]["warmup_s"] = dt
         log(f"  warm-up {v.name}: {dt:.3f}s loss {loss:.4f}")
@@ -227,13 +241,16 @@ def _interleave(variants: list[_Variant], min_rounds: int, max_rounds: int, budg
     while r < max_rounds and (r < min_rounds or time.perf_counter() - t_start < budget_s):
         k = r % len(variants)
         for v in variants[k:] + variants[:k]:
-            dt, loss = v.step()
+            dt, cpu, loss = v.step()
             out[v.name]["times"].append(dt)
+            out[v.name]["cpu"].append(cpu)
             out[v.name]["last_loss"] = loss
         r += 1
-        log(f"  round {r}: " + ", ".join(f"{v.name} {out[v.name]['times'][-1]:.3f}s" for v in variants))
+        log(f"  round {r}: " + ", ".join(f"{v.name} {out[v.name]['times'][-1]:.3f}s ({out[v.name]['cpu'][-1]:.3f} cpu)"
+                                         for v in variants))
     for v in variants:
         out[v.name]["median_s"] = statistics.median(out[v.name]["times"])
+        out[v.name]["median_cpu_s"] = statistics.median(out[v.name]["cpu"])
         out[v.name]["skipped_steps"] = v.skipped() if v.skipped else 0
     return out
 
@@ -378,6 +395,8 @@ def _parallel_worker(rank: int, world: int, mode: Mode) -> dict[str, Any]:
     """1 x ``world`` threads (on rank 0, the others idle in a barrier) vs ``world`` x 1 thread as TP and as
     DP (ZeRO-1 over DP), bf16, same global batch; then memory per parameter under DP=world."""
     torch.set_num_threads(1)
+    t_worker = time.perf_counter()
+    phases: dict[str, float] = {}
     timer = _CommTimer()
     group = dist.new_group(list(range(world)))
     cfg = _config(mode, "bf16", mode.micro_bsz)
@@ -388,22 +407,23 @@ def _parallel_worker(rank: int, world: int, mode: Mode) -> dict[str, Any]:
     steps: dict[str, Callable[[], Any]] = {}
     if rank == 0:
         t1, _ = _tessera(cfg, full)
-        steps["tp1"] = lambda: t1.train_step(full)
+        steps["tp1"] = steps["tp1_1thread"] = lambda: t1.train_step(full)
     t2, _ = _tessera(cfg, full, tp_group=group, global_group=group)
     steps["tp2"] = lambda: t2.train_step(full)
     d2, _ = _tessera(cfg_dp, shard, dp_group=group, zero1_group=group, global_group=group)
     steps["dp2"] = lambda: d2.train_step(shard)
-    names = ["tp1", "tp2", "dp2"]
+    names = ["tp1", "tp1_1thread", "tp2", "dp2"]
+    phases["build"] = time.perf_counter() - t_worker
     times: dict[str, list[float]] = {n: [] for n in names}
     comm: dict[str, list[float]] = {n: [] for n in names}
     calls: dict[str, int] = {n: 0 for n in names}
 
     def run(name: str) -> None:
         dist.barrier()
-        if name == "tp1":
+        if name.startswith("tp1"):
             dt = math.nan
             if rank == 0:
-                torch.set_num_threads(world)
+                torch.set_num_threads(1 if name == "tp1_1thread" else world)
                 t0 = time.perf_counter()
                 steps[name]()
                 dt = time.perf_counter() - t0
@@ -433,12 +453,15 @@ def _parallel_worker(rank: int, world: int, mode: Mode) -> dict[str, Any]:
             run(n)
         r += 1
 
+    phases["timed"] = time.perf_counter() - t_worker
     memory = {}
     for d in DTYPES:
         mcfg = _config(mode, d, 1)
         memory[f"{d}_z1"] = _memory_row(mcfg, dp_group=group, global_group=group)
         memory[f"{d}_z{world}"] = _memory_row(mcfg, dp_group=group, zero1_group=group, global_group=group)
-    return {"rank": rank, "tokens": tokens, "times": times, "comm": comm, "calls": calls, "memory": memory}
+    phases["memory"] = time.perf_counter() - t_worker
+    return {"rank": rank, "tokens": tokens, "times": times, "comm": comm, "calls": calls, "memory": memory,
+            "phases": phases}
 
 
 def measure_parallel(mode: Mode, log: Callable[[str], None]) -> dict[str, Any]:
@@ -457,13 +480,15 @@ def measure_parallel(mode: Mode, log: Callable[[str], None]) -> dict[str, Any]:
         "tokens": res[0]["tokens"],
         "rounds": len(job["tp1"]),
         "median_s": {n: statistics.median(v) for n, v in job.items()},
-        "throughput_ratio": {n: paired(job["tp1"], job[n]) for n in ("tp2", "dp2")},  # t1/tN = speed-up
+        # t_base / t_layout = throughput of the layout relative to the base
+        "throughput_ratio": {n: paired(job["tp1"], job[n]) for n in ("tp2", "dp2", "tp1_1thread")},
+        "vs_one_core": {n: paired(job["tp1_1thread"], job[n]) for n in ("tp1", "tp2", "dp2")},
         "comm_share": share,  # per rank
         "comm_s": {n: [statistics.median(r["comm"][n]) for r in res] for n in ("tp2", "dp2")},
         "comm_calls": {n: res[0]["calls"][n] for n in ("tp2", "dp2")},
         "memory": res[0]["memory"],
     }
-    log(f"parallel: {out['median_s']}, comm share {share}")
+    log(f"parallel: {out['median_s']}, comm share {share}; worker phases (s since start) {res[0]['phases']}")
     return out
 
 
@@ -471,6 +496,11 @@ def measure_parallel(mode: Mode, log: Callable[[str], None]) -> dict[str, Any]:
 def measure_gpu(mode: Mode, device: torch.device | str = "cuda", log: Callable[[str], None] = print) -> dict[str, Any]:
     """bf16 tessera step (and a plain autocast step) on ``mode.gpu_config`` dims; MFU vs the datasheet peak
     and vs a measured matmul. Runs on any device (the tests exercise it on the CPU at tiny dims)."""
+    with _restore_process_state():
+        return _measure_gpu(mode, device, log)
+
+
+def _measure_gpu(mode: Mode, device: torch.device | str, log: Callable[[str], None]) -> dict[str, Any]:
     from tessera.model.attention import select_backend
 
     device = torch.device(device)
@@ -533,6 +563,11 @@ def measure_gpu(mode: Mode, device: torch.device | str = "cuda", log: Callable[[
 # ---------------------------------------------------------------------------- all
 def run_bench(mode: Mode, log: Callable[[str], None] = print, gpu: bool | None = None) -> dict[str, Any]:
     """Every section; returns a JSON-able dict (``tessera.bench.report.to_markdown`` renders it)."""
+    with _restore_process_state():
+        return _run_bench(mode, log, gpu)
+
+
+def _run_bench(mode: Mode, log: Callable[[str], None], gpu: bool | None) -> dict[str, Any]:
     t0 = time.perf_counter()
     result: dict[str, Any] = {
         "mode": asdict(mode),
@@ -542,9 +577,12 @@ def run_bench(mode: Mode, log: Callable[[str], None] = print, gpu: bool | None =
     }
     log(f"machine: {result['machine']}; load {result['loadavg_start']}")
     result["single"] = measure_single(mode, log)
+    log(f"[{time.perf_counter() - t0:.0f}s] single-process sections done")
     result["memory_single"] = measure_memory_single(mode)
     result["loadavg_mid"] = _loadavg()
+    log(f"[{time.perf_counter() - t0:.0f}s] memory (1 process) done")
     result["parallel"] = measure_parallel(mode, log)
+    log(f"[{time.perf_counter() - t0:.0f}s] parallel section done")
     if gpu is None:
         gpu = torch.cuda.is_available()
     result["gpu"] = measure_gpu(mode, "cuda", log) if gpu else None
