@@ -135,8 +135,9 @@ def test_export_tp2_checkpoint_matches_transformers(run, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------- import
-def _random_hf_llama(folder: str, *, tied: bool, bias: bool, vocab: int = 259):
-    """A small random HF Llama (GQA, non-trivial norms, odd vocabulary) saved as safetensors + byte tokenizer."""
+def _random_hf_llama(folder: str, *, tied: bool, bias: bool, vocab: int = 259, shards: bool = False):
+    """A small random HF Llama (GQA, non-trivial norms, odd vocabulary) saved as safetensors + byte tokenizer;
+    ``shards``: several files with a ``model.safetensors.index.json``, as large models are published."""
     transformers = pytest.importorskip("transformers")
     from tessera.interop.tokenizers import byte_tokenizer_json
 
@@ -149,7 +150,8 @@ def _random_hf_llama(folder: str, *, tied: bool, bias: bool, vocab: int = 259):
     with torch.no_grad():
         for name, p in hf.named_parameters():
             p.normal_(1.0 if "norm" in name else 0.0, 0.1 if "norm" in name else 0.15)
-    hf.save_pretrained(folder)
+    hf.save_pretrained(folder, max_shard_size="100KB" if shards else "5GB")
+    assert os.path.exists(os.path.join(folder, "model.safetensors.index.json")) == shards
     with open(os.path.join(folder, "tokenizer.json"), "w") as f:
         f.write(byte_tokenizer_json())
     return hf
@@ -160,7 +162,7 @@ def test_import_matches_hf_and_export_round_trips_bitwise(tmp_path, tied, bias):
     from safetensors.torch import load_file
 
     src = str(tmp_path / "hf_src")
-    hf = _random_hf_llama(src, tied=tied, bias=bias)
+    hf = _random_hf_llama(src, tied=tied, bias=bias, shards=tied)
     _tool("import_hf.py", src, str(tmp_path / "imported"), "--tp", "2")
     step = str(tmp_path / "imported" / "step_0")
     meta = read_meta(step)
@@ -175,11 +177,16 @@ def test_import_matches_hf_and_export_round_trips_bitwise(tmp_path, tied, bias):
     assert (ours[..., :259] - theirs).abs().max().item() <= 1e-4
     assert torch.count_nonzero(ours[..., 259:]) == 0  # the padding row: logit exactly 0
 
-    out = str(tmp_path / "hf_back")
-    _tool("export_hf.py", step, out, "--dtype", "fp32")
-    a, b = load_file(os.path.join(src, "model.safetensors")), load_file(os.path.join(out, "model.safetensors"))
-    assert sorted(a) == sorted(b)
-    assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]
+    a = {}
+    for f in glob.glob(os.path.join(src, "*.safetensors")):
+        a.update(load_file(f))
+    # export straight from the TP=2 import, and after an offline TP 2 -> 1 conversion: both give the HF weights back
+    _tool("convert_checkpoint.py", step, str(tmp_path / "tp1"), "--tp", "1")
+    for ckpt, out in [(step, str(tmp_path / "hf_back")), (str(tmp_path / "tp1"), str(tmp_path / "hf_back_tp1"))]:
+        _tool("export_hf.py", ckpt, out, "--dtype", "fp32")
+        b = load_file(os.path.join(out, "model.safetensors"))
+        assert sorted(a) == sorted(b)
+        assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]
     with open(os.path.join(src, "config.json")) as f1, open(os.path.join(out, "config.json")) as f2:
         before, after = json.load(f1), json.load(f2)
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -254,9 +261,9 @@ def test_convert_tp2dp2_to_tp1dp1_and_back_reproduces_next_step_loss(run, tmp_pa
 
     back = str(tmp_path / "tp2dp2")
     _tool("convert_checkpoint.py", os.path.join(one, "step_2"), back, "--tp", "2", "--dp", "2")
-    losses = _train(tmp_path, "back", run["data_args"] + ["parallel.tensor.size=2", "data.micro_bsz=2",
-                                                          "ckpt.enable_save_ckpt=True", f"ckpt.save_ckpt_folder='{back}'"],
-                    nproc=4)
+    losses = _train(tmp_path, "back", run["data_args"] + [
+        "parallel.tensor.size=2", "data.micro_bsz=2", "ckpt.enable_save_ckpt=True", f"ckpt.save_ckpt_folder='{back}'"],
+        nproc=4)
     assert sorted(losses) == [3] and math.isclose(losses[3], ref, rel_tol=1e-5), (losses, ref)
 
     # the 2 -> 1 -> 2 round trip is exact: every shard tensor equals the original's

@@ -35,7 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("out", help="output folder (created)")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None, help="default: the run's dtype")
     p.add_argument("--vocab-size", type=int, default=None, help="keep only the first N embedding/head rows")
-    p.add_argument("--tokenizer", default=None, help="'byte', a tokenizer.json, or 'none' (no tokenizer files), instead of the run's")
+    p.add_argument("--tokenizer", default=None,
+                   help="'byte', a tokenizer.json, or 'none' (no tokenizer files), instead of the run's")
     p.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the shards")
     p.add_argument("--overwrite", action="store_true", help="replace config.json/model.safetensors in OUT")
     a = p.parse_args(argv)

@@ -24,11 +24,10 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
 import torch
-from safetensors import safe_open
 
 import tessera
 from tessera.core.checkpoint import CHECKPOINT_FORMAT, CheckpointError, list_checkpoints, read_meta, verify_files
-from tessera.interop.safetensors_io import read_header
+from tessera.interop.safetensors_io import SafetensorsReader, read_header
 
 __all__ = ["CheckpointSource", "ParamLayout", "param_layout", "resolve_step_folder", "commit_folder",
            "write_meta", "new_meta", "file_entry", "output_step_folder", "shard_files"]
@@ -42,7 +41,8 @@ def resolve_step_folder(path: str) -> str:
     found = list_checkpoints(path)
     if found:
         return found[-1]
-    raise CheckpointError(f"{path} is neither a checkpoint step folder (no meta.json) nor a folder of step_<N> checkpoints")
+    raise CheckpointError(f"{path} is neither a checkpoint step folder (no meta.json) "
+                          "nor a folder of step_<N> checkpoints")
 
 
 def shard_files(kind: str, tp_size: int) -> list[str]:
@@ -165,12 +165,12 @@ class CheckpointSource:
     def tensor(self, name: str, key: str) -> torch.Tensor:
         """Tensor ``key`` (a path such as ``/master/norm.weight``, aliases resolved) of shard file ``name``."""
         if name not in self._handles:
-            self._handles[name] = self._stack.enter_context(safe_open(os.path.join(self.path, name), framework="pt"))
+            self._handles[name] = self._stack.enter_context(SafetensorsReader(os.path.join(self.path, name)))
         key = self.aliases(name).get(key, key)
         try:
             return self._handles[name].get_tensor(key)
-        except Exception:  # noqa: BLE001 - safetensors raises its own error types
-            raise CheckpointError(f"{self.path}/{name} has no tensor {key!r}") from None
+        except (KeyError, ValueError) as e:
+            raise CheckpointError(str(e).strip('"')) from None
 
     def _check_model_files(self) -> None:
         for r, name in enumerate(self.model_files):

@@ -49,7 +49,8 @@ def _zero1_for(config: Mapping[str, Any], dp: int) -> tuple[int, int]:
     z = int(((config.get("parallel") or {}).get("zero1") or {}).get("size", -1))
     if z == -1 or (z >= 1 and dp % z == 0):
         return z, dp if z == -1 else z
-    logger.warning("parallel.zero1.size=%d does not divide the new data-parallel size %d; using -1 (whole group)", z, dp)
+    logger.warning("parallel.zero1.size=%d does not divide the new data-parallel size %d; using -1 (whole group)",
+                   z, dp)
     return -1, dp
 
 
@@ -90,9 +91,11 @@ def _reshard_file_set(src: CheckpointSource, kind: str, tp: int, out: str) -> di
         plan.append((key, dim, tuple(shape), info["dtype"]))
     for key, dim, shape, _ in plan:  # the new shards must fit the model the config describes at the new TP
         for part in key.split("/"):
-            if part in new_layout.shapes and len(shape) == len(new_layout.shapes[part]) and shape != new_layout.shapes[part]:
-                raise CheckpointError(f"{key}: resharded shape {shape} != model shape {new_layout.shapes[part]} at TP={tp}")
-    writers = [SafetensorsWriter(os.path.join(out, n), [(k, dt, s) for k, _, s, dt in plan], metadata) for n in new_files]
+            want = new_layout.shapes.get(part)
+            if want is not None and len(shape) == len(want) and shape != want:
+                raise CheckpointError(f"{key}: resharded shape {shape} != model shape {want} at TP={tp}")
+    entries = [(k, dt, s) for k, _, s, dt in plan]
+    writers = [SafetensorsWriter(os.path.join(out, n), entries, metadata) for n in new_files]
     try:
         for key, dim, shape, _ in plan:
             if dim is None:

@@ -40,7 +40,7 @@ from tessera.interop.ckpt_io import (
     param_layout,
     write_meta,
 )
-from tessera.interop.safetensors_io import SafetensorsWriter, read_header
+from tessera.interop.safetensors_io import SafetensorsReader, SafetensorsWriter, read_header
 from tessera.model.mlp import ffn_hidden_size
 
 __all__ = ["to_hf_name", "from_hf_name", "hf_config_from_model_cfg", "model_cfg_from_hf_config", "export_hf",
@@ -164,7 +164,10 @@ def model_cfg_from_hf_config(hf: Mapping[str, Any], tp: int, where: str = "confi
         raise CheckpointError(f"{where}: hidden_act={hf['hidden_act']!r}; tessera's MLP is SwiGLU (silu)")
     rope_params = hf.get("rope_parameters") or {}
     scaling = hf.get("rope_scaling")
-    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type")) if scaling else rope_params.get("rope_type", "default")
+    if scaling:
+        rope_type = scaling.get("rope_type", scaling.get("type"))
+    else:
+        rope_type = rope_params.get("rope_type", "default")
     if rope_type not in (None, "default"):
         raise CheckpointError(f"{where}: rope scaling {scaling or rope_params} is not supported (plain rotary only)")
     rope = float(hf.get("rope_theta") or rope_params.get("rope_theta") or 10000.0)
@@ -181,7 +184,8 @@ def model_cfg_from_hf_config(hf: Mapping[str, Any], tp: int, where: str = "confi
     inter = int(need("intermediate_size"))
     # mlp_ratio / multiple_of reproducing intermediate_size exactly: prefer a round multiple_of
     ratio = inter / hidden
-    multiple_of = next((mo for mo in (256, 128, 64, 32, 16, 8, 4, 2, 1, inter) if ffn_hidden_size(hidden, ratio, mo) == inter))
+    multiple_of = next(mo for mo in (256, 128, 64, 32, 16, 8, 4, 2, 1, inter)
+                       if ffn_hidden_size(hidden, ratio, mo) == inter)
     vocab = int(need("vocab_size"))
     padded = -(-vocab // tp) * tp
     dtype_name = str(hf.get("dtype") or hf.get("torch_dtype") or "float32").removeprefix("torch.")
@@ -223,7 +227,10 @@ def export_hf(ckpt: str, out_dir: str, *, dtype: str | torch.dtype | None = None
             raise FileExistsError(f"{os.path.join(out_dir, name)} exists; pass --overwrite or choose another folder")
     with CheckpointSource(ckpt, verify=verify) as src:
         m = src.model_cfg
-        out_dtype = run_dtype(m) if dtype is None else (dtype if isinstance(dtype, torch.dtype) else parse_dtype_name(dtype))
+        if dtype is None:
+            out_dtype = run_dtype(m)
+        else:
+            out_dtype = dtype if isinstance(dtype, torch.dtype) else parse_dtype_name(dtype)
         vocab = int(vocab_size or src.meta.get("hf_vocab_size") or m["vocab_size"])
         if not 0 < vocab <= int(m["vocab_size"]):
             raise ValueError(f"--vocab-size {vocab} must be in [1, model.vocab_size={m['vocab_size']}]")
@@ -372,18 +379,16 @@ def import_hf(hf_dir: str, dst: str, *, tp: int, dtype: str | torch.dtype | None
     skeleton = json.dumps({"d": [[k, {"t": "/" + k}] for k in layout.state_keys]})
     aliases = json.dumps({"/" + k: "/" + v for k, v in layout.aliases.items()})
     final = output_step_folder(dst, step)
-    from safetensors import safe_open
-
     with commit_folder(final, overwrite=overwrite) as out:
         files: dict[str, Any] = {}
         writers = [SafetensorsWriter(os.path.join(out, f"model_tp{r}.safetensors"),
                                      [("/" + n, dt, layout.shapes[n]) for n, _, _, dt in plan],
                                      {"skeleton": skeleton, "aliases": aliases}) for r in range(tp)]
+        handles: dict[str, SafetensorsReader] = {}
         try:
-            handles: dict[str, Any] = {}
             for name, hf_name, path, dt in plan:
                 if path not in handles:
-                    handles[path] = safe_open(path, framework="pt")
+                    handles[path] = SafetensorsReader(path)
                 t = handles[path].get_tensor(hf_name).to(dt)
                 if name in _VOCAB_ROWS and t.shape[0] != layout.shapes[name][0] * tp:
                     pad = t.new_zeros(layout.shapes[name][0] * tp - t.shape[0], *t.shape[1:])
@@ -398,8 +403,12 @@ def import_hf(hf_dir: str, dst: str, *, tp: int, dtype: str | torch.dtype | None
             for w in writers:
                 w.abort()
             raise
+        finally:
+            for h in handles.values():
+                h.close()
         extra: dict[str, Any] = {"hf_vocab_size": hf_vocab,
-                                 "imported_from": {"path": os.path.abspath(hf_dir), "vocab_padded_to": model_cfg["vocab_size"]}}
+                                 "imported_from": {"path": os.path.abspath(hf_dir),
+                                                   "vocab_padded_to": model_cfg["vocab_size"]}}
         tok_json = os.path.join(hf_dir, "tokenizer.json")
         if os.path.isfile(tok_json):
             for name in ("tokenizer.json", "tokenizer_config.json"):

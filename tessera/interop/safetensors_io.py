@@ -6,7 +6,7 @@ The format is simple enough to write incrementally: an 8-byte little-endian head
 header giving every tensor's dtype, shape and byte range, then the raw bytes. All shapes are known
 before any data is read (from the source headers), so the header is written first and each tensor
 is appended as soon as it is produced, hashed on the way (the checkpoint's meta.json wants sha256).
-Reading goes through ``safetensors.safe_open`` (memory-mapped, one tensor at a time).
+Reading uses positioned reads of one tensor at a time (``SafetensorsReader``), not a memory map.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any, Iterable
 
 import torch
 
-__all__ = ["DTYPE_NAMES", "SafetensorsWriter", "read_header", "tensor_bytes"]
+__all__ = ["DTYPE_NAMES", "SafetensorsReader", "SafetensorsWriter", "read_header", "tensor_bytes"]
 
 # safetensors dtype names <-> torch dtypes (what tessera and HF checkpoints use)
 DTYPE_NAMES: dict[torch.dtype, str] = {
@@ -32,8 +32,8 @@ NAME_DTYPES: dict[str, torch.dtype] = {v: k for k, v in DTYPE_NAMES.items()}
 _MAX_HEADER = 100 * 1024 * 1024
 
 
-def read_header(path: str) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
-    """``({name: {"dtype": torch.dtype, "shape": tuple}}, metadata)`` without reading any tensor data."""
+def _read_raw_header(path: str) -> tuple[dict[str, Any], int]:
+    """(header JSON, byte offset of the data section)."""
     try:
         with open(path, "rb") as f:
             raw = f.read(8)
@@ -45,13 +45,69 @@ def read_header(path: str) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
             header = json.loads(f.read(n))
     except (OSError, ValueError) as e:
         raise ValueError(f"{path} is not a readable safetensors file: {e}") from None
+    return header, 8 + n
+
+
+def read_header(path: str) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+    """``({name: {"dtype", "shape", "offsets"}}, metadata)`` without reading any tensor data."""
+    tensors, meta, _ = _parse_header(path)
+    return tensors, meta
+
+
+def _parse_header(path: str) -> tuple[dict[str, dict[str, Any]], dict[str, str], int]:
+    header, data_start = _read_raw_header(path)
     meta = header.pop("__metadata__", None) or {}
     out: dict[str, dict[str, Any]] = {}
     for name, info in header.items():
         if info["dtype"] not in NAME_DTYPES:
             raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {info['dtype']}")
-        out[name] = {"dtype": NAME_DTYPES[info["dtype"]], "shape": tuple(info["shape"])}
-    return out, meta
+        out[name] = {"dtype": NAME_DTYPES[info["dtype"]], "shape": tuple(info["shape"]),
+                     "offsets": tuple(info["data_offsets"])}
+    return out, meta, data_start
+
+
+class SafetensorsReader:
+    """Read single tensors of a safetensors file with plain positioned reads.
+
+    Why not ``safe_open``: it memory-maps the whole file, and every page it touches stays in the
+    process's resident set until the file is closed, so streaming through a 80 GB optimizer shard
+    would look like (and, under a cgroup limit, count as) 80 GB of memory. ``pread`` into a fresh
+    tensor keeps only the tensors still referenced.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.tensors, self.metadata, self._data_start = _parse_header(path)
+        self._fd = os.open(path, os.O_RDONLY)
+
+    def keys(self) -> list[str]:
+        return list(self.tensors)
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        info = self.tensors.get(name)
+        if info is None:
+            raise KeyError(f"{self.path} has no tensor {name!r}")
+        begin, end = info["offsets"]
+        buf = torch.empty(end - begin, dtype=torch.uint8)
+        view = memoryview(buf.numpy())
+        done = 0
+        while done < len(view):
+            n = os.preadv(self._fd, [view[done:]], self._data_start + begin + done)
+            if n <= 0:
+                raise ValueError(f"{self.path}: unexpected end of file reading {name!r}")
+            done += n
+        return buf.view(info["dtype"]).reshape(info["shape"])
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> "SafetensorsReader":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -84,7 +140,8 @@ class SafetensorsWriter:
                 raise ValueError(f"{path}: cannot store dtype {dtype} for {name!r}")
             shape = tuple(int(s) for s in shape)
             nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-            header[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            header[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape),
+                            "data_offsets": [offset, offset + nbytes]}
             offset += nbytes
             self._order.append((name, dtype, shape))
         blob = json.dumps(header, separators=(",", ":")).encode("utf-8")
@@ -106,7 +163,8 @@ class SafetensorsWriter:
         if name != want_name:
             raise ValueError(f"{self.path}: expected tensor {want_name!r} next, got {name!r}")
         if tensor.dtype != dtype or tuple(tensor.shape) != shape:
-            raise ValueError(f"{self.path}: {name!r} declared {dtype} {shape}, got {tensor.dtype} {tuple(tensor.shape)}")
+            raise ValueError(f"{self.path}: {name!r} declared {dtype} {shape}, "
+                             f"got {tensor.dtype} {tuple(tensor.shape)}")
         self._emit(tensor_bytes(tensor))
         self._next += 1
 

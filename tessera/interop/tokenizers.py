@@ -68,7 +68,7 @@ def byte_tokenizer_json(eod_token: str = BYTE_EOD_TOKEN) -> str:
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(eod_token, special=True, normalized=False)])
     if tok.token_to_id(eod_token) != ByteTokenizer.eod_id:
-        raise AssertionError("byte tokenizer.json: end-of-document token did not land on id 256")
+        raise RuntimeError("byte tokenizer.json: the end-of-document token did not land on id 256")
     return tok.to_str()
 
 
