@@ -182,6 +182,9 @@ def test_import_matches_hf_and_export_round_trips_bitwise(tmp_path, tied, bias):
         a.update(load_file(f))
     # export straight from the TP=2 import, and after an offline TP 2 -> 1 conversion: both give the HF weights back
     _tool("convert_checkpoint.py", step, str(tmp_path / "tp1"), "--tp", "1")
+    converted = read_meta(str(tmp_path / "tp1" / "step_0"))
+    assert sorted(converted["files"]) == ["model_tp0.safetensors", "tokenizer.json"]
+    assert converted["tokenizer"] == meta["tokenizer"] and converted["hf_vocab_size"] == 259
     for ckpt, out in [(step, str(tmp_path / "hf_back")), (str(tmp_path / "tp1"), str(tmp_path / "hf_back_tp1"))]:
         _tool("export_hf.py", ckpt, out, "--dtype", "fp32")
         b = load_file(os.path.join(out, "model.safetensors"))

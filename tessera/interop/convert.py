@@ -142,6 +142,10 @@ def convert_checkpoint(src_path: str, dst: str, *, tp: int, dp: int | None = Non
                     if name.startswith("rng_rank"):
                         shutil.copyfile(os.path.join(src.path, name), os.path.join(out, name))
                         files[name] = entry
+            for name in ("tokenizer.json", "tokenizer_config.json"):  # an imported checkpoint's tokenizer
+                if name in src.meta["files"] and os.path.isfile(os.path.join(src.path, name)):
+                    shutil.copyfile(os.path.join(src.path, name), os.path.join(out, name))
+                    files[name] = src.meta["files"][name]
             old = src.meta["layout"]
             meta = new_meta(step=step, layout={"tp_size": tp, "dp_size": dp, "zero1_size": zero1},
                             has_optimizer=src.has_optimizer, trainer_state=src.meta.get("trainer_state", {}),
@@ -152,10 +156,6 @@ def convert_checkpoint(src_path: str, dst: str, *, tp: int, dp: int | None = Non
             for key in ("tokenizer", "hf_vocab_size", "imported_from"):  # interop records travel along
                 if key in src.meta:
                     meta[key] = src.meta[key]
-            for name in ("tokenizer.json", "tokenizer_config.json"):
-                if name in src.meta["files"] and os.path.isfile(os.path.join(src.path, name)):
-                    shutil.copyfile(os.path.join(src.path, name), os.path.join(out, name))
-                    files[name] = src.meta["files"][name]
             write_meta(out, meta)
     return final
 
