@@ -1,6 +1,7 @@
 """Benchmark tessera's training step side by side with plain PyTorch and write BENCHMARKS.md.
 
     python tools/bench.py [--quick] [--out BENCHMARKS.md] [--json results.json] [--threads N]
+                          [--config configs/demo.py] [key.sub=value ...]
     python tools/bench.py --only-gpu --out BENCHMARKS_GPU.md      # the GPU section alone (needs CUDA)
 
 Sections: (1) framework overhead vs a plain PyTorch step of the same model, (2) bf16/fp16/fp32/tf32,
@@ -39,6 +40,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="torch threads of the single-process sections")
     ap.add_argument("--only-gpu", action="store_true", help="measure only the GPU section (needs CUDA)")
     ap.add_argument("--no-gpu", action="store_true", help="skip the GPU section even when CUDA is available")
+    ap.add_argument("--config", default=None, help="model/optimizer config of the CPU sections (default: configs/demo.py)")
+    ap.add_argument("overrides", nargs="*", help="key.sub=value overrides of that config (e.g. model.hidden_size=256)")
     args = ap.parse_args(argv)
 
     import torch
@@ -49,6 +52,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     mode = MODES["tiny" if args.tiny else "quick" if args.quick else "full"]
     if args.threads is not None:
         mode = dataclasses.replace(mode, threads=args.threads)
+    if args.config is not None:
+        mode = dataclasses.replace(mode, config=args.config)
+    if args.overrides:
+        mode = dataclasses.replace(mode, overrides=(*mode.overrides, *args.overrides))
     command = " ".join(["python", "tools/bench.py", *(shlex.quote(a) for a in argv)])
     if args.only_gpu:
         if not torch.cuda.is_available():

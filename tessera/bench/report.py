@@ -47,7 +47,9 @@ def header(res: dict[str, Any], command: str) -> list[str]:
     lines = [
         "# tessera benchmarks",
         "",
-        f"Produced by `{command}` on {res['date']} in {res['elapsed_s']:.0f} s (mode `{mode['name']}`).",
+        f"Produced by `{command}` on {res['date']} in {res['elapsed_s']:.0f} s (mode `{mode['name']}`), at commit "
+        f"`{res['git']['commit']}`" + (f" with `{mode['config']}` modified in the working tree (measured as read at "
+                                       "the start of the run)" if res["git"]["config_modified"] else "") + ".",
         "",
         "| | |",
         "|---|---|",

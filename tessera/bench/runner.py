@@ -24,12 +24,13 @@ Sections (keys of the result dict):
 from __future__ import annotations
 
 import contextlib
+import copy
 import datetime
 import math
 import os
 import platform
 import statistics
-import sys
+import subprocess
 import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Iterator
@@ -37,7 +38,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from tessera.core.config import Config
+from tessera.core.config import Config, apply_overrides, load_python_file
 from tessera.core.metrics import gpu_peak_tflops, measure_matmul_tflops
 from tessera.core.naive_amp import naive_amp_from_config
 from tessera.core.optimizer import build_optimizer
@@ -72,18 +73,25 @@ class Mode:
     threads: int = 1  # torch threads of the single-process sections
     min_rounds: int = 5
     max_rounds: int = 12
-    budget_s: float = 150.0  # single-process rounds stop after this once min_rounds are done
+    budget_s: float = 120.0  # single-process rounds stop after this once min_rounds are done
     native_micro_bsz: int = 1
     native_seq_len: int | None = None  # None: the config's seq_len
     native_rounds: int = 3
     world: int = 2  # processes of the parallel section (= threads of its 1-process baseline)
     par_min_rounds: int = 5
     par_max_rounds: int = 12
-    par_budget_s: float = 60.0
+    par_budget_s: float = 50.0
     gpu_config: str = "configs/1B.py"
     gpu_micro_bsz: int = 4
     gpu_steps: int = 8
     peak_seconds: float = 0.5
+    # the config files as read once at the start (path -> raw dict), so every section and every worker
+    # measures the same model even if a file changes on disk during the run
+    snapshot: dict[str, Any] | None = field(default=None, compare=False, hash=False, repr=False)
+
+    def frozen(self) -> "Mode":
+        """This mode with its config files read now."""
+        return replace(self, snapshot={p: load_python_file(_path(p)) for p in {self.config, self.gpu_config}})
 
 
 MODES: dict[str, Mode] = {
@@ -125,6 +133,19 @@ def machine_info() -> dict[str, Any]:
         "fp16_upcast": lowp.upcast_on_cpu(torch.float16),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
     }
+
+
+def _git_state(config: str) -> dict[str, Any]:
+    """The commit measured, and whether the config file differs from it (others may be editing it)."""
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", *args], cwd=_ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    return {"commit": git("rev-parse", "--short", "HEAD") or "unknown",
+            "config_modified": bool(git("status", "--porcelain", "--", config)),
+            "tree_modified": bool(git("status", "--porcelain", "--untracked-files=no"))}
 
 
 def _loadavg() -> list[float]:
@@ -170,7 +191,15 @@ def _config(mode: Mode, dtype: str, micro_bsz: int, seq_len: int | None = None, 
             "data.pack_sample_into_one=True", f"data.micro_bsz={micro_bsz}", "data.micro_num=1", *extra]
     if seq_len is not None:
         over.append(f"data.seq_len={seq_len}")
-    return Config.from_file(_path(config or mode.config), over)
+    return _load(mode, config or mode.config, over)
+
+
+def _load(mode: Mode, config: str, overrides: list[str]) -> Config:
+    """``Config.from_file`` on the mode's snapshot of ``config`` (read from disk when there is none)."""
+    raw = copy.deepcopy(mode.snapshot[config]) if mode.snapshot and config in mode.snapshot else \
+        load_python_file(_path(config))
+    apply_overrides(raw, overrides, source=config)
+    return Config.from_dict(raw, source=config)
 
 
 def _batches(cfg: Config, dp_rank: int = 0, dp_size: int = 1) -> list[dict[str, torch.Tensor]]:
@@ -505,7 +534,7 @@ def _measure_gpu(mode: Mode, device: torch.device | str, log: Callable[[str], No
 
     device = torch.device(device)
     cuda = device.type == "cuda"
-    cfg = Config.from_file(_path(mode.gpu_config), [
+    cfg = _load(mode, mode.gpu_config, [
         "model.dtype='torch.bfloat16'", "parallel.tensor.size=1", "data.type='synthetic'",
         "data.pack_sample_into_one=True", f"data.micro_bsz={mode.gpu_micro_bsz}", "data.micro_num=1"])
     batches = _batches(cfg)
@@ -569,8 +598,10 @@ def run_bench(mode: Mode, log: Callable[[str], None] = print, gpu: bool | None =
 
 def _run_bench(mode: Mode, log: Callable[[str], None], gpu: bool | None) -> dict[str, Any]:
     t0 = time.perf_counter()
+    mode = mode.frozen()
     result: dict[str, Any] = {
-        "mode": asdict(mode),
+        "mode": {k: v for k, v in asdict(mode).items() if k != "snapshot"},
+        "git": _git_state(mode.config),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": machine_info(),
         "loadavg_start": _loadavg(),
