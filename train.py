@@ -35,6 +35,10 @@ from tessera.model.generation import generate_text
 logger = logging.getLogger("tessera")
 
 
+class TrainingStopped(RuntimeError):
+    """The run cannot go on (e.g. it diverged); the message names the step and where to resume from."""
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True, help="Python config file (runs as code, like any training script)")
@@ -130,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def save(at_step: int) -> str:
         nonlocal last_ckpt
+        if last_ckpt == os.path.join(cfg.ckpt.save_ckpt_folder, f"step_{at_step}"):
+            return last_ckpt  # saved (or resumed from) at this very step: same state, nothing to write
         state = {"step": at_step, "consumed_tokens": consumed_tokens, "lr_scheduler": scheduler.state_dict(),
                  "sampler": data.train.state_dict()}
         last_ckpt = save_checkpoint(cfg.ckpt.save_ckpt_folder, at_step, model=unwrap_model(model),
@@ -151,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             result = trainer.train_step(data.train.next_step_batches())
         except TooManySkippedSteps as e:
-            raise RuntimeError(f"stopping at step {step + 1}: {e}; last good checkpoint: {last_ckpt or 'none'}") from None
+            raise TrainingStopped(f"stopping at step {step + 1}: {e}; last good checkpoint: {last_ckpt or 'none'}") from None
         scheduler.step()
         step += 1
         consumed_tokens += result.tokens
@@ -201,7 +207,7 @@ def run() -> None:
     """Exit non-zero on every failing rank at once; never wait on peers that may be gone."""
     try:
         sys.exit(main())
-    except (ConfigError, DataError, CheckpointError) as e:
+    except (ConfigError, DataError, CheckpointError, TrainingStopped) as e:
         rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "?"))
         print(f"[rank {rank}] error: {e}", file=sys.stderr, flush=True)
     except Exception:  # noqa: BLE001 - report with the traceback, then take the whole job down

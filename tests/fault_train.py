@@ -9,7 +9,10 @@ torchrun's ``TORCHELASTIC_RESTART_COUNT`` counts attempts), so a restarted attem
 
   TESSERA_FAULT_KILL="RANK:STEP"        SIGKILL this rank mid-step (after the forward pass)
   TESSERA_FAULT_RAISE="RANK:STEP"       raise RuntimeError mid-step
-  TESSERA_FAULT_HANG="RANK:STEP"        sleep forever mid-step (peers must time out, not hang)
+  TESSERA_FAULT_HANG="RANK:STEP"        sleep forever mid-step (peers must time out, not hang); SIGTERM
+                                        kills it at once (train.py's handler only sets a flag, so a
+                                        sleeping rank would wait for torchrun's SIGKILL 30 s later,
+                                        as one stuck outside Python does)
   TESSERA_FAULT_NAN="RANK:S1,S2,..."    make the loss NaN at those steps on RANK ("*" = every rank)
   TESSERA_FAULT_SAVE="RANK:STEP:POINT"  SIGKILL RANK while saving the checkpoint of STEP, at POINT:
                                         "mid_write" (its model shard written, its optimizer shard not)
@@ -138,6 +141,7 @@ class FaultTrainer(Trainer):
             raise RuntimeError(f"injected fault: rank {RANK} raises mid-step {step}")
         if step == HANG_AT:
             _say(f"hanging mid-step {step}")
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
             while True:
                 time.sleep(3600)
         if step in NAN_AT:

@@ -201,18 +201,57 @@ def list_checkpoints(folder: str) -> list[str]:
     return [p for _, p in sorted(found)]
 
 
+def _hidden(folder: str, step: int, what: str) -> str:
+    """A name auto-resume never lists: ``.step_<N>.<what>`` (partial, replaced, deleting)."""
+    return os.path.join(folder, f".step_{step}.{what}")
+
+
+def _discard(path: str, folder: str, step: int) -> None:
+    """Remove a checkpoint folder crash-safely: rename it out of sight first, then delete it.
+
+    Deleting in place could die half-way and leave ``step_<N>/meta.json`` next to missing shards.
+    """
+    trash = _hidden(folder, step, "deleting")
+    shutil.rmtree(trash, ignore_errors=True)
+    os.replace(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+_HIDDEN = re.compile(r"^\.step_(\d+)\.(partial|replaced|deleting)$")
+
+
 def clean_partial_checkpoints(folder: str) -> list[str]:
-    """Remove folders left by interrupted saves (called on rank 0); returns what was removed."""
+    """Tidy up after interrupted saves (called on rank 0); returns the folders removed.
+
+    ``.step_<N>.partial`` (a save that never completed) and ``.step_<N>.deleting`` (a removal that
+    never completed) are deleted, as is a ``step_<N>`` without ``meta.json``. A ``.step_<N>.replaced``
+    is the complete previous copy of a step being re-saved: it is put back when the save died before
+    its new copy took its place, else deleted.
+    """
     removed = []
-    if folder and os.path.isdir(folder):
-        for name in os.listdir(folder):
-            full = os.path.join(folder, name)
-            incomplete = _STEP_DIR.match(name) and not os.path.isfile(os.path.join(full, "meta.json"))
-            if name.endswith(".partial") or incomplete:
-                logger.warning("removing incomplete checkpoint folder %s (an interrupted save)", full)
-                shutil.rmtree(full, ignore_errors=True)
-                removed.append(full)
+    if not folder or not os.path.isdir(folder):
+        return removed
+    for name in sorted(os.listdir(folder)):
+        full = os.path.join(folder, name)
+        hidden = _HIDDEN.match(name)
+        if hidden and hidden.group(2) == "replaced":
+            final = os.path.join(folder, f"step_{hidden.group(1)}")
+            if not os.path.exists(final) and os.path.isfile(os.path.join(full, "meta.json")):
+                logger.warning("restoring %s from %s (a re-save of that step was interrupted)", final, full)
+                os.replace(full, final)
+                continue
+        incomplete = _STEP_DIR.match(name) and not os.path.isfile(os.path.join(full, "meta.json"))
+        if hidden or name.endswith(".partial") or incomplete:
+            logger.warning("removing incomplete checkpoint folder %s (an interrupted save)", full)
+            shutil.rmtree(full, ignore_errors=True)
+            removed.append(full)
     return removed
+
+
+def _meta_digest(meta: Mapping[str, Any]) -> str:
+    """sha256 of meta.json's content (all but this digest): meta.json vouches for every other file."""
+    body = {k: v for k, v in meta.items() if k != "meta_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def read_meta(path: str) -> dict[str, Any]:
@@ -220,12 +259,18 @@ def read_meta(path: str) -> dict[str, Any]:
     if not os.path.isfile(meta_path):
         raise CheckpointError(f"{meta_path} is missing: {path} is not a complete checkpoint")
     try:
-        with open(meta_path) as f:
+        with open(meta_path, encoding="utf-8") as f:
             meta = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{meta_path} is unreadable: {e}") from None
-    if meta.get("format") != CHECKPOINT_FORMAT:
-        raise CheckpointError(f"{meta_path}: unsupported checkpoint format {meta.get('format')!r}")
+    except (OSError, ValueError) as e:  # ValueError: bad JSON or bad UTF-8
+        raise CheckpointError(f"{meta_path} is damaged or unreadable: {e}") from None
+    if not isinstance(meta, dict) or meta.get("format") != CHECKPOINT_FORMAT:
+        got = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise CheckpointError(f"{meta_path}: unsupported checkpoint format {got!r}")
+    if "meta_sha256" in meta and meta["meta_sha256"] != _meta_digest(meta):
+        raise CheckpointError(f"{meta_path} is damaged: its content does not match its sha256")
+    missing = [k for k in ("step", "layout", "files", "trainer_state") if k not in meta]
+    if missing:
+        raise CheckpointError(f"{meta_path} is damaged: missing {missing}")
     return meta
 
 
@@ -302,6 +347,7 @@ def save_checkpoint(
             "config": config,
             "files": all_files,
         }
+        meta["meta_sha256"] = _meta_digest(meta)
         tmp = os.path.join(partial, "meta.json.tmp")
         with open(tmp, "w") as f:
             json.dump(meta, f, indent=2, default=str)
@@ -311,13 +357,18 @@ def save_checkpoint(
         _fsync_dir(partial)
         if before_commit is not None:
             before_commit(partial)
-        if os.path.exists(final):  # re-saving a step (e.g. after a resume): replace the old copy
-            shutil.rmtree(final)
+        replaced = None
+        if os.path.exists(final):  # re-saving a step: move the old copy aside, never delete it first
+            replaced = _hidden(folder, step, "replaced")
+            shutil.rmtree(replaced, ignore_errors=True)
+            os.replace(final, replaced)
         os.replace(partial, final)
         _fsync_dir(folder)
+        if replaced is not None:
+            shutil.rmtree(replaced, ignore_errors=True)
         if keep_last > 0:
             for old in list_checkpoints(folder)[:-keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
+                _discard(old, folder, step_of(old))
     _barrier()
     return final
 
@@ -431,17 +482,29 @@ def _load_model_state(model: torch.nn.Module, state: Mapping[str, torch.Tensor],
             t.copy_(state[k])
 
 
+def _gather_errors(error: str | None, layout: Layout) -> list[str]:
+    """Every rank's error message (rank-tagged), so rank 0 can report what another rank found."""
+    if not _dist() or layout.world_size == 1:
+        return [error] if error else []
+    errors: list[Any] = [None] * layout.world_size
+    dist.all_gather_object(errors, error)
+    return [f"rank {r}: {e}" for r, e in enumerate(errors) if e]
+
+
 def find_resumable_checkpoint(folder: str, layout: Layout, *, load: Callable[[str], Any]) -> tuple[str | None, Any]:
     """Try complete checkpoints newest first; all ranks agree on each; a damaged one is skipped.
 
     ``load(path)`` performs the actual load and raises ``CheckpointError`` when a file is damaged. The
-    ranks agree after every attempt, so a file damaged on one rank's side makes all ranks fall back.
-    Partial folders from interrupted saves are removed (rank 0, with a warning) first.
+    ranks agree after every attempt, so a file damaged on one rank's side makes all ranks fall back,
+    and every rank logs which file on which rank was damaged. Interrupted saves are tidied up (rank 0,
+    with a warning) first. Returns ``(None, None)`` when the folder holds no checkpoint; raises
+    ``CheckpointError`` when it holds some but none is usable (rather than silently starting over).
     """
     if layout.global_rank == 0:
         clean_partial_checkpoints(folder)
     _barrier()
     candidates = list_checkpoints(folder)
+    failures = []
     for path in reversed(candidates):
         error = None
         result = None
@@ -451,6 +514,10 @@ def find_resumable_checkpoint(folder: str, layout: Layout, *, load: Callable[[st
             error = str(e)
         if _all_agree(error is None):
             return path, result
-        logger.warning("checkpoint %s is unusable (%s); falling back to the previous one",
-                       path, error or "damaged on another rank")
+        why = "; ".join(_gather_errors(error, layout))
+        logger.warning("checkpoint %s is unusable (%s); falling back to the previous one", path, why)
+        failures.append(f"{path}: {why}")
+    if failures:
+        raise CheckpointError(f"no usable checkpoint in {folder}; tried, newest first: " + " | ".join(failures)
+                              + ". Move them away (or set ckpt.auto_resume=False) to start from scratch.")
     return None, None

@@ -208,7 +208,8 @@ SCHEMA = Section(
                 "reduce_dtype": Key(STR, "fp32", _one_of("fp32", "model"),
                                     doc="dtype of gradient accumulation and the DP all-reduce"),
                 "max_consecutive_skips": Key(INT, 20, _positive,
-                                             doc="stop the run after this many skipped steps in a row"),
+                                             doc="stop the run when more steps than this in a row are skipped "
+                                                 "(inf/NaN); fp16 counts them once the loss scale is at its minimum"),
             }
         ),
         "loss": Section({"label_smoothing": Key(FLOAT, 0.0, _fraction)}),

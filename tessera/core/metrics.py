@@ -96,7 +96,15 @@ class MetricsWriter:
         if not enabled:
             return
         os.makedirs(log_dir, exist_ok=True)
-        self._jsonl = open(os.path.join(log_dir, "metrics.jsonl"), "a", buffering=1)
+        path = os.path.join(log_dir, "metrics.jsonl")
+        torn = False
+        if os.path.exists(path) and os.path.getsize(path) > 0:
+            with open(path, "rb") as f:  # a run killed mid-write leaves half a line: start a fresh one
+                f.seek(-1, os.SEEK_END)
+                torn = f.read(1) != b"\n"
+        self._jsonl = open(path, "a", buffering=1)
+        if torn:
+            self._jsonl.write("\n")
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 

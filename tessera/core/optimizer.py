@@ -53,7 +53,8 @@ _LOW = (torch.float16, torch.bfloat16)
 
 
 class TooManySkippedSteps(RuntimeError):
-    """Raised by ``step()`` after ``max_consecutive_skips`` overflowing steps in a row (a diverged run)."""
+    """Raised by ``step()`` when more than ``max_consecutive_skips`` steps in a row overflow (a diverged run);
+    with a dynamic (fp16) scaler only overflows at its ``min_scale`` count."""
 
 
 # ---------------------------------------------------------------------- communication
@@ -461,16 +462,23 @@ class HybridZeroOptimizer(torch.optim.Optimizer):
         return True, grad_norm
 
     def _after_step(self, success: bool) -> None:
+        # fp16: overflows while the dynamic scale can still back off are the scaler doing its job; only
+        # skips at its minimum count towards max_consecutive_skips. A constant scale is always "at the
+        # minimum", so bf16/fp32 count every skip.
+        at_min_scale = self.scaler.scale <= getattr(self.scaler, "min_scale", math.inf)
         self.scaler.update(not success)
         self.zero_grad()
         if success:
             self.consecutive_skips = 0
             return
         self.skipped_steps += 1
+        if not at_min_scale:
+            return
         self.consecutive_skips += 1
         if self.max_consecutive_skips and self.consecutive_skips > self.max_consecutive_skips:
+            floor = " at the minimum loss scale" if hasattr(self.scaler, "min_scale") else ""
             raise TooManySkippedSteps(
-                f"{self.consecutive_skips} optimizer steps in a row had inf/NaN gradients "
+                f"{self.consecutive_skips} optimizer steps in a row had inf/NaN gradients{floor} "
                 f"(loss scale now {self.scaler.scale:g}); the run has diverged "
                 "(hybrid_zero_optimizer.max_consecutive_skips)"
             )
