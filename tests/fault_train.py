@@ -190,5 +190,17 @@ if SAVE is not None:
     train.save_checkpoint = functools.partial(train.save_checkpoint, before_commit=_before_commit)
 
 
+# ---------------------------------------------------------------------------- how main() ended
+_orig_main = train.main
+
+
+def _main(*args, **kwargs):
+    rc = _orig_main(*args, **kwargs)
+    _say(f"main returned {rc}")
+    return rc
+
+
+train.main = _main
+
 if __name__ == "__main__":
     train.run()
