@@ -607,7 +607,7 @@ def test_sigterm_and_stop_file_save_and_exit_then_resume(tmp_path, ref):
 
     # 1. SIGTERM to the torchrun agent once step 3 is done
     ready = str(tmp_path / "ready_a")
-    a = Run(tmp_path, "a", every, ckpt=ckpt, env={"TESSERA_FAULT_READY": f"3:{ready}:0.5"})
+    a = Run(tmp_path, "a", every, ckpt=ckpt, env={"TESSERA_FAULT_READY": f"3:{ready}:1.0"})
     wait_for_file(ready, a)
     a.proc.send_signal(signal.SIGTERM)
     a.wait(60)
@@ -624,7 +624,7 @@ def test_sigterm_and_stop_file_save_and_exit_then_resume(tmp_path, ref):
     # 2. resume, then a stop file once step stop_a + 2 is done
     ready, stop_file = str(tmp_path / "ready_b"), str(tmp_path / "STOP")
     b = Run(tmp_path, "b", every, ckpt=ckpt, extra=["--stop-file", stop_file],
-            env={"TESSERA_FAULT_READY": f"{stop_a + 2}:{ready}:0.5"})
+            env={"TESSERA_FAULT_READY": f"{stop_a + 2}:{ready}:1.0"})
     wait_for_file(ready, b)
     open(stop_file, "w").close()
     b.wait(60)
