@@ -3,6 +3,7 @@
     python tools/bench.py [--quick] [--out BENCHMARKS.md] [--json results.json] [--threads N]
                           [--config configs/demo.py] [key.sub=value ...]
     python tools/bench.py --only-gpu --out BENCHMARKS_GPU.md      # the GPU section alone (needs CUDA)
+    python tools/bench.py --render results.json --out BENCHMARKS.md  # re-render a saved run (no measuring)
 
 Sections: (1) framework overhead vs a plain PyTorch step of the same model, (2) bf16/fp16/fp32/tf32,
 (3) TP=2 and DP=2 vs one process on the same cores with the communication share, (4) measured bytes
@@ -41,6 +42,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--only-gpu", action="store_true", help="measure only the GPU section (needs CUDA)")
     ap.add_argument("--no-gpu", action="store_true", help="skip the GPU section even when CUDA is available")
     ap.add_argument("--config", default=None, help="model/optimizer config of the CPU sections (default: configs/demo.py)")
+    ap.add_argument("--note", action="append", default=[], help="a line for the file's notes (context of the run)")
+    ap.add_argument("--render", default=None, metavar="JSON",
+                    help="write the markdown from a run saved with --json, without measuring")
     ap.add_argument("overrides", nargs="*", help="key.sub=value overrides of that config (e.g. model.hidden_size=256)")
     args = ap.parse_args(argv)
 
@@ -57,6 +61,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.overrides:
         mode = dataclasses.replace(mode, overrides=(*mode.overrides, *args.overrides))
     command = " ".join(["python", "tools/bench.py", *(shlex.quote(a) for a in argv)])
+    if args.render:
+        with open(args.render) as f:
+            result = json.load(f)
+        with open(args.out, "w") as f:
+            f.write(to_markdown(result, result["command"]) if "single" in result else
+                    gpu_only_markdown(result, result["command"]))
+        _log(f"wrote {args.out} from {args.render}")
+        return 0
     if args.only_gpu:
         if not torch.cuda.is_available():
             print("error: --only-gpu needs a CUDA device", file=sys.stderr)
@@ -65,7 +77,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         text = gpu_only_markdown(result, command)
     else:
         result = run_bench(mode, _log, gpu=False if args.no_gpu else None)
+        result["notes"] = list(args.note)
         text = to_markdown(result, command)
+    result["command"] = command
     with open(args.out, "w") as f:
         f.write(text)
     if args.json:

@@ -318,20 +318,38 @@ def notes(res: dict[str, Any]) -> list[str]:
     load = max(res["loadavg_start"][0], res["loadavg_mid"][0], res["loadavg_end"][0])
     cores = res["machine"]["cores"] or 1
     lines = ["## Notes", ""]
+    lines += [f"- {n}" for n in res.get("notes", [])]
     if load > 0.75 * cores:
         lines.append(f"- The machine was loaded during this run (1-minute load average up to {load:.1f} on {cores} "
-                     "cores, from other processes): absolute times are inflated and noisy. The paired, interleaved "
-                     "ratios are the figures to read; their min-max spread shows how noisy each one was.")
+                     "cores, from other processes: other test suites share this machine): absolute times are "
+                     "inflated and noisy. Read the paired, interleaved ratios, the CPU-time columns for the "
+                     "single-process sections, and the min-max spreads, which show how noisy each figure was.")
     else:
         lines.append(f"- 1-minute load average stayed at or below {load:.1f} on {cores} cores during the run.")
-    s = res["single"]
+    s, p = res["single"], res["parallel"]
+    w = p["world"]
+    one_vs_n = p["throughput_ratio"]["tp1_1thread"]["median"]
+    if one_vs_n > 1.0:
+        lines.append(f"- In this run 1 process x {w} threads was slower than 1 process x 1 thread (1 thread had "
+                     f"{one_vs_n:.2f}x its throughput): with other processes holding cores, an OpenMP region of "
+                     f"{w} threads waits for whichever thread was descheduled. The {w}-process layouts run one "
+                     "thread each and do not have this problem, so their speed-ups over the "
+                     f"{w}-thread process overstate what they would be on an idle machine; the column against "
+                     "1 process x 1 thread is the steadier scaling figure.")
     lines += [
-        f"- Single-process sections use {s['threads']} torch thread(s) (`--threads`); fewer threads than cores "
-        "make the timings less sensitive to other processes on a shared machine.",
+        f"- Single-process sections use {s['threads']} torch thread(s) (`--threads`): fewer threads than cores "
+        "keep those timings (and their CPU times) meaningful on a shared machine.",
+        "- Communication share counts every moment a rank spends inside a collective, including waiting for the "
+        "other rank to arrive; the smaller of the two ranks' figures is the closer estimate of the transfers "
+        "themselves. TP moves activations every layer (forward and backward all-reduces); DP moves the gradients "
+        "once per step (one fp32 all-reduce) and all-gathers the updated bf16 parameters (ZeRO-1).",
         "- First-step losses: every variant starts from the same initial weights (the plain model loads "
-        "tessera's initial state dict), so equal first-step losses show both compute the same model.",
+        "tessera's initial state dict) and the same batch, so equal first-step losses show that both compute "
+        "the same model.",
         "- fp16 uses tessera's dynamic loss scaling; 'skipped steps' counts steps skipped for inf/NaN during "
         "the warm-up and the timed rounds.",
+        "- tf32 is a CUDA matmul mode: on a CPU `torch.tf32` runs exactly the fp32 code path, so any tf32/fp32 "
+        "difference above is noise.",
         "",
     ]
     return lines
@@ -346,7 +364,7 @@ def to_markdown(res: dict[str, Any], command: str) -> str:
     parts += section_mfu(res)
     parts += section_gpu(res, command)
     parts += notes(res)
-    return "\n".join(parts)
+    return "\n".join(parts).rstrip("\n") + "\n"
 
 
 def gpu_only_markdown(res: dict[str, Any], command: str) -> str:
@@ -358,4 +376,4 @@ def gpu_only_markdown(res: dict[str, Any], command: str) -> str:
     lines = ["# tessera benchmarks: GPU section", "",
              f"Produced by `{command}` on {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}; "
              f"host CPU {m['cpu']} ({m['cores']} cores), torch {m['torch']}.", ""]
-    return "\n".join(lines + section_gpu(res, command))
+    return "\n".join(lines + section_gpu(res, command)).rstrip("\n") + "\n"
