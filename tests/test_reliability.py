@@ -524,7 +524,7 @@ def test_nan_loss_in_bf16_skips_on_both_ranks_then_stops_naming_step_and_checkpo
                  env={"TESSERA_FAULT_NAN": "1:2,4,5,6"})  # rank 1 only: rank 0's own loss stays finite
     assert run.rc not in (0, 124), run.rc
     assert run.elapsed < 60
-    expected = f"stopping at step 6: 3 optimizer steps in a row had inf/NaN gradients"
+    expected = "stopping at step 6: 3 optimizer steps in a row had inf/NaN gradients"
     reports = [line for line in run.stderr.splitlines() if line.startswith("[rank ") and "] error: " in line]
     assert any(expected in line and f"last good checkpoint: {os.path.join(ckpt, 'step_4')}" in line
                and "max_consecutive_skips" in line for line in reports), run.stderr[-4000:]
