@@ -73,4 +73,5 @@ def test_gpu_section_code_path_on_cpu():
     g = measure_gpu(MODES["tiny"], "cpu", log=lambda _: None)
     assert all(math.isfinite(x) for x in g["tflops"].values())
     text = "\n".join(section_gpu({"gpu": g}, "cmd"))
-    assert SECTIONS[5] in text and "tessera / plain time ratio" in text
+    assert SECTIONS[5] in text and "tessera / plain time ratio" in text and "bf16 speed-up" in text
+    assert not re.search(r"\b(nan|inf)\b", text, re.I)

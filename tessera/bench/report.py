@@ -296,21 +296,45 @@ def section_gpu(res: dict[str, Any], command: str) -> list[str]:
         ]
         return lines
     tb, pb = g["timed"]["tessera_bf16"], g["timed"]["plain_bf16_autocast"]
-    ds = g["datasheet_peak"]
+    ds = g["datasheet_peak"] or {}
+    mp = g["measured_peak"]
+
+    def mfu(tf: float, d: str) -> str:
+        sheet = f"{100 * tf / ds[d]:.1f}% of {ds[d]:.0f}" if ds.get(d) else "n/a"
+        return f"{sheet} | {100 * tf / mp[d]:.1f}% of {mp[d]:.1f}"
+
     lines += [
-        f"Device: **{g['device']}**; `{g['config']}` dims, bf16, micro_bsz {g['micro_bsz']} x seq {g['seq_len']} = "
-        f"{g['tokens']} tokens per step, TP=1; attention backend: {g['attention_backend']}; "
-        f"{len(tb['times'])} interleaved rounds; peak memory {_f(g['peak_mem_gib'], 1)} GiB.",
+        f"Device: **{g['device']}**; `{g['config']}` dims, seq {g['seq_len']}, TP=1, one process; attention "
+        f"backend: {g['attention_backend']}; {len(tb['times'])} interleaved rounds per table. MFU as train.py: "
+        "flops_per_token x tokens / step time, against the datasheet dense peak (`metrics.gpu_peak_tflops`) and "
+        "against an 8192^3 matmul measured in this run.",
         "",
-        "| variant | median step (s) | TFLOP/s | MFU vs datasheet bf16 peak | MFU vs measured 8192^3 bf16 matmul |",
+        f"A. bf16, micro_bsz {g['micro_bsz']} = {g['tokens']} tokens per step (peak memory {_f(g['peak_mem_gib'], 1)} GiB "
+        "with both models resident):",
+        "",
+        "| variant | median step (s) | TFLOP/s | MFU vs datasheet | MFU vs measured matmul |",
         "|---|---:|---:|---:|---:|",
     ]
     for name, key, v in (("tessera bf16", "tessera_bf16", tb), ("plain bf16 torch.autocast", "plain_bf16_autocast", pb)):
         tf = g["tflops"][key]
-        lines.append(f"| {name} | {_f(v['median_s'], 4)} | {tf:.1f} | "
-                     f"{'n/a' if not ds else f'{100 * tf / ds:.1f}% of {ds:.0f}'} | "
-                     f"{100 * tf / g['measured_peak']:.1f}% of {g['measured_peak']:.0f} |")
-    lines += ["", f"tessera / plain time ratio on this GPU: {_ratio(g['overhead'])}.", ""]
+        lines.append(f"| {name} | {_f(v['median_s'], 4)} | {tf:.1f} | {mfu(tf, 'bf16')} |")
+    lines += [
+        "",
+        f"tessera / plain time ratio on this GPU: {_ratio(g['overhead'])}.",
+        "",
+        f"B. tessera in bf16, tf32 and fp32, micro_bsz {g['micro_bsz_b']} = {g['tokens_b']} tokens per step (three "
+        f"optimizers resident, peak memory {_f(g['peak_mem_gib_b'], 1)} GiB):",
+        "",
+        "| model.dtype | median step (s) | TFLOP/s | MFU vs datasheet | MFU vs measured matmul | bf16 speed-up "
+        "(t_dtype / t_bf16) |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for d in ("bf16", "tf32", "fp32"):
+        v = g["timed_b"][f"tessera_{d}"]
+        tf = g["tflops_b"][f"tessera_{d}"]
+        sp = "1" if d == "bf16" else _ratio(g["bf16_speedup"][d])
+        lines.append(f"| {d} | {_f(v['median_s'], 4)} | {tf:.1f} | {mfu(tf, d)} | {sp} |")
+    lines += [""]
     return lines
 
 

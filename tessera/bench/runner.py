@@ -102,7 +102,7 @@ MODES: dict[str, Mode] = {
     # the test mode: configs/tiny.py dims, seconds in all
     "tiny": Mode("tiny", config="configs/tiny.py", overrides=("data.seq_len=32",), micro_bsz=4, min_rounds=2,
                  max_rounds=2, budget_s=0.0, native_micro_bsz=1, native_rounds=1, par_min_rounds=2,
-                 par_max_rounds=2, par_budget_s=0.0, gpu_config="configs/tiny.py", gpu_micro_bsz=2, gpu_steps=2,
+                 par_max_rounds=2, par_budget_s=0.0, gpu_config="configs/tiny.py", gpu_micro_bsz=2, gpu_steps=1,
                  peak_seconds=0.05),
 }
 
@@ -223,23 +223,30 @@ def _tessera(cfg: Config, batches: list[dict[str, torch.Tensor]], device: torch.
 
 
 class _Variant:
-    """A named step function; ``step()`` returns the loss, ``env`` is applied around it."""
+    """A named step function; ``step()`` returns the loss, ``env`` is applied around it and ``before`` runs
+    untimed before it (the process-wide TF32 switches of the variant's precision: variants of different
+    precisions share one process)."""
 
-    def __init__(self, name: str, fn: Callable[[], float], env: str | None = None, skipped: Callable[[], int] | None = None):
-        self.name, self.fn, self.env, self.skipped = name, fn, env, skipped
+    def __init__(self, name: str, fn: Callable[[], float], env: str | None = None,
+                 skipped: Callable[[], int] | None = None, before: Callable[[], Any] | None = None):
+        self.name, self.fn, self.env, self.skipped, self.before = name, fn, env, skipped, before
 
     def step(self) -> tuple[float, float, float]:
         """(wall seconds, CPU seconds of this process, loss). With one thread, the CPU time is what the
         step costs with the machine to itself: time spent descheduled by other processes is not in it."""
+        if self.before is not None:
+            self.before()
         with _env(_ENV, self.env):
             c0, t0 = time.process_time(), time.perf_counter()
             loss = self.fn()
             return time.perf_counter() - t0, time.process_time() - c0, loss
 
 
-def _tessera_variant(name: str, cfg: Config, batches: list, env: str | None = None) -> _Variant:
-    trainer, opt = _tessera(cfg, batches)
-    return _Variant(name, lambda: trainer.train_step(batches).loss, env, lambda: opt.skipped_steps)
+def _tessera_variant(name: str, cfg: Config, batches: list, env: str | None = None,
+                     device: torch.device | str = "cpu") -> _Variant:
+    trainer, opt = _tessera(cfg, batches, device=device)
+    return _Variant(name, lambda: trainer.train_step(batches).loss, env, lambda: opt.skipped_steps,
+                    before=lambda: apply_precision(cfg.model.dtype))
 
 
 def _plain_variant(name: str, cfg: Config, batches: list, dtype: torch.dtype, gemm: str,
@@ -530,27 +537,26 @@ def measure_gpu(mode: Mode, device: torch.device | str = "cuda", log: Callable[[
 
 
 def _measure_gpu(mode: Mode, device: torch.device | str, log: Callable[[str], None]) -> dict[str, Any]:
+    from tessera.bench.plain import PlainDecoder, PlainStep
     from tessera.model.attention import select_backend
 
     device = torch.device(device)
     cuda = device.type == "cuda"
-    cfg = _load(mode, mode.gpu_config, [
-        "model.dtype='torch.bfloat16'", "parallel.tensor.size=1", "data.type='synthetic'",
-        "data.pack_sample_into_one=True", f"data.micro_bsz={mode.gpu_micro_bsz}", "data.micro_num=1"])
-    batches = _batches(cfg)
-    tokens = sum(b["input_ids"].numel() for b in batches)
-    backend, why = select_backend(device, torch.bfloat16, cfg.model.use_flash_attn)
-    trainer, _ = _tessera(cfg, batches, device=device)
+
+    def gpu_cfg(dtype: str, micro_bsz: int) -> Config:
+        return _load(mode, mode.gpu_config, [
+            f"model.dtype='{_FULL_NAME[dtype]}'", "parallel.tensor.size=1", "data.type='synthetic'",
+            "data.pack_sample_into_one=True", f"data.micro_bsz={micro_bsz}", "data.micro_num=1"])
 
     def sync() -> None:
         if cuda:
             torch.cuda.synchronize(device)
 
-    def tessera_step() -> float:
-        return trainer.train_step(batches).loss
-
-    from tessera.bench.plain import PlainDecoder, PlainStep
-
+    # A: tessera bf16 vs plain bf16 autocast (fp32 parameters + AdamW), same batch
+    cfg = gpu_cfg("bf16", mode.gpu_micro_bsz)
+    batches = _batches(cfg)
+    tokens = sum(b["input_ids"].numel() for b in batches)
+    backend, why = select_backend(device, torch.bfloat16, cfg.model.use_flash_attn)
     with torch.device(device):
         plain_model = PlainDecoder(ModelArgs.from_config(cfg.model), torch.bfloat16, "torch")
     adam = cfg.adam
@@ -564,28 +570,59 @@ def _measure_gpu(mode: Mode, device: torch.device | str, log: Callable[[str], No
         sync()
         return loss
 
-    variants = [_Variant("tessera_bf16", tessera_step), _Variant("plain_bf16_autocast", plain_step)]
+    variants = [_tessera_variant("tessera_bf16", cfg, batches, device=device),
+                _Variant("plain_bf16_autocast", plain_step, before=lambda: apply_precision("bf16"))]
+    log(f"GPU A: tessera bf16 vs plain bf16 autocast, {tokens} tokens per step")
     timed = _interleave(variants, mode.gpu_steps, mode.gpu_steps, 0.0, log)
+    peak_mem_a = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None
+    del variants, plain, plain_model
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+    # B: tessera bf16 vs tf32 vs fp32. Three 1B-parameter optimizers must fit at once (about 52 GB), hence
+    # half the batch of A.
+    mbs_b = max(1, mode.gpu_micro_bsz // 2)
+    cfgs_b = {d: gpu_cfg(d, mbs_b) for d in ("bf16", "tf32", "fp32")}
+    batches_b = _batches(cfgs_b["bf16"])
+    tokens_b = sum(b["input_ids"].numel() for b in batches_b)
+    log(f"GPU B: tessera bf16 / tf32 / fp32, {tokens_b} tokens per step")
+    variants_b = [_tessera_variant(f"tessera_{d}", c, batches_b, device=device) for d, c in cfgs_b.items()]
+    timed_b = _interleave(variants_b, mode.gpu_steps, mode.gpu_steps, 0.0, log)
+    peak_mem_b = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None
+    del variants_b
+    if cuda:
+        torch.cuda.empty_cache()
+
     fpt = flops_per_token(cfg.model, cfg.data.seq_len)
     name = torch.cuda.get_device_name(device) if cuda else f"{device.type} ({machine_info()['cpu']})"
-    datasheet = gpu_peak_tflops(name, "bfloat16") if cuda else None
-    measured_peak = measure_matmul_tflops(torch.bfloat16, device, size=8192 if cuda else 256,
-                                          seconds=1.0 if cuda else 0.05)
-    tflops = {k: fpt * tokens / v["median_s"] / 1e12 for k, v in timed.items()}
+    size, secs = (8192, 1.0) if cuda else (256, 0.05)
+    measured_peak = {}
+    for d, dt in (("bf16", torch.bfloat16), ("tf32", torch.float32), ("fp32", torch.float32)):
+        apply_precision(d)
+        measured_peak[d] = measure_matmul_tflops(dt, device, size=size, seconds=secs)
     return {
         "device": name,
         "attention_backend": backend if backend == "flash_attn" else f"sdpa ({why})",
         "tokens": tokens,
+        "tokens_b": tokens_b,
         "seq_len": cfg.data.seq_len,
         "flops_per_token": fpt,
         "timed": timed,
-        "tflops": tflops,
-        "datasheet_peak": datasheet,
+        "timed_b": timed_b,
+        "tflops": {k: fpt * tokens / v["median_s"] / 1e12 for k, v in timed.items()},
+        "tflops_b": {k: fpt * tokens_b / v["median_s"] / 1e12 for k, v in timed_b.items()},
+        "datasheet_peak": {d: gpu_peak_tflops(name, "bfloat16" if d == "bf16" else "tf32" if d == "tf32" else "float32")
+                           for d in ("bf16", "tf32", "fp32")} if cuda else None,
         "measured_peak": measured_peak,
         "overhead": paired(timed["tessera_bf16"]["times"], timed["plain_bf16_autocast"]["times"]),
-        "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
+        "bf16_speedup": {d: paired(timed_b[f"tessera_{d}"]["times"], timed_b["tessera_bf16"]["times"])
+                         for d in ("tf32", "fp32")},
+        "peak_mem_gib": peak_mem_a,
+        "peak_mem_gib_b": peak_mem_b,
         "config": mode.gpu_config,
         "micro_bsz": mode.gpu_micro_bsz,
+        "micro_bsz_b": mbs_b,
     }
 
 
