@@ -30,7 +30,7 @@ from tessera.core.trainer import StopRequest, Trainer
 from tessera.data import build_data
 from tessera.data.errors import DataError
 from tessera.model import build_model, flops_per_token
-from tessera.model.generation import generate_text
+from tessera.model.kv_cache import generate_ids_cached
 
 logger = logging.getLogger("tessera")
 
@@ -178,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
             metrics.log_event(f"stop requested ({reason}) after step {step}")
             if saving:
                 save(step)
+            stop.consume()  # every rank has seen it: remove the stop file so a relaunch trains on
             break
 
     # 9. the end: validation, checkpoint, a sample
@@ -186,10 +187,12 @@ def main(argv: list[str] | None = None) -> int:
         if saving:
             save(step)
         if cfg.generate.max_new_tokens and data.tokenizer is not None:
-            sample = generate_text(model, data.tokenizer, cfg.generate.prompt, cfg.generate.max_new_tokens,
-                                   temperature=cfg.generate.temperature, top_k=cfg.generate.top_k,
-                                   top_p=cfg.generate.top_p, tp_group=tp_group, device=device, seed=seed,
-                                   max_seq_len=cfg.model.max_position_embeddings)
+            ids = generate_ids_cached(unwrap_model(model), data.tokenizer.encode(cfg.generate.prompt),
+                                      cfg.generate.max_new_tokens, temperature=cfg.generate.temperature,
+                                      top_k=cfg.generate.top_k, top_p=cfg.generate.top_p, tp_group=tp_group,
+                                      device=device, seed=seed, max_seq_len=cfg.model.max_position_embeddings,
+                                      vocab_size=data.tokenizer.vocab_size)
+            sample = data.tokenizer.decode(ids)
             metrics.log_event("sample:\n" + sample, sample=sample)
     metrics.close()
     gpc.destroy()

@@ -633,7 +633,7 @@ def test_sigterm_and_stop_file_save_and_exit_then_resume(tmp_path, ref):
     assert [os.path.basename(p) for p in resumed_from(b)] == [f"step_{stop_a}"]
     assert stop_a + 2 <= stop_b < N, stop_b
     assert any(e["message"] == f"stop requested (stop file {stop_file}) after step {stop_b}" for e in events(b))
-    os.remove(stop_file)
+    assert not os.path.exists(stop_file), "an honoured stop file is removed so the next launch trains on"
 
     # 3. resume and finish; every step's final loss equals the uninterrupted run's
     c = launch(tmp_path, "c", every, ckpt=ckpt).check_ok()

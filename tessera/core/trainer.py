@@ -135,6 +135,14 @@ class StopRequest:
         self._signals.append(signum)
         self.reason = signal.Signals(signum).name
 
+    def consume(self) -> None:
+        """Remove an honoured stop file (after all ranks agreed), so the next launch is not stopped."""
+        if self.stop_file:
+            try:
+                os.remove(self.stop_file)
+            except FileNotFoundError:  # another rank on a shared filesystem removed it first
+                pass
+
     def should_stop(self, group: Any = None) -> tuple[bool, str | None]:
         local = bool(self._signals) or bool(self.stop_file and os.path.exists(self.stop_file))
         if local and self.reason is None:
