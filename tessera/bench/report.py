@@ -360,6 +360,13 @@ def notes(res: dict[str, Any]) -> list[str]:
                      "thread each and do not have this problem, so their speed-ups over the "
                      f"{w}-thread process overstate what they would be on an idle machine; the column against "
                      "1 process x 1 thread is the steadier scaling figure.")
+    slower = [f"{'TP' if n == 'tp2' else 'DP'}={w} ({p['vs_one_core'][n]['median']:.2f}x)"
+              for n in ("tp2", "dp2") if p["vs_one_core"][n]["median"] < 1.0]
+    if slower:
+        lines.append(f"- {' and '.join(slower)} had less throughput than 1 process x 1 thread in this run: {w} "
+                     f"processes need {w} free cores, and other processes were using them (load above). On an "
+                     f"idle machine the ideal is {w}x; here the shortfall is dominated by that load, while the "
+                     "communication share above is what the layout itself costs.")
     lines += [
         f"- Single-process sections use {s['threads']} torch thread(s) (`--threads`): fewer threads than cores "
         "keep those timings (and their CPU times) meaningful on a shared machine.",
