@@ -1,11 +1,11 @@
 """The demo corpus: the Python standard library's own source, byte-tokenized on first use.
 
-Which files: every ``*.py`` under ``sysconfig.get_paths()["stdlib"]``, skipping third-party code
-(``site-packages``, ``dist-packages``), byte-code caches, build configuration (``config-*``), hidden
-folders, and the test suites (folders named ``test``, ``tests``, ``idle_test``: they are about half of
-the bytes, very repetitive, and hold deliberately malformed files). Files are sorted by their path
-relative to the stdlib root; each file is one document; every 20th file (the 20th, 40th, ...) is
-held out for validation.
+Which files: every ``*.py`` under ``sysconfig.get_paths()["stdlib"]`` -- the standard library's own
+source, its test suites included -- skipping what is not stdlib source: third-party code
+(``site-packages``, ``dist-packages``), byte-code caches, build configuration (``config-*``) and
+hidden folders. A few test files are deliberately not valid UTF-8; they are decoded with replacement
+characters (counted in meta.json). Files are sorted by their path relative to the stdlib root; each
+file is one document; every 20th file (the 20th, 40th, ...) is held out for validation.
 
 The prepared folder lives in ``cache_folder`` under a name keyed by the Python version, the stdlib
 location and the token format version, so another interpreter never reuses a wrong cache. Rank 0
@@ -26,7 +26,8 @@ from tessera.data.token_file import FORMAT_VERSION, META_FILE
 from tessera.data.tokenizer import ByteTokenizer
 
 VALID_EVERY_NTH = 20
-EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"})
+EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
+CORPUS_VERSION = 2  # bump when the file selection changes, so old caches are not reused
 
 
 def stdlib_root() -> str:
@@ -59,7 +60,7 @@ def cache_key(root: str | None = None, max_files: int | None = None) -> str:
     v = sys.version_info
     where = hashlib.sha256(f"{sys.implementation.cache_tag}:{root}".encode()).hexdigest()[:12]
     subset = f"-first{max_files}" if max_files is not None else ""
-    return f"stdlib-py{v.major}.{v.minor}.{v.micro}-{where}-v{FORMAT_VERSION}{subset}"
+    return f"stdlib-py{v.major}.{v.minor}.{v.micro}-{where}-v{FORMAT_VERSION}.{CORPUS_VERSION}{subset}"
 
 
 def prepare_stdlib_corpus(
