@@ -41,7 +41,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="torch threads of the single-process sections")
     ap.add_argument("--only-gpu", action="store_true", help="measure only the GPU section (needs CUDA)")
     ap.add_argument("--no-gpu", action="store_true", help="skip the GPU section even when CUDA is available")
-    ap.add_argument("--config", default=None, help="model/optimizer config of the CPU sections (default: configs/demo.py)")
+    ap.add_argument("--config", default=None,
+                    help="model/optimizer config of the CPU sections (default: configs/demo.py)")
     ap.add_argument("--note", action="append", default=[], help="a line for the file's notes (context of the run)")
     ap.add_argument("--render", default=None, metavar="JSON",
                     help="write the markdown from a run saved with --json, without measuring")

@@ -11,7 +11,6 @@ kernel choice tessera makes -- so the framework's overhead can be told apart fro
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -128,7 +127,8 @@ class PlainDecoder(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         s = input_ids.shape[1]
-        inv = 1.0 / self.rope_base ** (torch.arange(0, self.head_dim, 2, device=input_ids.device).float() / self.head_dim)
+        dims = torch.arange(0, self.head_dim, 2, device=input_ids.device).float()
+        inv = 1.0 / self.rope_base ** (dims / self.head_dim)
         angles = torch.arange(s, device=input_ids.device).float()[:, None] * inv
         emb = torch.cat((angles, angles), -1)
         cos, sin = emb.cos(), emb.sin()  # [S, d], broadcast over [B, H, S, d]

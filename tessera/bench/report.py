@@ -99,7 +99,8 @@ def section_overhead(res: dict[str, Any]) -> list[str]:
         "|---|---:|---:|---:|---:|",
     ]
     rows = [("tessera bf16", tb), ("tessera fp32", tf),
-            ("plain fp32", pf), ("plain bf16 autocast, GEMMs/attention via tessera.parallel.lowp (= tessera's kernel choice)", pb)]
+            ("plain fp32", pf),
+            ("plain bf16 autocast, GEMMs/attention via tessera.parallel.lowp (= tessera's kernel choice)", pb)]
     for name, v in rows:
         lines.append(f"| {name} | {_f(v['median_s'])} | {_f(v['median_cpu_s'])} | {s['tokens'] / v['median_s']:.0f} | "
                      f"{v['first_loss']:.4f} |")
@@ -107,7 +108,8 @@ def section_overhead(res: dict[str, Any]) -> list[str]:
         "",
         "| time ratio (below 1: tessera faster) | wall clock | CPU time |",
         "|---|---:|---:|",
-        f"| **framework overhead, bf16**: tessera bf16 / plain bf16 autocast with the same GEMM kernels | {_both(tb, pb)} |",
+        "| **framework overhead, bf16**: tessera bf16 / plain bf16 autocast with the same GEMM kernels | "
+        f"{_both(tb, pb)} |",
         f"| framework overhead, fp32: tessera fp32 / plain fp32 | {_both(tf, pf)} |",
         f"| tessera bf16 / plain fp32 | {_both(tb, pf)} |",
         "",
@@ -169,7 +171,8 @@ def section_precision(res: dict[str, Any]) -> list[str]:
     lines += [
         "",
         f"With torch's native bf16 kernels (`TESSERA_CPU_LOWP_MATMUL=native`, small batch of {s['native_tokens']} "
-        f"tokens), speed-up of bf16 over fp32 (t_fp32 / t_bf16_native): wall {_ratio(_paired(nat['tessera_fp32'], nat['tessera_bf16_native']), 3)}, "
+        "tokens), speed-up of bf16 over fp32 (t_fp32 / t_bf16_native): wall "
+        f"{_ratio(_paired(nat['tessera_fp32'], nat['tessera_bf16_native']), 3)}, "
         f"CPU {_ratio(_paired(nat['tessera_fp32'], nat['tessera_bf16_native'], 'cpu'), 3)}.",
         "",
         f"Expectation from the issue: bf16 >= 1.8x faster than fp32. Measured {bf['median']:.2f}x wall clock, "
@@ -214,7 +217,7 @@ def section_parallel(res: dict[str, Any]) -> list[str]:
         sh = " / ".join(f"{100 * x:.1f}%" for x in p["comm_share"][n])
         cs = " / ".join(f"{x:.3f}" for x in p["comm_s"][n])
         lines.append(f"| {label} | {_f(med[n])} | {tok / med[n]:.0f} | {_ratio(p['throughput_ratio'][n])} | "
-                     f"{_ratio(p['vs_one_core']['tp2' if n == 'tp2' else 'dp2'])} | {sh} | {cs} | {p['comm_calls'][n]} |")
+                     f"{_ratio(p['vs_one_core'][n])} | {sh} | {cs} | {p['comm_calls'][n]} |")
     lines += [
         f"| reference: 1 process x 1 thread | {_f(med['tp1_1thread'])} | {tok / med['tp1_1thread']:.0f} | "
         f"{_ratio(p['throughput_ratio']['tp1_1thread'])} | 1 | - | - | 0 |",
@@ -309,13 +312,15 @@ def section_gpu(res: dict[str, Any], command: str) -> list[str]:
         "flops_per_token x tokens / step time, against the datasheet dense peak (`metrics.gpu_peak_tflops`) and "
         "against an 8192^3 matmul measured in this run.",
         "",
-        f"A. bf16, micro_bsz {g['micro_bsz']} = {g['tokens']} tokens per step (peak memory {_f(g['peak_mem_gib'], 1)} GiB "
+        f"A. bf16, micro_bsz {g['micro_bsz']} = {g['tokens']} tokens per step (peak memory "
+        f"{_f(g['peak_mem_gib'], 1)} GiB "
         "with both models resident):",
         "",
         "| variant | median step (s) | TFLOP/s | MFU vs datasheet | MFU vs measured matmul |",
         "|---|---:|---:|---:|---:|",
     ]
-    for name, key, v in (("tessera bf16", "tessera_bf16", tb), ("plain bf16 torch.autocast", "plain_bf16_autocast", pb)):
+    for name, key, v in (("tessera bf16", "tessera_bf16", tb),
+                         ("plain bf16 torch.autocast", "plain_bf16_autocast", pb)):
         tf = g["tflops"][key]
         lines.append(f"| {name} | {_f(v['median_s'], 4)} | {tf:.1f} | {mfu(tf, 'bf16')} |")
     lines += [

@@ -42,7 +42,7 @@ from tessera.core.config import Config, apply_overrides, load_python_file
 from tessera.core.metrics import gpu_peak_tflops, measure_matmul_tflops
 from tessera.core.naive_amp import naive_amp_from_config
 from tessera.core.optimizer import build_optimizer
-from tessera.core.precision import apply_precision, resolve_precision
+from tessera.core.precision import apply_precision
 from tessera.core.precision_report import closed_form_bytes
 from tessera.core.trainer import Trainer
 from tessera.data import build_data
@@ -483,7 +483,10 @@ def _parallel_worker(rank: int, world: int, mode: Mode) -> dict[str, Any]:
         comm[n].clear()
     t_start = time.perf_counter()
     r = 0
-    while _agree(r < mode.par_max_rounds and (r < mode.par_min_rounds or time.perf_counter() - t_start < mode.par_budget_s)):
+    def more() -> bool:
+        return r < mode.par_max_rounds and (r < mode.par_min_rounds or time.perf_counter() - t_start < mode.par_budget_s)
+
+    while _agree(more()):
         k = r % len(names)
         for n in names[k:] + names[:k]:
             run(n)
