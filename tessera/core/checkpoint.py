@@ -131,12 +131,16 @@ def read_tree(path: str) -> Any:
         return _decode(json.loads(meta["skeleton"]), lambda name: f.get_tensor(aliases.get(name, name)))
 
 
-def _sha256(path: str) -> str:
+def sha256_file(path: str) -> str:
+    """Hex sha256 of a file, read in 4 MiB blocks (checkpoint shards and token files alike)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 22), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+_sha256 = sha256_file
 
 
 def _fsync_file(path: str) -> None:
@@ -248,6 +252,21 @@ def clean_partial_checkpoints(folder: str) -> list[str]:
     return removed
 
 
+def write_meta(folder: str, meta: dict[str, Any]) -> None:
+    """Write ``folder/meta.json`` last and atomically, with its self-digest (``meta_sha256``).
+
+    Its presence is what makes a step folder complete; every writer of checkpoints goes through here.
+    """
+    meta["meta_sha256"] = _meta_digest(meta)
+    tmp = os.path.join(folder, "meta.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump(meta, f, indent=2, default=str)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(folder, "meta.json"))
+    _fsync_dir(folder)
+
+
 def _meta_digest(meta: Mapping[str, Any]) -> str:
     """sha256 of meta.json's content (all but this digest): meta.json vouches for every other file."""
     body = {k: v for k, v in meta.items() if k != "meta_sha256"}
@@ -347,14 +366,7 @@ def save_checkpoint(
             "config": config,
             "files": all_files,
         }
-        meta["meta_sha256"] = _meta_digest(meta)
-        tmp = os.path.join(partial, "meta.json.tmp")
-        with open(tmp, "w") as f:
-            json.dump(meta, f, indent=2, default=str)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, os.path.join(partial, "meta.json"))
-        _fsync_dir(partial)
+        write_meta(partial, meta)
         if before_commit is not None:
             before_commit(partial)
         replaced = None

@@ -44,11 +44,9 @@ def dtype_for_vocab(vocab_size: int) -> np.dtype:
 
 
 def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
+    from tessera.core.checkpoint import sha256_file
+
+    return sha256_file(path)
 
 
 class TokenFileWriter:

@@ -233,13 +233,10 @@ def file_entry(path: str) -> dict[str, Any]:
 
 
 def write_meta(folder: str, meta: dict[str, Any]) -> None:
-    """meta.json, written last and atomically: its presence is what makes a step folder complete."""
-    tmp = os.path.join(folder, "meta.json.tmp")
-    with open(tmp, "w") as f:
-        json.dump(meta, f, indent=2, default=str)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(folder, "meta.json"))
+    """meta.json through the checkpoint writer (atomic, written last, with its self-digest)."""
+    from tessera.core.checkpoint import write_meta as _write
+
+    _write(folder, meta)
 
 
 def new_meta(*, step: int, layout: Mapping[str, int], has_optimizer: bool, trainer_state: Mapping[str, Any],
