@@ -6,29 +6,14 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from tessera.core.naive_amp import NaiveAMPModel
 from tessera.core.optimizer import HybridZeroOptimizer, build_param_groups
 from tessera.testing import run_distributed
+from tests.test_optimizer import Net, rel  # the same small model and relative-difference helper
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-
-def rel(a, b):
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
-class Net(nn.Module):
-    def __init__(self, d_in=6, d=12, d_out=3):
-        super().__init__()
-        self.fc1 = nn.Linear(d_in, d)
-        self.norm = nn.LayerNorm(d)
-        self.fc2 = nn.Linear(d, d_out)
-
-    def forward(self, x):
-        return self.fc2(torch.tanh(self.norm(self.fc1(x))))
 
 
 def _make(dtype, seed=0):
