@@ -6,6 +6,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from tessera.core.naive_amp import NaiveAMPModel
 from tessera.core.optimizer import HybridZeroOptimizer, build_param_groups
