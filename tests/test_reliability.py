@@ -588,15 +588,23 @@ def test_a_rank_raising_mid_step_stops_the_job_quickly(tmp_path):
     assert sorted(run.losses()) == [1, 2]
 
 
-def test_a_hung_rank_is_caught_by_the_collective_timeout(tmp_path):
-    """Rank 1 stops answering mid-step; rank 0's next collective (in the TP group, made by new_group)
-    gives up after dist.timeout_s instead of gloo's default of 30 minutes, and the job goes down."""
+@pytest.mark.parametrize("route", ["gloo", "shm"])
+def test_a_hung_rank_is_caught_by_the_collective_timeout(tmp_path, route):
+    """Rank 1 stops answering mid-step; rank 0's next collective in the TP group (gloo made by new_group,
+    or the shared-memory all-reduce) gives up after dist.timeout_s instead of gloo's default of 30
+    minutes, and the job goes down."""
     timeout_s = 4
-    run = launch(tmp_path, "hang", [f"dist.timeout_s={timeout_s}"], env={"TESSERA_FAULT_HANG": "1:3"}, timeout=90)
+    mode = "off" if route == "gloo" else "on"
+    run = launch(tmp_path, "hang", [f"dist.timeout_s={timeout_s}", f"dist.cpu_shm_allreduce='{mode}'"],
+                 env={"TESSERA_FAULT_HANG": "1:3"}, timeout=90)
     assert run.rc not in (0, 124), run.rc
     assert "hanging mid-step 3" in run.stderr
     assert "[rank 0] training failed" in run.stderr, run.stderr[-4000:]
-    assert f"Timed out waiting {timeout_s * 1000}ms" in run.stderr, run.stderr[-4000:]
+    if route == "gloo":
+        assert f"Timed out waiting {timeout_s * 1000}ms" in run.stderr, run.stderr[-4000:]
+    else:
+        assert f"timed out after {timeout_s} s (dist.timeout_s) waiting for global rank(s) [1]" in run.stderr, \
+            run.stderr[-4000:]
     assert run.elapsed < 45, f"the job took {run.elapsed:.0f}s to go down"
 
 

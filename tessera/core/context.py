@@ -83,6 +83,8 @@ class ParallelContext:
         self._rng_states: dict[ParallelMode, dict[str, torch.Tensor]] = {}
         self._current_rng_mode = ParallelMode.DATA
         self.device = torch.device("cpu")
+        self.tensor_group_nodes: list[Any] = []
+        self.shm_all_reduce: Any = None  # the TP group's ShmAllReduce route, if used
 
     # ------------------------------------------------------------------ getters
     def is_initialized(self, mode: ParallelMode) -> bool:
@@ -208,6 +210,11 @@ class ParallelContext:
 
     def destroy(self) -> None:
         """Tear down the process groups and forget the layout (safe to call twice)."""
+        if self.shm_all_reduce is not None:
+            from tessera.parallel.comm import use_fast_all_reduce
+
+            use_fast_all_reduce(self.shm_all_reduce.group, None)
+            self.shm_all_reduce.close()
         if dist.is_initialized():
             dist.destroy_process_group()
         self.__init__()
@@ -259,6 +266,7 @@ def launch(
     gpc.init_global_dist(rank, world_size, backend, init_method, local_rank, cfg.dist.timeout_s)
     gpc.init_parallel_groups(tp, zero1, cfg.dist.timeout_s)
     _check_tensor_groups_are_node_local()
+    _setup_shm_all_reduce(cfg)
     apply_precision(cfg.model.dtype)
     torch.backends.cudnn.deterministic = cfg.cudnn_deterministic
     torch.backends.cudnn.benchmark = cfg.cudnn_benchmark
@@ -287,6 +295,42 @@ def _check_tensor_groups_are_node_local() -> None:
     else:
         logger.info("tensor-parallel groups are node-local (%s holds ranks %s)", gpc.tensor_group_nodes[0],
                     gpc.get_ranks_in_group(ParallelMode.TENSOR))
+
+
+def _setup_shm_all_reduce(cfg: Config) -> None:
+    """Route the TP group's all-reduces through shared memory when it is on one machine (CPU only).
+
+    Every input to the decision is the same on all ranks of a TP group (config, the gathered node
+    list, the machine), so they all take the same route; the choice is logged once.
+    """
+    from tessera.parallel.comm import use_fast_all_reduce  # tessera.parallel imports this module
+    from tessera.parallel.shm_comm import ShmAllReduce
+
+    mode = cfg.dist.cpu_shm_allreduce
+    if mode == "off" or not gpc.is_using_parallel_mode(ParallelMode.TENSOR) or gpc.device.type != "cpu":
+        return
+    group = gpc.get_group(ParallelMode.TENSOR)
+    size = gpc.get_world_size(ParallelMode.TENSOR)
+    local, cores = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())), os.cpu_count() or 1
+    why = None
+    if len(gpc.tensor_group_nodes) > 1:
+        why = "the tensor-parallel group spans nodes"
+    elif dist.get_backend(group) != "gloo":
+        why = f"the backend is {dist.get_backend(group)}"
+    elif mode == "auto" and local > cores:
+        why = (f"{local} processes share {cores} cores and waiting ranks would spin on them "
+               "(dist.cpu_shm_allreduce='on' forces it)")
+    if why is None:
+        impl, why = ShmAllReduce.create(group, timeout_s=cfg.dist.timeout_s)
+        if impl is not None:
+            use_fast_all_reduce(group, impl)
+            gpc.shm_all_reduce = impl
+            if gpc.get_global_rank() == 0:
+                logger.info("tensor-parallel all-reduce: shared memory (%d ranks on one machine); "
+                            "dist.cpu_shm_allreduce='off' uses gloo", size)
+            return
+    if gpc.get_global_rank() == 0:
+        (logger.warning if mode == "on" else logger.info)("tensor-parallel all-reduce: gloo (shared memory not used: %s)", why)
 
 
 def _env_int(name: str, *fallbacks: str) -> int:

@@ -39,6 +39,7 @@ from tessera.core.context import ParallelMode, gpc
 from tessera.core.grad_scaler import BaseGradScaler, build_grad_scaler
 from tessera.core.precision import Precision, resolve_precision
 from tessera.parallel.attrs import is_tensor_parallel, partition_dim
+from tessera.parallel.comm import all_reduce as comm_all_reduce
 
 __all__ = [
     "HybridZeroOptimizer",
@@ -79,8 +80,8 @@ class _Comm:
         return cls(group if size > 1 else None, size, rank)
 
     def all_reduce(self, t: torch.Tensor, op: Any = None) -> torch.Tensor:
-        if self.size > 1:
-            dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=self.group)
+        if self.size > 1:  # through tessera's comm so a fast node-local route (shared memory) applies
+            comm_all_reduce(t, self.group, op or dist.ReduceOp.SUM)
         return t
 
     def all_gather_flat(self, flat: torch.Tensor) -> None:

@@ -36,6 +36,8 @@ __all__ = [
     "scatter_to_region",
     "all_reduce",
     "gather_tensor",
+    "use_fast_all_reduce",
+    "fast_all_reduce_for",
 ]
 
 
@@ -85,10 +87,32 @@ def _check_can_communicate(x: torch.Tensor, group: Any) -> bool:
     return True
 
 
+# group -> an object with ``supports(x, op)`` and ``all_reduce(x, op)`` used instead of torch.distributed
+# (the shared-memory all-reduce of ``tessera.parallel.shm_comm`` for node-local CPU groups)
+_FAST_ALL_REDUCE: dict[int, tuple[Any, Any]] = {}
+
+
+def use_fast_all_reduce(group: Any, impl: Any | None) -> None:
+    """Route this module's all-reduces over ``group`` through ``impl`` (``None`` removes the route)."""
+    if impl is None:
+        _FAST_ALL_REDUCE.pop(id(group), None)
+    else:
+        _FAST_ALL_REDUCE[id(group)] = (group, impl)
+
+
+def fast_all_reduce_for(group: Any) -> Any | None:
+    entry = _FAST_ALL_REDUCE.get(id(group))
+    return entry[1] if entry is not None and entry[0] is group else None
+
+
 def all_reduce(x: torch.Tensor, group: Any, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
     """In-place all-reduce of ``x`` over ``group`` (no autograd); the identity for a 1-rank group."""
     if group_size(group) > 1 and _check_can_communicate(x, group):
-        dist.all_reduce(x, op=op, group=group)
+        fast = fast_all_reduce_for(group)
+        if fast is not None and fast.supports(x, op):
+            fast.all_reduce(x, op)
+        else:
+            dist.all_reduce(x, op=op, group=group)
     return x
 
 

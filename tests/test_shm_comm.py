@@ -1,0 +1,117 @@
+"""The shared-memory all-reduce equals gloo's, chunks large tensors, times out on a missing peer, and is
+what ``launch`` picks for a node-local CPU tensor-parallel group (and where it must not)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tessera.parallel.shm_comm import ShmAllReduce, shm_unavailable_reason
+from tessera.testing import run_distributed
+
+pytestmark = pytest.mark.skipif(shm_unavailable_reason(2) is not None, reason=str(shm_unavailable_reason(2)))
+
+
+def _equals_gloo_worker(rank: int, world: int) -> None:
+    group = dist.new_group(list(range(world)))
+    shm, why = ShmAllReduce.create(group, slot_bytes=1024)  # tiny slots: most tensors go in several chunks
+    assert shm is not None, why
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith("tessera-allreduce-")], "segment name not unlinked"
+    g = torch.Generator().manual_seed(100 + rank)
+    cases = [
+        (torch.float32, (7,)), (torch.float32, (3, 1000)), (torch.bfloat16, (16, 33, 8)),
+        (torch.float16, (4097,)), (torch.float64, (5, 5)), (torch.int64, (300,)), (torch.float32, (0,)),
+    ]
+    for round_ in range(3):  # many collectives in a row: exercises the buffer reuse hand-off
+        for dtype, shape in cases:
+            for op in (dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN):
+                if dtype.is_floating_point:
+                    x = torch.randn(shape, generator=g).to(dtype)
+                else:
+                    x = torch.randint(-1000, 1000, shape, generator=g, dtype=dtype)
+                ref = x.clone()
+                dist.all_reduce(ref, op=op, group=group)
+                out = shm.all_reduce(x, op)
+                assert out is x
+                if world == 2 or op != dist.ReduceOp.SUM or not dtype.is_floating_point:
+                    assert torch.equal(x, ref), (dtype, shape, op)  # a+b, max, min: no rounding-order freedom
+                else:
+                    torch.testing.assert_close(x, ref, rtol=2e-2 if dtype in (torch.bfloat16, torch.float16) else 1e-6,
+                                               atol=1e-2 if dtype in (torch.bfloat16, torch.float16) else 1e-6)
+                everyone = [torch.empty_like(x) for _ in range(world)]
+                dist.all_gather(everyone, x, group=group)
+                assert all(torch.equal(e, x) for e in everyone), "ranks disagree"  # fixed summation order
+    # a non-contiguous tensor is reduced in place too
+    base = torch.arange(24, dtype=torch.float32).view(4, 6) * (rank + 1)
+    view = base.t()
+    shm.all_reduce(view)
+    expected = torch.arange(24, dtype=torch.float32).view(4, 6).t() * sum(range(1, world + 1))
+    assert torch.equal(view, expected) and torch.equal(base, expected.t())
+    shm.close()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_equals_gloo_all_reduce(world):
+    run_distributed(_equals_gloo_worker, world)
+
+
+def _timeout_worker(rank: int, world: int) -> str:
+    group = dist.new_group(list(range(world)))
+    shm, why = ShmAllReduce.create(group, timeout_s=2.0)
+    assert shm is not None, why
+    shm.all_reduce(torch.ones(4))
+    if rank == 1:
+        time.sleep(6)  # never joins the second collective in time
+        return "slept"
+    start = time.monotonic()
+    with pytest.raises(RuntimeError) as err:
+        shm.all_reduce(torch.ones(4))
+    elapsed = time.monotonic() - start
+    assert 1.5 < elapsed < 5, elapsed
+    msg = str(err.value)
+    assert "timed out after 2 s" in msg and "global rank(s) [1]" in msg, msg
+    return "raised"
+
+
+def test_missing_peer_times_out_naming_it():
+    assert run_distributed(_timeout_worker, 2, timeout=60) == ["raised", "slept"]
+
+
+def _launch_worker(rank: int, world: int, tp: int, mode: str, env: dict[str, str]) -> tuple[bool, float]:
+    os.environ.update(env)
+    from tessera.core.context import ParallelMode, gpc, launch_from_torch
+    from tessera.parallel.comm import all_reduce, fast_all_reduce_for
+
+    cfg = {"model": {"num_layers": 1, "hidden_size": 8, "num_attention_heads": 2, "vocab_size": 16},
+           "data": {"type": "synthetic", "seq_len": 8},
+           "parallel": {"tensor": {"size": tp}}, "dist": {"cpu_shm_allreduce": mode}}
+    launch_from_torch(cfg)
+    group = gpc.get_group(ParallelMode.TENSOR)
+    used = fast_all_reduce_for(group) is not None
+    x = torch.full((5,), float(gpc.get_global_rank() + 1))
+    all_reduce(x, group)  # through whichever route was chosen
+    gpc.destroy()
+    assert fast_all_reduce_for(group) is None
+    return used, float(x[0])
+
+
+@pytest.mark.parametrize("mode,env,expected", [
+    ("auto", {}, True),  # 2 processes on >= 2 cores
+    ("off", {}, False),
+    ("auto", {"LOCAL_WORLD_SIZE": str(10 * (os.cpu_count() or 1))}, False),  # oversubscribed: spinning would hurt
+    ("on", {"LOCAL_WORLD_SIZE": str(10 * (os.cpu_count() or 1))}, True),
+])
+def test_launch_routes_tensor_all_reduce(mode, env, expected):
+    if expected and mode == "auto" and (os.cpu_count() or 1) < 2:
+        pytest.skip("needs 2 cores")
+    results = run_distributed(_launch_worker, 2, 2, mode, env, init_process_group=False)
+    assert results == [(expected, 3.0), (expected, 3.0)]
+
+
+def test_launch_keeps_gloo_when_tensor_parallel_is_off():
+    results = run_distributed(_launch_worker, 2, 1, "on", {}, init_process_group=False)
+    assert results == [(False, 1.0), (False, 2.0)]
