@@ -48,6 +48,8 @@ from tessera.core.trainer import Trainer
 from tessera.data import build_data
 from tessera.model import ModelArgs, build_model, flops_per_token
 from tessera.parallel import lowp
+from tessera.parallel.comm import use_fast_all_reduce
+from tessera.parallel.shm_comm import ShmAllReduce
 
 __all__ = ["Mode", "MODES", "run_bench", "measure_gpu", "machine_info"]
 
@@ -449,6 +451,12 @@ def _parallel_worker(rank: int, world: int, mode: Mode) -> dict[str, Any]:
     d2, _ = _tessera(cfg_dp, shard, dp_group=group, zero1_group=group, global_group=group)
     steps["dp2"] = lambda: d2.train_step(shard)
     names = ["tp1", "tp1_1thread", "tp2", "dp2"]
+    # the same TP=2 model with its all-reduces routed through shared memory (what launch does on CPU)
+    shm, _why = ShmAllReduce.create(group)
+    if shm is not None:
+        shm.all_reduce = timer._wrap(shm.all_reduce)  # type: ignore[method-assign]
+        steps["tp2_shm"] = steps["tp2"]
+        names.insert(3, "tp2_shm")
     phases["build"] = time.perf_counter() - t_worker
     times: dict[str, list[float]] = {n: [] for n in names}
     comm: dict[str, list[float]] = {n: [] for n in names}
@@ -468,10 +476,15 @@ def _parallel_worker(rank: int, world: int, mode: Mode) -> dict[str, Any]:
             times[name].append(dt)
             comm[name].append(0.0)
             return
-        with timer.measure():
-            t0 = time.perf_counter()
-            steps[name]()
-            dt = time.perf_counter() - t0
+        if name == "tp2_shm":
+            use_fast_all_reduce(group, shm)
+        try:
+            with timer.measure():
+                t0 = time.perf_counter()
+                steps[name]()
+                dt = time.perf_counter() - t0
+        finally:
+            use_fast_all_reduce(group, None)
         times[name].append(dt)
         comm[name].append(timer.seconds)
         calls[name] = timer.calls
@@ -493,6 +506,8 @@ def _parallel_worker(rank: int, world: int, mode: Mode) -> dict[str, Any]:
         r += 1
 
     phases["timed"] = time.perf_counter() - t_worker
+    if shm is not None:
+        shm.close()
     memory = {}
     for d in DTYPES:
         mcfg = _config(mode, d, 1)
@@ -512,21 +527,24 @@ def measure_parallel(mode: Mode, log: Callable[[str], None]) -> dict[str, Any]:
     # a step of the job lasts as long as its slowest rank
     job = {n: [max(r["times"][n][i] for r in res if not math.isnan(r["times"][n][i]))
                for i in range(len(res[0]["times"][n]))] for n in res[0]["times"]}
+    layouts = [n for n in ("tp2", "tp2_shm", "dp2") if n in job]
     share = {n: [statistics.median([c / t for c, t in zip(r["comm"][n], r["times"][n])]) for r in res]
-             for n in ("tp2", "dp2")}
+             for n in layouts}
     out = {
         "world": world,
         "tokens": res[0]["tokens"],
         "rounds": len(job["tp1"]),
         "median_s": {n: statistics.median(v) for n, v in job.items()},
         # t_base / t_layout = throughput of the layout relative to the base
-        "throughput_ratio": {n: paired(job["tp1"], job[n]) for n in ("tp2", "dp2", "tp1_1thread")},
-        "vs_one_core": {n: paired(job["tp1_1thread"], job[n]) for n in ("tp1", "tp2", "dp2")},
+        "throughput_ratio": {n: paired(job["tp1"], job[n]) for n in (*layouts, "tp1_1thread")},
+        "vs_one_core": {n: paired(job["tp1_1thread"], job[n]) for n in ("tp1", *layouts)},
         "comm_share": share,  # per rank
-        "comm_s": {n: [statistics.median(r["comm"][n]) for r in res] for n in ("tp2", "dp2")},
-        "comm_calls": {n: res[0]["calls"][n] for n in ("tp2", "dp2")},
+        "comm_s": {n: [statistics.median(r["comm"][n]) for r in res] for n in layouts},
+        "comm_calls": {n: res[0]["calls"][n] for n in layouts},
         "memory": res[0]["memory"],
     }
+    if "tp2_shm" in job:  # > 1: the shared-memory route is faster than gloo for the same TP step
+        out["shm_vs_gloo"] = paired(job["tp2"], job["tp2_shm"])
     log(f"parallel: {out['median_s']}, comm share {share}; worker phases (s since start) {res[0]['phases']}")
     return out
 
