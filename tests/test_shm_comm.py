@@ -81,6 +81,25 @@ def test_missing_peer_times_out_naming_it():
     assert run_distributed(_timeout_worker, 2, timeout=60) == ["raised", "slept"]
 
 
+def _dead_peer_worker(rank: int, world: int) -> str:
+    group = dist.new_group(list(range(world)))
+    shm, why = ShmAllReduce.create(group, timeout_s=120.0)
+    assert shm is not None, why
+    shm.all_reduce(torch.ones(4))
+    if rank == 1:
+        return "exiting"  # this process ends while rank 0 waits in the next collective
+    start = time.monotonic()
+    with pytest.raises(RuntimeError) as err:
+        shm.all_reduce(torch.ones(4))
+    assert time.monotonic() - start < 30  # found out from the process table, not the 120 s timeout
+    assert "global rank(s) [1]" in str(err.value) and "exited while rank 0 waited" in str(err.value), err.value
+    return "raised"
+
+
+def test_exited_peer_is_an_error_at_once():
+    assert run_distributed(_dead_peer_worker, 2, timeout=100) == ["raised", "exiting"]
+
+
 def _launch_worker(rank: int, world: int, tp: int, mode: str, env: dict[str, str]) -> tuple[bool, float]:
     os.environ.update(env)
     from tessera.core.context import ParallelMode, gpc, launch_from_torch

@@ -17,8 +17,9 @@ order, as with any process group):
    rank gets bitwise the same result), then publish ``done[me] = k``.
 
 Tensors larger than a slot go through in slot-sized chunks, one collective each. Waiting spins and
-yields the core; a rank that does not arrive within ``timeout_s`` raises an error naming it (a hung
-or dead peer must not hang the job). The counters are aligned 8-byte words written after the data,
+yields the core. A waiting rank checks every 50 ms that the ranks it waits for still exist (their
+process ids are in the segment): a peer that exited is an error at once, naming it, as a closed gloo
+socket would be; one that is alive but does not arrive within ``timeout_s`` (hung) is an error then. The counters are aligned 8-byte words written after the data,
 which x86-64's store ordering makes visible in that order to the other processes; other
 architectures keep gloo (``available`` says why).
 """
@@ -43,7 +44,8 @@ logger = logging.getLogger("tessera")
 
 _LINE = 64  # bytes per counter: one cache line each, so ranks do not write the same line
 _MAX_RANKS = 64
-_HEADER = 2 * _MAX_RANKS * _LINE
+_HEADER = 3 * _MAX_RANKS * _LINE  # ready counters, done counters, process ids
+_LIVENESS_EVERY_S = 0.05  # how often a waiting rank checks that the ranks it waits for still exist
 _SUPPORTED_OPS = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.MAX: "max", dist.ReduceOp.MIN: "min"}
 SHM_DIR = "/dev/shm"
 
@@ -77,7 +79,8 @@ class ShmAllReduce:
         words = np.frombuffer(mm, dtype=np.int64, count=_HEADER // 8)
         step = _LINE // 8
         self._ready = words[0:_MAX_RANKS * step:step][: self.size]
-        self._done = words[_MAX_RANKS * step::step][: self.size]
+        self._done = words[_MAX_RANKS * step:2 * _MAX_RANKS * step:step][: self.size]
+        self._pids = words[2 * _MAX_RANKS * step::step][: self.size]
         data = torch.frombuffer(mm, dtype=torch.uint8, offset=_HEADER, count=2 * self.size * slot_bytes)
         self._slots = data.view(2, self.size, slot_bytes)
 
@@ -116,8 +119,19 @@ class ShmAllReduce:
                     os.close(fd)
             except OSError as e:
                 error = f"rank {dist.get_rank()} cannot map {path}: {e}"
+        pids = None
+        if mm is not None:
+            pids = np.frombuffer(mm, dtype=np.int64, count=_HEADER // 8)[2 * _MAX_RANKS * (_LINE // 8)::_LINE // 8]
+            pids[rank] = os.getpid()
         ok = torch.tensor([0 if mm is None else 1], dtype=torch.int32)
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)  # everyone mapped it (or nobody uses it)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)  # everyone mapped it and wrote its pid
+        if pids is not None and int(ok.item()) == 1:
+            hidden = [ranks[r] for r in range(size) if not _process_alive(int(pids[r]))]
+            if hidden:  # e.g. separate PID namespaces: a dead peer could not be told from an invisible one
+                error = f"the processes of global rank(s) {hidden} are not visible from rank {dist.get_rank()}"
+                ok.zero_()
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
+        del pids
         if rank == 0 and path is not None:
             os.unlink(path)
         dist.barrier(group=group)  # when create returns, the name is gone on every rank's view
@@ -176,13 +190,45 @@ class ShmAllReduce:
         if k <= 0 or (counters >= k).all():
             return
         spins = 0
-        deadline = time.monotonic() + self.timeout_s
+        start = last_check = time.monotonic()
         while not (counters >= k).all():
             spins += 1
             if spins > 200:
                 os.sched_yield()  # give the core to a peer when there are more processes than cores
-            if spins % 1000 == 0 and time.monotonic() > deadline:
-                late = [self.global_ranks[r] for r in range(self.size) if counters[r] < k]
-                raise RuntimeError(
-                    f"shared-memory all-reduce #{k}: timed out after {self.timeout_s:g} s (dist.timeout_s) waiting "
-                    f"for global rank(s) {late} to {what}; a peer has died or hung")
+            if spins % 256 == 0:
+                now = time.monotonic()
+                if now - last_check < _LIVENESS_EVERY_S:
+                    continue
+                last_check = now
+                late = [r for r in range(self.size) if counters[r] < k]
+                gone = [r for r in late if not _process_alive(int(self._pids[r]))]
+                if gone:  # fail now, as gloo does when a peer's socket closes, instead of at the timeout
+                    raise RuntimeError(
+                        f"shared-memory all-reduce #{k}: global rank(s) {[self.global_ranks[r] for r in gone]} "
+                        f"(pid {[int(self._pids[r]) for r in gone]}) exited while rank "
+                        f"{self.global_ranks[self.rank]} waited for them to {what}")
+                if now - start > self.timeout_s:
+                    raise RuntimeError(
+                        f"shared-memory all-reduce #{k}: timed out after {self.timeout_s:g} s (dist.timeout_s) "
+                        f"waiting for global rank(s) {[self.global_ranks[r] for r in late]} to {what}; "
+                        "a peer has died or hung")
+
+
+def _process_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and has not exited (a zombie waiting to be reaped counts as exited)."""
+    if pid <= 0:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        return stat[stat.rindex(b")") + 2:][:1] not in (b"Z", b"X")
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: fall back to a signal-0 probe
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
