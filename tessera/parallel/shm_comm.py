@@ -85,7 +85,7 @@ class ShmAllReduce:
         self._slots = data.view(2, self.size, slot_bytes)
 
     @classmethod
-    def create(cls, group: Any, *, slot_bytes: int = 4 << 20,
+    def create(cls, group: Any, *, slot_bytes: int = 1 << 20,
                timeout_s: float = 1800.0) -> tuple["ShmAllReduce | None", str | None]:
         """Collective over ``group``: ``(instance, None)``, or ``(None, why)`` on every rank alike.
 
@@ -102,10 +102,14 @@ class ShmAllReduce:
             path = os.path.join(SHM_DIR, f"tessera-allreduce-{uuid.uuid4().hex}")
             try:
                 fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-                os.ftruncate(fd, total)
-                os.close(fd)
+                try:  # reserve the pages now: a full /dev/shm is an error here, not a SIGBUS mid-training
+                    os.posix_fallocate(fd, 0, total)
+                finally:
+                    os.close(fd)
             except OSError as e:
-                error, path = f"cannot create {path}: {e}", None
+                if os.path.exists(path):
+                    os.unlink(path)
+                error, path = f"cannot create {total} bytes at {path}: {e}", None
         shared = [path, error]
         dist.broadcast_object_list(shared, src=ranks[0], group=group)
         path, error = shared
