@@ -313,6 +313,12 @@ def test_valid_is_repeatable_sharded_and_padded(tmp_path):
     # capped: 2 micro-batches x 2 rows x 2 ranks = 8 distinct rows spread over the set
     capped = [r for v in valids(2, micro_num=2) for mb in v for r in mb["sample_ids"].tolist()]
     assert len(capped) == len(set(capped)) == 8 and max(capped) >= n - 2 and min(capped) == 0
+    # valid_micro_bsz: bigger validation micro-batches, the same rows each once
+    big = build_data(cfg(tmp_path / "train", valid_folder=str(tmp_path / "valid"), valid_micro_num=100,
+                         valid_micro_bsz=5), vocab_size=257, max_seq_len=L).valid
+    assert len(big) == math.ceil(n / 5) and all(mb["input_ids"].shape[0] == 5 for mb in big)
+    ids = [r for mb in big for r in mb["sample_ids"].tolist()]
+    assert sorted(r for r in ids if r >= 0) == list(range(n)) and ids.count(-1) == 5 * len(big) - n
 
 
 # ------------------------------------------------------------------------------------------ synthetic

@@ -168,6 +168,9 @@ SCHEMA = Section(
                 "cache_folder": Key(STR, "data_cache", doc="where type='stdlib' prepares its token files"),
                 "valid_every": Key(INT, 0, _non_negative, doc="0: validate only at the end"),
                 "valid_micro_num": Key(INT, 8, _positive),
+                "valid_micro_bsz": Key(INT, None, _positive, nullable=True,
+                                       doc="rows per validation forward; None: micro_bsz (no backward, so it "
+                                           "can be larger)"),
                 "pack_sample_into_one": Key(BOOL, False, doc="True: positions do not restart per document"),
                 "num_workers": Key(INT, 0, _non_negative),
             }

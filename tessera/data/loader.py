@@ -11,8 +11,8 @@ global sequence (see sampler.py). Viewed as ``[micro_num, dp_size, micro_bsz]``,
 few slices of a memory map, far cheaper than a training step, so worker processes would only add
 start-up time and state to resume.
 
-Valid: up to ``valid_micro_num`` micro-batches per rank, rows spread evenly over the valid set, the
-same on every call; slots beyond the end of a tiny valid set are all-padding rows (``sample_ids``
+Valid: up to ``valid_micro_num`` micro-batches of ``valid_micro_bsz`` rows (default ``micro_bsz``) per
+rank, rows spread evenly over the valid set, the same on every call; slots beyond the end of a tiny valid set are all-padding rows (``sample_ids``
 -1, no labels) so every rank runs the same number of micro-batches (collectives stay matched).
 """
 
@@ -188,8 +188,8 @@ def build_data(
     train = TrainLoader(rows, GlobalRowSampler(rows.num_rows, seed), B, M, dp_rank, dp_size)
     valid = None
     if valid_streams:
-        valid = ValidLoader(PackedRows(valid_streams, L, byte_lengths, pack_one), B, c["valid_micro_num"],
-                            dp_rank, dp_size)
+        valid = ValidLoader(PackedRows(valid_streams, L, byte_lengths, pack_one), c["valid_micro_bsz"] or B,
+                            c["valid_micro_num"], dp_rank, dp_size)
     info = {
         "type": c["type"],
         "source": source,
