@@ -16,10 +16,15 @@ from tessera.testing import run_distributed
 pytestmark = pytest.mark.skipif(shm_unavailable_reason(2) is not None, reason=str(shm_unavailable_reason(2)))
 
 
-def _equals_gloo_worker(rank: int, world: int) -> None:
+def _segment(world: int, **kw) -> tuple[ShmAllReduce, object]:
     group = dist.new_group(list(range(world)))
-    shm, why = ShmAllReduce.create(group, slot_bytes=1024)  # tiny slots: most tensors go in several chunks
+    shm, why = ShmAllReduce.create(group, **kw)
     assert shm is not None, why
+    return shm, group
+
+
+def _equals_gloo_worker(rank: int, world: int) -> None:
+    shm, group = _segment(world, slot_bytes=1024)  # tiny slots: most tensors go in several chunks
     assert not [f for f in os.listdir("/dev/shm") if f.startswith("tessera-allreduce-")], "segment name not unlinked"
     g = torch.Generator().manual_seed(100 + rank)
     cases = [
@@ -60,9 +65,7 @@ def test_equals_gloo_all_reduce(world):
 
 
 def _timeout_worker(rank: int, world: int) -> str:
-    group = dist.new_group(list(range(world)))
-    shm, why = ShmAllReduce.create(group, timeout_s=2.0)
-    assert shm is not None, why
+    shm, _ = _segment(world, timeout_s=2.0)
     shm.all_reduce(torch.ones(4))
     if rank == 1:
         time.sleep(6)  # never joins the second collective in time
@@ -82,9 +85,7 @@ def test_missing_peer_times_out_naming_it():
 
 
 def _dead_peer_worker(rank: int, world: int) -> str:
-    group = dist.new_group(list(range(world)))
-    shm, why = ShmAllReduce.create(group, timeout_s=120.0)
-    assert shm is not None, why
+    shm, _ = _segment(world, timeout_s=120.0)
     shm.all_reduce(torch.ones(4))
     if rank == 1:
         return "exiting"  # this process ends while rank 0 waits in the next collective
