@@ -330,7 +330,8 @@ def _setup_shm_all_reduce(cfg: Config) -> None:
                             "dist.cpu_shm_allreduce='off' uses gloo", size)
             return
     if gpc.get_global_rank() == 0:
-        (logger.warning if mode == "on" else logger.info)("tensor-parallel all-reduce: gloo (shared memory not used: %s)", why)
+        log = logger.warning if mode == "on" else logger.info
+        log("tensor-parallel all-reduce: gloo (shared memory not used: %s)", why)
 
 
 def _env_int(name: str, *fallbacks: str) -> int:

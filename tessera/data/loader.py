@@ -12,8 +12,9 @@ few slices of a memory map, far cheaper than a training step, so worker processe
 start-up time and state to resume.
 
 Valid: up to ``valid_micro_num`` micro-batches of ``valid_micro_bsz`` rows (default ``micro_bsz``) per
-rank, rows spread evenly over the valid set, the same on every call; slots beyond the end of a tiny valid set are all-padding rows (``sample_ids``
--1, no labels) so every rank runs the same number of micro-batches (collectives stay matched).
+rank, rows spread evenly over the valid set, the same on every call; slots beyond the end of a tiny
+valid set are all-padding rows (``sample_ids`` -1, no labels) so every rank runs the same number of
+micro-batches (collectives stay matched).
 """
 
 from __future__ import annotations

@@ -19,14 +19,14 @@ order, as with any process group):
 Tensors larger than a slot go through in slot-sized chunks, one collective each. Waiting spins and
 yields the core. A waiting rank checks every 50 ms that the ranks it waits for still exist (their
 process ids are in the segment): a peer that exited is an error at once, naming it, as a closed gloo
-socket would be; one that is alive but does not arrive within ``timeout_s`` (hung) is an error then. The counters are aligned 8-byte words written after the data,
-which x86-64's store ordering makes visible in that order to the other processes; other
-architectures keep gloo (``available`` says why).
+socket would be; one that is alive but does not arrive within ``timeout_s`` (hung) is an error then.
+The counters are aligned 8-byte words written after the data, which x86-64's store ordering makes
+visible in that order to the other processes; other architectures keep gloo
+(``shm_unavailable_reason`` says why).
 """
 
 from __future__ import annotations
 
-import logging
 import mmap
 import os
 import platform
@@ -40,14 +40,20 @@ import torch.distributed as dist
 
 __all__ = ["ShmAllReduce", "shm_unavailable_reason"]
 
-logger = logging.getLogger("tessera")
-
 _LINE = 64  # bytes per counter: one cache line each, so ranks do not write the same line
 _MAX_RANKS = 64
 _HEADER = 3 * _MAX_RANKS * _LINE  # ready counters, done counters, process ids
 _LIVENESS_EVERY_S = 0.05  # how often a waiting rank checks that the ranks it waits for still exist
 _SUPPORTED_OPS = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.MAX: "max", dist.ReduceOp.MIN: "min"}
 SHM_DIR = "/dev/shm"
+
+
+def _header(mm: mmap.mmap, size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Views of the segment's per-rank ``ready`` counters, ``done`` counters and process ids."""
+    step = _LINE // 8
+    words = np.frombuffer(mm, dtype=np.int64, count=_HEADER // 8)
+    ready, done, pids = (words[i * _MAX_RANKS * step:(i + 1) * _MAX_RANKS * step:step][:size] for i in range(3))
+    return ready, done, pids
 
 
 def shm_unavailable_reason(group_size: int) -> str | None:
@@ -76,11 +82,7 @@ class ShmAllReduce:
         self.timeout_s = timeout_s
         self._k = 0
         self._mm = mm
-        words = np.frombuffer(mm, dtype=np.int64, count=_HEADER // 8)
-        step = _LINE // 8
-        self._ready = words[0:_MAX_RANKS * step:step][: self.size]
-        self._done = words[_MAX_RANKS * step:2 * _MAX_RANKS * step:step][: self.size]
-        self._pids = words[2 * _MAX_RANKS * step::step][: self.size]
+        self._ready, self._done, self._pids = _header(mm, self.size)
         data = torch.frombuffer(mm, dtype=torch.uint8, offset=_HEADER, count=2 * self.size * slot_bytes)
         self._slots = data.view(2, self.size, slot_bytes)
 
@@ -125,7 +127,7 @@ class ShmAllReduce:
                 error = f"rank {dist.get_rank()} cannot map {path}: {e}"
         pids = None
         if mm is not None:
-            pids = np.frombuffer(mm, dtype=np.int64, count=_HEADER // 8)[2 * _MAX_RANKS * (_LINE // 8)::_LINE // 8]
+            pids = _header(mm, size)[2]
             pids[rank] = os.getpid()
         ok = torch.tensor([0 if mm is None else 1], dtype=torch.int32)
         dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)  # everyone mapped it and wrote its pid
@@ -149,7 +151,7 @@ class ShmAllReduce:
 
     def close(self) -> None:
         """Drop the mapping (the numpy/torch views must not be used afterwards)."""
-        self._ready = self._done = self._slots = None  # type: ignore[assignment]
+        self._ready = self._done = self._pids = self._slots = None  # type: ignore[assignment]
         try:
             self._mm.close()
         except BufferError:  # a view is still alive somewhere; the mapping goes with the process
