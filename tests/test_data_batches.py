@@ -37,8 +37,11 @@ def write_folder(folder, docs: list[list[int]]) -> None:
     w.close()
 
 
-def expected_rows(docs: list[list[int]], seq_len: int, pack_one: bool = False) -> list[dict]:
-    """Token-by-token reconstruction of every row of one stream, straight from the specification."""
+def expected_rows(docs: list[list[int]], seq_len: int, pack_one: bool = False, context: int = 0) -> list[dict]:
+    """Token-by-token reconstruction of every row of one stream, straight from the specification.
+
+    ``context``: rows advance by ``seq_len - context`` tokens; all but the first leave their first
+    ``context`` positions unlabelled."""
     stream, doc_of, is_last = [], [], []
     for d, doc in enumerate(docs):
         toks = list(doc) + [EOD]
@@ -47,11 +50,12 @@ def expected_rows(docs: list[list[int]], seq_len: int, pack_one: bool = False) -
             doc_of.append(d)
             is_last.append(j == len(toks) - 1)
     n = len(stream)
+    stride = seq_len - context
     rows = []
-    for r in range(math.ceil(n / seq_len)):
+    for r in range(1 + math.ceil(max(0, n - seq_len) / stride)):
         inp, lab, pos, starts, nbytes, p = [], [], [], [], 0, 0
         for j in range(seq_len):
-            t = r * seq_len + j
+            t = r * stride + j
             if t < n:
                 inp.append(stream[t])
                 label = -100 if is_last[t] else stream[t + 1]
@@ -60,6 +64,8 @@ def expected_rows(docs: list[list[int]], seq_len: int, pack_one: bool = False) -
                 inp.append(EOD)
                 label = -100
                 new_seg = j == 0 or (not pack_one and t == n)
+            if r > 0 and j < context:
+                label = -100
             if new_seg:
                 starts.append(j)
                 p = 0
@@ -319,6 +325,51 @@ def test_valid_is_repeatable_sharded_and_padded(tmp_path):
     assert len(big) == math.ceil(n / 5) and all(mb["input_ids"].shape[0] == 5 for mb in big)
     ids = [r for mb in big for r in mb["sample_ids"].tolist()]
     assert sorted(r for r in ids if r >= 0) == list(range(n)) and ids.count(-1) == 5 * len(big) - n
+
+
+@pytest.mark.parametrize("context", [1, 5, 15])
+def test_valid_context_rows_score_every_token_once_with_context(tmp_path, context):
+    docs = make_docs([20, 9, 40, 3, 31, 12, 50], seed=4)
+    write_folder(tmp_path / "valid", docs)
+    write_folder(tmp_path / "train", make_docs([30], seed=5))
+
+    def batches(c):  # one row per micro-batch: every row of the valid set once, in order
+        v = build_data(cfg(tmp_path / "train", valid_folder=str(tmp_path / "valid"), valid_micro_num=1000,
+                           valid_micro_bsz=1, valid_context_len=c), vocab_size=257, max_seq_len=L).valid
+        return list(v)
+
+    rows = expected_rows(docs, L, context=context)
+    got = batches(context)
+    assert [int(mb["sample_ids"]) for mb in got] == list(range(len(rows)))
+    assert len(rows) > len(expected_rows(docs, L))  # overlapping rows: more of them
+    for mb in got:
+        assert_batch_matches(mb, rows, L)
+
+    # independently of the reconstruction: every (stream position, label) pair is scored exactly once,
+    # the same pairs and bytes as without context, and in every row after the first no scored
+    # position has fewer than `context` tokens before it in the row
+    def scored(bs, c):
+        pairs, nbytes = [], 0
+        for r, mb in enumerate(bs):
+            nbytes += int(mb["num_bytes"])
+            for j, label in enumerate(mb["labels"][0].tolist()):
+                if label != -100:
+                    assert r == 0 or j >= c
+                    pairs.append((r * (L - c) + j, label))
+        return pairs, nbytes
+
+    with_ctx, bytes_ctx = scored(got, context)
+    plain, bytes_plain = scored(batches(0), 0)
+    assert sorted(with_ctx) == sorted(plain) and len({p for p, _ in with_ctx}) == len(with_ctx)
+    assert bytes_ctx == bytes_plain == sum(len(d) - 1 for d in docs if d)  # a first byte has no predictor
+
+
+def test_valid_context_len_must_be_below_seq_len(tmp_path):
+    write_folder(tmp_path / "valid", make_docs([20], seed=4))
+    write_folder(tmp_path / "train", make_docs([30], seed=5))
+    with pytest.raises(DataError, match=r"data.valid_context_len.*seq_len=16"):
+        build_data(cfg(tmp_path / "train", valid_folder=str(tmp_path / "valid"), valid_context_len=L),
+                   vocab_size=257, max_seq_len=L)
 
 
 # ------------------------------------------------------------------------------------------ synthetic

@@ -171,6 +171,10 @@ SCHEMA = Section(
                 "valid_micro_bsz": Key(INT, None, _positive, nullable=True,
                                        doc="rows per validation forward; None: micro_bsz (no backward, so it "
                                            "can be larger)"),
+                "valid_context_len": Key(INT, 0, _non_negative,
+                                         doc="validation rows after a stream's first start this many tokens "
+                                             "early; those are context, not scored (each token is still "
+                                             "scored once, with at least this much of its document before it)"),
                 "pack_sample_into_one": Key(BOOL, False, doc="True: positions do not restart per document"),
                 "num_workers": Key(INT, 0, _non_negative),
             }

@@ -12,7 +12,8 @@ few slices of a memory map, far cheaper than a training step, so worker processe
 start-up time and state to resume.
 
 Valid: up to ``valid_micro_num`` micro-batches of ``valid_micro_bsz`` rows (default ``micro_bsz``) per
-rank, rows spread evenly over the valid set, the same on every call; slots beyond the end of a tiny
+rank, rows spread evenly over the valid set, the same on every call; consecutive rows overlap by
+``valid_context_len`` unscored context tokens (see packing.py); slots beyond the end of a tiny
 valid set are all-padding rows (``sample_ids`` -1, no labels) so every rank runs the same number of
 micro-batches (collectives stay matched).
 """
@@ -189,8 +190,8 @@ def build_data(
     train = TrainLoader(rows, GlobalRowSampler(rows.num_rows, seed), B, M, dp_rank, dp_size)
     valid = None
     if valid_streams:
-        valid = ValidLoader(PackedRows(valid_streams, L, byte_lengths, pack_one), c["valid_micro_bsz"] or B,
-                            c["valid_micro_num"], dp_rank, dp_size)
+        valid_rows = PackedRows(valid_streams, L, byte_lengths, pack_one, context=c["valid_context_len"])
+        valid = ValidLoader(valid_rows, c["valid_micro_bsz"] or B, c["valid_micro_num"], dp_rank, dp_size)
     info = {
         "type": c["type"],
         "source": source,

@@ -6,6 +6,12 @@ are the next tokens, so documents longer than a row simply continue in the next 
 span two streams; the last row of a stream is padded. Building a batch costs a few numpy operations
 per row (a slice of the memory map and a binary search in the document index), no per-token loop.
 
+Context rows (``context=c > 0``, validation only): consecutive rows of a stream overlap by ``c``
+tokens. Row ``r`` reads tokens ``[r*(L-c), r*(L-c)+L)``; in every row but a stream's first, the first
+``c`` positions carry no label, so each token is still scored exactly once, but never with less than
+``c`` tokens of its own document before it (where the document has them). A row that starts cold
+sees the first bytes of a row with no context at all, which is not how the model reads a file.
+
 Batch format (a dict of tensors, ``B = micro_bsz``, ``L = seq_len``):
 
 - ``input_ids`` [B, L] int64; padding is the EOD id.
@@ -48,17 +54,22 @@ class PackedRows:
     """The rows of one or more streams, addressed by a global row index."""
 
     def __init__(self, streams: Sequence[TokenStream], seq_len: int, byte_lengths: np.ndarray,
-                 pack_sample_into_one: bool = False):
+                 pack_sample_into_one: bool = False, context: int = 0):
         if not streams:
             raise DataError("no token streams to pack")
         if seq_len < 1:
             raise DataError(f"seq_len={seq_len} must be >= 1")
+        if not 0 <= context < seq_len:
+            raise DataError(f"context={context} (data.valid_context_len) must be >= 0 and below "
+                            f"data.seq_len={seq_len}")
         self.streams = list(streams)
         self.seq_len = seq_len
+        self.context = context
+        self.stride = seq_len - context  # tokens scored per row after a stream's first row
         self.pack_sample_into_one = pack_sample_into_one
         self.byte_lengths = np.asarray(byte_lengths, dtype=np.int64)
         self.pad_id = int(self.streams[0].eod_id)
-        rows = [-(-int(s.num_tokens) // seq_len) for s in self.streams]
+        rows = [1 + -(-max(0, int(s.num_tokens) - seq_len) // self.stride) if s.num_tokens else 0 for s in self.streams]
         self.row_offsets = np.concatenate([[0], np.cumsum(rows)]).astype(np.int64)
         self.num_rows = int(self.row_offsets[-1])
 
@@ -73,7 +84,7 @@ class PackedRows:
             raise DataError(f"row {r} out of range: the data has {self.num_rows} rows")
         k = int(np.searchsorted(self.row_offsets, r, side="right")) - 1
         stream = self.streams[k]
-        a = (r - int(self.row_offsets[k])) * L
+        a = (r - int(self.row_offsets[k])) * self.stride
         n = min(L, int(stream.num_tokens) - a)
         toks = stream.read(a, a + n + 1)
         inp[:n] = toks[:n]
@@ -81,6 +92,8 @@ class PackedRows:
         lab[:m] = toks[1:m + 1]
         starts = stream.doc_starts_in(a, a + n) - a  # in (0, n]
         lab[starts - 1] = IGNORE_INDEX  # the EOD of each document that ends in this row
+        if a > 0:
+            lab[:self.context] = IGNORE_INDEX  # scored by the previous row; context here
         if self.pack_sample_into_one:
             seg = np.zeros(1, dtype=np.int64)
         else:
