@@ -180,6 +180,11 @@ def test_seq_len_beyond_max_positions():
                  "model.max_position_embeddings=16")
 
 
+def test_valid_context_len_not_below_seq_len():
+    expect_error(with_changes(data=dict(BASE["data"], valid_context_len=32)), "data.valid_context_len=32",
+                 "data.seq_len=32")
+
+
 def test_missing_required_key():
     cfg = copy.deepcopy(BASE)
     del cfg["model"]["vocab_size"]

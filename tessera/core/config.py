@@ -465,6 +465,9 @@ def _derive_and_cross_check(cfg: dict[str, Any], source: str | None) -> None:
         raise ConfigError(
             f"data.seq_len={data['seq_len']} exceeds model.max_position_embeddings={m['max_position_embeddings']}{w}"
         )
+    if data["valid_context_len"] >= data["seq_len"]:
+        raise ConfigError(f"data.valid_context_len={data['valid_context_len']} must be below "
+                          f"data.seq_len={data['seq_len']} (a validation row needs a token to score){w}")
     if cfg["lr_scheduler"]["total_steps"] is None:
         cfg["lr_scheduler"]["total_steps"] = data["total_steps"]
     if data["type"] == "tokens" and not data["train_folder"]:
