@@ -122,6 +122,11 @@ def main(argv: list[str] | None = None) -> int:
             else:  # a different TP/DP layout: per-rank streams cannot be carried over
                 gpc.set_seed(seed + step)
             logger.info("resumed from %s at step %d", last_ckpt, step)
+            if step > cfg.data.total_steps:
+                logger.warning("%s is past data.total_steps=%d: nothing to train, only the final validation "
+                               "and sample run (train longer by raising data.total_steps, or start over with "
+                               "another ckpt.save_ckpt_folder or ckpt.auto_resume=False)",
+                               last_ckpt, cfg.data.total_steps)
 
     # 7. metrics
     peak, peak_source = peak_tflops_per_device(cfg, precision.name, device)

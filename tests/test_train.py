@@ -55,6 +55,11 @@ def test_resume_gives_identical_losses_and_metrics_files(tmp_path):
     assert resumed == full, (resumed, full)  # bitwise on CPU
     assert full[6] < full[1]  # it trains
 
+    # resuming a checkpoint past data.total_steps trains nothing and says so
+    proc, past_dir = train(tmp_path, "past", tp2 + save + ["data.total_steps=3"])
+    assert "step_6 is past data.total_steps=3: nothing to train" in proc.stdout + proc.stderr
+    assert records(past_dir) == [] and records(past_dir, "valid")
+
     # metrics.jsonl: one object per step with every metric of DESIGN.md
     rows = records(full_dir)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
