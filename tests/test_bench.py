@@ -71,6 +71,17 @@ def test_bench_tiny(tmp_path):
     assert res["memory_single"]["bf16"]["closed_form"]["total"] == 18.0
     assert par["memory"]["bf16_z2"]["closed_form"]["total"] == 12.0
 
+    # the bf16 verdict gives the reason that fits the CPU: without bf16 instructions, or with them
+    from tessera.bench.report import to_markdown
+
+    peaks = res["single"]["peaks"]
+    for has_bf16 in (False, True):
+        flags = {**res["machine"]["flags"], "avx512_bf16": has_bf16, "amx_bf16": False}
+        md = to_markdown({**res, "machine": {**res["machine"], "flags": flags}}, res["command"])
+        assert ("this CPU has no bf16/fp16 matrix instructions" in md) is (not has_bf16)
+        assert (f"bf16 matmul peak is {peaks['bf16'] / peaks['fp32']:.2f}x the fp32 one" in md) is has_bf16
+        assert f"without bf16 instructions ({'not' if has_bf16 else 'as'} this one)" in md
+
 
 def test_gpu_section_code_path_on_cpu():
     """The GPU section's code runs on any device; exercise it on the CPU at tiny dims."""

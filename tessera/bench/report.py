@@ -113,8 +113,8 @@ def section_overhead(res: dict[str, Any]) -> list[str]:
         f"| framework overhead, fp32: tessera fp32 / plain fp32 | {_both(tf, pf)} |",
         f"| tessera bf16 / plain fp32 | {_both(tb, pf)} |",
         "",
-        f"Plain `torch.autocast` bf16 uses torch's native bf16 CPU kernels. On this CPU they are slow, so that "
-        f"comparison runs at a smaller batch ({s['native_tokens']} tokens: micro_bsz "
+        f"Plain `torch.autocast` bf16 uses torch's native bf16 CPU kernels, which are slow on CPUs without bf16 "
+        f"instructions ({'not' if _has_native_bf16(res) else 'as'} this one), so that comparison runs at a smaller batch ({s['native_tokens']} tokens: micro_bsz "
         f"{res['mode']['native_micro_bsz']} x seq {s['native_seq_len']}), every variant below at that batch, "
         f"{nat['tessera_bf16']['times'].__len__()} round(s):",
         "",
@@ -150,6 +150,23 @@ def section_overhead(res: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _has_native_bf16(res: dict[str, Any]) -> bool:
+    flags = res["machine"]["flags"]
+    return bool(flags.get("avx512_bf16") or flags.get("amx_bf16"))
+
+
+def _why_bf16_gain_is_small(res: dict[str, Any]) -> str:
+    """The verdict's reason on a CPU with bf16 instructions, from this run's peaks and bf16 MFU."""
+    s = res["single"]
+    peaks = s["peaks"]
+    mfu = s["flops_per_token"] * s["tokens"] / s["main"]["tessera_bf16"]["median_s"] / 1e12 / peaks["bf16"]
+    return (f"Why: this CPU has bf16 instructions, and its 1024^3 bf16 matmul peak is {peaks['bf16'] / peaks['fp32']:.2f}x "
+            f"the fp32 one (section 5), but a step of this model is not dominated by large GEMMs: all of its FLOPs "
+            f"at the bf16 peak would take {100 * mfu:.0f}% of the bf16 step (its MFU). The rest -- elementwise ops, "
+            "norms, softmax, the fp32 optimizer update, GEMMs too small to reach the peak -- gains little or "
+            "nothing from bf16.")
+
+
 def section_precision(res: dict[str, Any]) -> list[str]:
     s = res["single"]
     main, nat = s["main"], s["native"]
@@ -168,6 +185,7 @@ def section_precision(res: dict[str, Any]) -> list[str]:
                      f"{_both(main['tessera_fp32'], v)} | {v['skipped_steps']} |")
     bf = _paired(main["tessera_fp32"], main["tessera_bf16"])
     bf_cpu = _paired(main["tessera_fp32"], main["tessera_bf16"], "cpu")
+    holds = min(bf["median"], bf_cpu["median"]) >= 1.8
     lines += [
         "",
         f"With torch's native bf16 kernels (`TESSERA_CPU_LOWP_MATMUL=native`, small batch of {s['native_tokens']} "
@@ -177,14 +195,14 @@ def section_precision(res: dict[str, Any]) -> list[str]:
         "",
         f"Expectation from the issue: bf16 >= 1.8x faster than fp32. Measured {bf['median']:.2f}x wall clock, "
         f"{bf_cpu['median']:.2f}x CPU time: "
-        f"**{'holds' if min(bf['median'], bf_cpu['median']) >= 1.8 else 'does not hold on this machine'}**. "
-        + ("Why: this CPU has no bf16/fp16 matrix instructions (no avx512_bf16, avx512_fp16 or AMX; see the "
+        f"**{'holds' if holds else 'does not hold on this machine'}**. "
+        + ("" if holds else "Why: this CPU has no bf16/fp16 matrix instructions (no avx512_bf16, avx512_fp16 or AMX; see the "
            "flags above). A bf16 GEMM can only be computed as an fp32 GEMM on upcast operands (what tessera does "
            "here: same FLOPs at the fp32 rate, plus the conversions) or with torch's reference bf16 kernels, "
            "which are far slower. Low precision saves memory and bandwidth, but these matmuls are compute-bound, "
            "and elementwise bf16 ops convert to fp32 internally. tf32 is a CUDA compute mode; on the CPU it is "
            "IEEE fp32, so tf32 = fp32 here by construction. The 1.8x+ is a tensor-core property: see section 6."
-           if not (m := res["machine"])["flags"].get("avx512_bf16") and not m["flags"].get("amx_bf16") else ""),
+           if not _has_native_bf16(res) else _why_bf16_gain_is_small(res)),
         "",
     ]
     return lines
@@ -374,13 +392,13 @@ def notes(res: dict[str, Any]) -> list[str]:
                      "thread each and do not have this problem, so their speed-ups over the "
                      f"{w}-thread process overstate what they would be on an idle machine; the column against "
                      "1 process x 1 thread is the steadier scaling figure.")
-    slower = [f"{'TP' if n == 'tp2' else 'DP'}={w} ({p['vs_one_core'][n]['median']:.2f}x)"
-              for n in ("tp2", "dp2") if p["vs_one_core"][n]["median"] < 1.0]
+    tp = "tp2_shm" if "tp2_shm" in p["vs_one_core"] else "tp2"  # the route train.py takes on one CPU node
+    slower = [f"{'TP' if n == tp else 'DP'}={w} ({p['vs_one_core'][n]['median']:.2f}x)"
+              for n in (tp, "dp2") if p["vs_one_core"][n]["median"] < 1.0]
     if slower:
-        lines.append(f"- {' and '.join(slower)} had less throughput than 1 process x 1 thread in this run: {w} "
-                     f"processes need {w} free cores, and other processes were using them (load above). On an "
-                     f"idle machine the ideal is {w}x; here the shortfall is dominated by that load, while the "
-                     "communication share above is what the layout itself costs.")
+        lines.append(f"- {' and '.join(slower)} had less throughput than 1 process x 1 thread in this run. On an "
+                     f"idle machine the ideal is {w}x; the shortfall is the layout's communication share (section 3) "
+                     f"plus, when other processes hold cores (load above), the wait for {w} free cores at once.")
     lines += [
         f"- Single-process sections use {s['threads']} torch thread(s) (`--threads`): fewer threads than cores "
         "keep those timings (and their CPU times) meaningful on a shared machine.",
