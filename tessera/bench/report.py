@@ -114,7 +114,8 @@ def section_overhead(res: dict[str, Any]) -> list[str]:
         f"| tessera bf16 / plain fp32 | {_both(tb, pf)} |",
         "",
         f"Plain `torch.autocast` bf16 uses torch's native bf16 CPU kernels, which are slow on CPUs without bf16 "
-        f"instructions ({'not' if _has_native_bf16(res) else 'as'} this one), so that comparison runs at a smaller batch ({s['native_tokens']} tokens: micro_bsz "
+        f"instructions ({'not' if _has_native_bf16(res) else 'as'} this one), so that comparison runs at a "
+        f"smaller batch ({s['native_tokens']} tokens: micro_bsz "
         f"{res['mode']['native_micro_bsz']} x seq {s['native_seq_len']}), every variant below at that batch, "
         f"{nat['tessera_bf16']['times'].__len__()} round(s):",
         "",
@@ -160,7 +161,8 @@ def _why_bf16_gain_is_small(res: dict[str, Any]) -> str:
     s = res["single"]
     peaks = s["peaks"]
     mfu = s["flops_per_token"] * s["tokens"] / s["main"]["tessera_bf16"]["median_s"] / 1e12 / peaks["bf16"]
-    return (f"Why: this CPU has bf16 instructions, and its 1024^3 bf16 matmul peak is {peaks['bf16'] / peaks['fp32']:.2f}x "
+    ratio = peaks["bf16"] / peaks["fp32"]
+    return (f"Why: this CPU has bf16 instructions, and its 1024^3 bf16 matmul peak is {ratio:.2f}x "
             f"the fp32 one (section 5), but a step of this model is not dominated by large GEMMs: all of its FLOPs "
             f"at the bf16 peak would take {100 * mfu:.0f}% of the bf16 step (its MFU). The rest -- elementwise ops, "
             "norms, softmax, the fp32 optimizer update, GEMMs too small to reach the peak -- gains little or "
@@ -196,8 +198,8 @@ def section_precision(res: dict[str, Any]) -> list[str]:
         f"Expectation from the issue: bf16 >= 1.8x faster than fp32. Measured {bf['median']:.2f}x wall clock, "
         f"{bf_cpu['median']:.2f}x CPU time: "
         f"**{'holds' if holds else 'does not hold on this machine'}**. "
-        + ("" if holds else "Why: this CPU has no bf16/fp16 matrix instructions (no avx512_bf16, avx512_fp16 or AMX; see the "
-           "flags above). A bf16 GEMM can only be computed as an fp32 GEMM on upcast operands (what tessera does "
+        + ("" if holds else "Why: this CPU has no bf16/fp16 matrix instructions (no avx512_bf16, avx512_fp16 "
+           "or AMX; see the flags above). A bf16 GEMM can only be computed as an fp32 GEMM on upcast operands (what tessera does "
            "here: same FLOPs at the fp32 rate, plus the conversions) or with torch's reference bf16 kernels, "
            "which are far slower. Low precision saves memory and bandwidth, but these matmuls are compute-bound, "
            "and elementwise bf16 ops convert to fp32 internally. tf32 is a CUDA compute mode; on the CPU it is "
