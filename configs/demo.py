@@ -5,8 +5,9 @@ training bytes), then validation over every held-out file in 128-byte rows that 
 unscored context (each byte scored once, with at least 32 bytes of its file before it where the file
 has them). Sized to finish within 10 minutes on a 2-core machine including the installs: 4m39s from a
 fresh clone on a 2-core AMD EPYC with AVX-512 BF16 (3m28s training, 31 s validation, 1.670 bits per
-byte; 1.734 for the same weights scored without the overlap). On the AVX2-only EPYC of earlier
-sessions, which runs bf16 through fp32 GEMMs (tessera.parallel.lowp), a run of this size took 8m26s.
+byte; 1.734 for the same weights scored without the overlap). On a 2-core AVX2-only EPYC, which runs
+bf16 through fp32 GEMMs (tessera.parallel.lowp): 6m52s from a fresh clone (5m08s training, 59 s
+validation), 1.672 bits per byte.
 
 The recipe was tuned at this compute budget. Earlier ablations (1.6M-byte proxy, bits per byte on a
 fixed 400-row validation sample): hidden 128 beats 96 and 256 at equal time; 4 heads of 32 beat 2 of
