@@ -26,6 +26,8 @@ from collections.abc import Sequence
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from tessera.cli_args import positive_int  # noqa: E402  (stdlib only: torch still loads after parsing)
+
 
 def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
@@ -38,9 +40,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--tiny", action="store_true", help="configs/tiny.py dims, seconds in all (the test mode)")
     ap.add_argument("--out", default="BENCHMARKS.md", help="markdown file to write")
     ap.add_argument("--json", default=None, help="also write the raw results as JSON here")
-    ap.add_argument("--threads", type=int, default=None, help="torch threads of the single-process sections")
-    ap.add_argument("--only-gpu", action="store_true", help="measure only the GPU section (needs CUDA)")
-    ap.add_argument("--no-gpu", action="store_true", help="skip the GPU section even when CUDA is available")
+    ap.add_argument("--threads", type=positive_int, default=None,
+                    help="torch threads of the single-process sections")
+    gpu = ap.add_mutually_exclusive_group()
+    gpu.add_argument("--only-gpu", action="store_true", help="measure only the GPU section (needs CUDA)")
+    gpu.add_argument("--no-gpu", action="store_true", help="skip the GPU section even when CUDA is available")
     ap.add_argument("--config", default=None,
                     help="model/optimizer config of the CPU sections (default: configs/demo.py)")
     ap.add_argument("--note", action="append", default=[], help="a line for the file's notes (context of the run)")
@@ -53,6 +57,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from tessera.bench.report import gpu_only_markdown, to_markdown
     from tessera.bench.runner import MODES, measure_gpu, run_bench
+    from tessera.core.config import ConfigError
 
     mode = MODES["tiny" if args.tiny else "quick" if args.quick else "full"]
     if args.threads is not None:
@@ -70,16 +75,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                     gpu_only_markdown(result, result["command"]))
         _log(f"wrote {args.out} from {args.render}")
         return 0
-    if args.only_gpu:
-        if not torch.cuda.is_available():
-            print("error: --only-gpu needs a CUDA device", file=sys.stderr)
-            return 2
-        result = {"mode": dataclasses.asdict(mode), "gpu": measure_gpu(mode, "cuda", _log)}
-        text = gpu_only_markdown(result, command)
-    else:
-        result = run_bench(mode, _log, gpu=False if args.no_gpu else None)
-        result["notes"] = list(args.note)
-        text = to_markdown(result, command)
+    if args.only_gpu and not torch.cuda.is_available():
+        print("error: --only-gpu needs a CUDA device", file=sys.stderr)
+        return 2
+    try:  # a bad --config or key=value override surfaces as a ConfigError when the first section loads it
+        if args.only_gpu:
+            result = {"mode": dataclasses.asdict(mode), "gpu": measure_gpu(mode, "cuda", _log)}
+            text = gpu_only_markdown(result, command)
+        else:
+            result = run_bench(mode, _log, gpu=False if args.no_gpu else None)
+            result["notes"] = list(args.note)
+            text = to_markdown(result, command)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     result["command"] = command
     with open(args.out, "w") as f:
         f.write(text)

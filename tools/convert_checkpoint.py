@@ -25,6 +25,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from tessera.cli_args import positive_int  # noqa: E402
 from tessera.core.checkpoint import CheckpointError  # noqa: E402
 from tessera.interop.ckpt_io import resolve_step_folder  # noqa: E402
 from tessera.interop.convert import consolidate, convert_checkpoint  # noqa: E402
@@ -34,14 +35,16 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("src")
     p.add_argument("dst", nargs="?", help="destination save folder or step_<N> folder (with --tp/--dp)")
-    p.add_argument("--tp", type=int, default=None, help="new tensor-parallel size (default: unchanged)")
-    p.add_argument("--dp", type=int, default=None, help="new data-parallel size (default: unchanged)")
+    p.add_argument("--tp", type=positive_int, default=None, help="new tensor-parallel size (default: unchanged)")
+    p.add_argument("--dp", type=positive_int, default=None, help="new data-parallel size (default: unchanged)")
     p.add_argument("--consolidate", metavar="OUT.safetensors", default=None, help="write one full fp32 file")
     p.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the source shards")
     p.add_argument("--overwrite", action="store_true", help="replace an existing destination step folder")
     a = p.parse_args(argv)
     if a.dst is None and a.consolidate is None:
         p.error("give DST (with --tp/--dp) and/or --consolidate OUT.safetensors")
+    if a.dst is None and (a.tp is not None or a.dp is not None):
+        p.error("--tp/--dp set the layout of DST: give DST too (--consolidate alone always writes TP=1)")
     try:
         if a.consolidate:
             print(f"wrote {consolidate(a.src, a.consolidate, verify=not a.no_verify)}")

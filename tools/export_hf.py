@@ -24,6 +24,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from tessera.cli_args import positive_int  # noqa: E402
 from tessera.core.checkpoint import CheckpointError  # noqa: E402
 from tessera.data.errors import DataError  # noqa: E402
 from tessera.interop.hf import export_hf  # noqa: E402
@@ -34,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("checkpoint", help="a step_<N> folder, or a save folder (its newest step is used)")
     p.add_argument("out", help="output folder (created)")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None, help="default: the run's dtype")
-    p.add_argument("--vocab-size", type=int, default=None, help="keep only the first N embedding/head rows")
+    p.add_argument("--vocab-size", type=positive_int, default=None, help="keep only the first N embedding/head rows")
     p.add_argument("--tokenizer", default=None,
                    help="'byte', a tokenizer.json, or 'none' (no tokenizer files), instead of the run's")
     p.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the shards")

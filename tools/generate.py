@@ -23,6 +23,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from tessera.cli_args import (  # noqa: E402
+    nonnegative_float, nonnegative_int, positive_int, probability, random_seed,
+)
 from tessera.core.checkpoint import CheckpointError  # noqa: E402
 from tessera.data.errors import DataError  # noqa: E402
 from tessera.interop.hf import parse_dtype_name  # noqa: E402
@@ -36,19 +39,19 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", help="a step_<N> folder, or a save folder (its newest step)")
     p.add_argument("--prompt", default="def ")
-    p.add_argument("--max-new-tokens", type=int, default=200)
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=positive_int, default=200)
+    p.add_argument("--temperature", type=nonnegative_float, default=0.8, help="0 is greedy")
+    p.add_argument("--top-k", type=nonnegative_int, default=0, help="keep the k most likely tokens (0: all)")
+    p.add_argument("--top-p", type=probability, default=1.0, help="nucleus mass in (0, 1] (1: all)")
+    p.add_argument("--seed", type=random_seed, default=0)
     p.add_argument("--greedy", action="store_true", help="always the most likely token (temperature 0)")
     p.add_argument("--no-kv-cache", action="store_true", help="recompute the full window for every token")
     p.add_argument("--tokenizer", default=None, help="'byte' or a tokenizer.json, instead of the run's")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32", help="compute dtype")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
     p.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the shards")
     a = p.parse_args(argv)
-    if a.threads:
+    if a.threads is not None:
         torch.set_num_threads(a.threads)
     try:
         model, meta = load_for_inference(a.checkpoint, dtype=parse_dtype_name(a.dtype), verify=not a.no_verify)

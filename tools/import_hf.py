@@ -25,6 +25,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from tessera.cli_args import positive_int  # noqa: E402
 from tessera.core.checkpoint import CheckpointError  # noqa: E402
 from tessera.interop.hf import import_hf  # noqa: E402
 
@@ -33,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("hf_folder")
     p.add_argument("out", help="save folder (gets step_0) or a step_<N> folder")
-    p.add_argument("--tp", type=int, required=True, help="tensor-parallel size of the checkpoint")
+    p.add_argument("--tp", type=positive_int, required=True, help="tensor-parallel size of the checkpoint")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None, help="default: as stored")
     p.add_argument("--overwrite", action="store_true")
     a = p.parse_args(argv)

@@ -18,6 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from tessera.cli_args import positive_int  # noqa: E402
 from tessera.core.config import Config, ConfigError  # noqa: E402
 from tessera.model import build_model, count_parameters, flops_per_token  # noqa: E402
 from tessera.parallel import MetaGroup, partition_dim  # noqa: E402
@@ -69,8 +70,9 @@ def summarize(config_path: str, tp: int | None = None, seq_len: int | None = Non
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("config")
-    parser.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: the config's)")
-    parser.add_argument("--seq-len", type=int, default=None, help="for FLOPs per token (default: data.seq_len)")
+    parser.add_argument("--tp", type=positive_int, default=None, help="tensor-parallel size (default: the config's)")
+    parser.add_argument("--seq-len", type=positive_int, default=None,
+                        help="for FLOPs per token (default: data.seq_len)")
     args = parser.parse_args(argv)
     try:
         print(summarize(args.config, args.tp, args.seq_len))

@@ -22,6 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from tessera.cli_args import positive_int  # noqa: E402
 from tessera.core.config import Config, ConfigError  # noqa: E402
 from tessera.core.precision_report import precision_report  # noqa: E402
 
@@ -29,7 +30,8 @@ from tessera.core.precision_report import precision_report  # noqa: E402
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", required=True, help="a tessera config file")
-    ap.add_argument("--zero1", type=int, default=1, help="ZeRO-1 size to measure (spawns that many CPU processes)")
+    ap.add_argument("--zero1", type=positive_int, default=1,
+                    help="ZeRO-1 size to measure (spawns that many CPU processes)")
     ap.add_argument("--dtype", default=None, help="override model.dtype (e.g. bf16, fp16, torch.tf32)")
     ap.add_argument("--fp32-modules", nargs="*", default=None, help="override model.fp32_modules patterns")
     ap.add_argument("--use-fp32-norm", action="store_true", default=None, help="set model.use_fp32_norm")
@@ -60,7 +62,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         report = precision_report(model, dtype, args.zero1, batch=batch, fp32_modules=fp32_modules,
                                   use_fp32_norm=use_fp32_norm, reduce_dtype=reduce_dtype)
-    except ConfigError as e:
+    except (ConfigError, ValueError) as e:  # a bad --dtype / --fp32-modules, or a --zero1 the job cannot run
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(report.to_json() if args.json else report.format())

@@ -20,6 +20,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from tessera.cli_args import fraction, off_or_int_at_least  # noqa: E402
 from tessera.data.errors import DataError  # noqa: E402
 from tessera.data.prepare import DEFAULT_PATTERNS, iter_documents, list_input_files, prepare_corpus  # noqa: E402
 from tessera.data.tokenizer import build_tokenizer  # noqa: E402
@@ -32,8 +33,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tokenizer", default="byte", help="'byte' (default) or a path to a tokenizer.json")
     p.add_argument("--eod-token", default=None, help="end-of-document token of an HF tokenizer (default: guessed)")
     split = p.add_mutually_exclusive_group()
-    split.add_argument("--valid-fraction", type=float, default=0.0, help="hold out this fraction, evenly spread")
-    split.add_argument("--valid-every-nth", type=int, default=0, help="hold out every Nth document")
+    split.add_argument("--valid-fraction", type=fraction, default=0.0,
+                       help="hold out this fraction in [0, 1), evenly spread")
+    split.add_argument("--valid-every-nth", type=off_or_int_at_least(2), default=0,
+                       help="hold out every Nth document (N >= 2; 0: none)")
     p.add_argument("--pattern", nargs="+", default=list(DEFAULT_PATTERNS),
                    help=f"file name patterns searched in folders (default: {' '.join(DEFAULT_PATTERNS)})")
     p.add_argument("--jsonl-key", default="text", help="field holding the text in .jsonl lines")

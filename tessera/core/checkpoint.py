@@ -37,6 +37,7 @@ from safetensors.torch import save_file
 
 import tessera
 from tessera.parallel.attrs import partition_dim
+from tessera.parallel.comm import reduce_scalars
 
 logger = logging.getLogger("tessera")
 
@@ -180,9 +181,8 @@ def _all_agree(ok: bool) -> bool:
     """True only when ``ok`` holds on every rank (so all ranks take the same branch)."""
     if not _dist():
         return ok
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
+    # on the device the default group's backend serves: NCCL refuses a CPU flag
+    return bool(reduce_scalars([1 if ok else 0], None, op=dist.ReduceOp.MIN, dtype=torch.int32)[0])
 
 
 # ---------------------------------------------------------------------------------------- discovery

@@ -40,6 +40,7 @@ from tessera.core.grad_scaler import BaseGradScaler, build_grad_scaler
 from tessera.core.precision import Precision, resolve_precision
 from tessera.parallel.attrs import is_tensor_parallel, partition_dim
 from tessera.parallel.comm import all_reduce as comm_all_reduce
+from tessera.parallel.comm import to_host
 
 __all__ = [
     "HybridZeroOptimizer",
@@ -297,7 +298,8 @@ class HybridZeroOptimizer(torch.optim.Optimizer):
         self._hooks = [self._register_hook(p, view) for b in self._buckets for p, view in zip(b.params, b.grad_views)]
         # TP-replicated parameters enter the global norm on TP rank 0 only
         self._count_mask = torch.tensor(
-            [is_tensor_parallel(p) or self._tp.rank == 0 for b in self._buckets for p in b.params], device=device
+            [is_tensor_parallel(p) or self._tp.rank == 0 for b in self._buckets for p in b.params],
+            dtype=torch.float64, device=device,
         )
         self.skipped_steps = 0
         self.num_steps = 0
@@ -413,7 +415,7 @@ class HybridZeroOptimizer(torch.optim.Optimizer):
         else:  # TP then DP reaches every rank of a tp x dp layout
             self._tp.all_reduce(flag, dist.ReduceOp.MAX)
             self._dp.all_reduce(flag, dist.ReduceOp.MAX)
-        return bool(flag.item() > 0)
+        return to_host(flag)[0] > 0
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> tuple[bool, float]:
@@ -439,9 +441,10 @@ class HybridZeroOptimizer(torch.optim.Optimizer):
             self.last_grad_norm = float("inf")
             return False, float("inf")
 
-        sq = torch.stack([all_norms[self._count_mask].double().square().sum()])
+        # a 0/1 weight rather than a boolean index: no data-dependent shape, so no device sync
+        sq = torch.stack([(all_norms.double().square() * self._count_mask).sum()])
         self._tp.all_reduce(sq)
-        grad_norm = math.sqrt(float(sq.item())) / (scale * self._dp.size)
+        grad_norm = math.sqrt(to_host(sq)[0]) / (scale * self._dp.size)
 
         factor = 1.0 / (scale * self._dp.size)
         if self.clip_grad_norm > 0:

@@ -15,7 +15,9 @@ from typing import Any, Iterable, Mapping
 import torch
 import torch.distributed as dist
 
+from tessera.model.transformer import logits_are_vocab_sharded
 from tessera.parallel import vocab_parallel_cross_entropy
+from tessera.parallel.comm import reduce_scalars, to_host
 
 
 @dataclass
@@ -32,10 +34,14 @@ def _to_device(batch: Mapping[str, Any], device: torch.device) -> dict[str, Any]
 
 
 def _all_reduce_sum(values: list[float], group: Any, device: torch.device) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(t, group=group)
-    return t.tolist()
+    """Sum host numbers over ``group`` in fp64 on the compute ``device`` (NCCL refuses CPU tensors)."""
+    if group is None:
+        return list(values)
+    return reduce_scalars(values, group, device=device)
+
+
+def _labelled_tokens(batch: Mapping[str, Any]) -> float:
+    return float(to_host((batch["labels"] != -100).sum()))
 
 
 class Trainer:
@@ -47,6 +53,8 @@ class Trainer:
         self.model = model
         self.optimizer = optimizer
         self.tp_group = tp_group
+        # the loss reduces over TP only when each rank holds a vocab shard of the logits
+        self.loss_group = tp_group if logits_are_vocab_sharded(model) else None
         self.dp_group = dp_group
         self.device = device
         self.label_smoothing = label_smoothing
@@ -57,7 +65,7 @@ class Trainer:
         logits = self.model(batch["input_ids"], cu_seqlens=batch.get("cu_seqlens"),
                             position_ids=batch.get("position_ids"))
         return vocab_parallel_cross_entropy(
-            logits, batch["labels"], self.tp_group, ignore_index=-100,
+            logits, batch["labels"], self.loss_group, ignore_index=-100,
             label_smoothing=self.label_smoothing if label_smoothing is None else label_smoothing, reduction=reduction)
 
     def train_step(self, micro_batches: list[Mapping[str, Any]]) -> StepResult:
@@ -72,19 +80,20 @@ class Trainer:
         t0 = time.perf_counter()
         self.model.train()
         self.optimizer.zero_grad()
+        local_tokens = sum(_labelled_tokens(b) for b in micro_batches)  # before the copy: no device sync
         batches = [_to_device(b, self.device) for b in micro_batches]
-        local_tokens = sum(float((b["labels"] != -100).sum()) for b in batches)
         global_tokens = max(_all_reduce_sum([local_tokens], self.dp_group, self.device)[0], 1.0)
-        total_nats = 0.0
+        nats = []
         tokens = 0
         for batch in batches:
             loss_sum = self._loss(batch, reduction="sum")
             if self.loss_hook is not None:
                 loss_sum = self.loss_hook(loss_sum)
             self.optimizer.backward(loss_sum * (self.dp_size / global_tokens))
-            total_nats += float(loss_sum.detach())
+            nats.append(loss_sum.detach().double())
             tokens += batch["input_ids"].numel()
         success, grad_norm = self.optimizer.step()
+        total_nats = to_host(torch.stack(nats).sum())  # one device sync for all micro-batches
         mean_loss = _all_reduce_sum([total_nats], self.dp_group, self.device)[0] / global_tokens
         if self.device.type == "cuda":
             torch.cuda.synchronize()
@@ -101,11 +110,11 @@ class Trainer:
         self.model.eval()
         nats = tokens = nbytes = 0.0
         for batch in batches:
-            batch = _to_device(batch, self.device)
-            nats += float(self._loss(batch, reduction="sum", label_smoothing=0.0))
-            tokens += float((batch["labels"] != -100).sum())
+            tokens += _labelled_tokens(batch)
             if "num_bytes" in batch:
-                nbytes += float(batch["num_bytes"].sum())
+                nbytes += float(to_host(batch["num_bytes"].sum()))
+            batch = _to_device(batch, self.device)
+            nats += to_host(self._loss(batch, reduction="sum", label_smoothing=0.0).double())
         self.model.train()
         nats, tokens, nbytes = _all_reduce_sum([nats, tokens, nbytes], self.dp_group, self.device)
         out = {"loss": nats / max(tokens, 1.0), "tokens": int(tokens)}
@@ -144,11 +153,12 @@ class StopRequest:
                 pass
 
     def should_stop(self, group: Any = None) -> tuple[bool, str | None]:
+        """Whether any rank of ``group`` (default: all ranks) was asked to stop; the same answer everywhere.
+
+        The flag is reduced on the device the group's backend serves (on NCCL: the GPU).
+        """
         local = bool(self._signals) or bool(self.stop_file and os.path.exists(self.stop_file))
         if local and self.reason is None:
             self.reason = f"stop file {self.stop_file}"
-        flag = torch.tensor([1 if local else 0], dtype=torch.int32)
-        if dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        stop = bool(flag.item())
+        stop = bool(reduce_scalars([1 if local else 0], group, op=dist.ReduceOp.MAX, dtype=torch.int32)[0])
         return stop, (self.reason or "stop requested on another rank") if stop else None

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from tessera.model.transformer import logits_are_vocab_sharded
 from tessera.parallel.comm import gather_tensor
 
 
@@ -35,6 +36,11 @@ def sample_next(logits: torch.Tensor, generator: torch.Generator, temperature: f
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
+def full_vocab_logits(model: torch.nn.Module, logits: torch.Tensor, tp_group: Any) -> torch.Tensor:
+    """Gather vocab-sharded logits over ``tp_group``; logits of a ``parallel_output=False`` model are whole."""
+    return gather_tensor(logits.contiguous(), -1, tp_group) if logits_are_vocab_sharded(model) else logits
+
+
 @torch.no_grad()
 def generate_ids(model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: int, *, tp_group: Any = None,
                  device: torch.device | str = "cpu", temperature: float = 0.8, top_k: int = 0, top_p: float = 1.0,
@@ -48,7 +54,7 @@ def generate_ids(model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: 
         window = ids[-max_seq_len:] if max_seq_len else ids
         x = torch.tensor([window], dtype=torch.long, device=device)
         logits = model(x)[:, -1, :]
-        logits = gather_tensor(logits.contiguous(), -1, tp_group)
+        logits = full_vocab_logits(model, logits, tp_group)
         if vocab_size is not None:
             logits = logits[..., :vocab_size]
         ids.append(int(sample_next(logits.cpu(), generator, temperature, top_k, top_p)[0]))

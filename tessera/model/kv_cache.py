@@ -18,10 +18,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from tessera.model.generation import sample_next
+from tessera.model.generation import full_vocab_logits, sample_next
 from tessera.model.rotary import apply_rotary, rotary_cos_sin
 from tessera.model.transformer import Transformer
-from tessera.parallel.comm import gather_tensor
 
 __all__ = ["KVCache", "forward_with_cache", "generate_ids_cached"]
 
@@ -126,7 +125,7 @@ def generate_ids_cached(model: Transformer, prompt_ids: list[int], max_new_token
 
     def run(new: list[int], cache: KVCache) -> torch.Tensor:
         logits = forward_with_cache(model, torch.tensor([new], dtype=torch.long, device=device), cache)[:, -1, :]
-        logits = gather_tensor(logits.contiguous(), -1, tp_group)
+        logits = full_vocab_logits(model, logits, tp_group)
         return logits[..., :vocab_size] if vocab_size is not None else logits
 
     try:

@@ -36,7 +36,7 @@ from tessera.model.rotary import positions_from_cu_seqlens, rotary_cos_sin
 from tessera.parallel.comm import group_size
 from tessera.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
-__all__ = ["DecoderLayer", "Transformer", "build_model", "check_tensor_parallel_sizes"]
+__all__ = ["DecoderLayer", "Transformer", "build_model", "check_tensor_parallel_sizes", "logits_are_vocab_sharded"]
 
 TensorRNG = Callable[[], ContextManager[Any]]
 _INIT_MODULES = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, RMSNorm)
@@ -173,6 +173,16 @@ class Transformer(nn.Module):
             else:
                 h = layer(h, cos, sin, plan)
         return self.output(self.norm(h))
+
+
+def logits_are_vocab_sharded(model: nn.Module) -> bool:
+    """Whether ``model``'s logits are a vocab shard per TP rank (``parallel_output=True``, the default).
+
+    With ``parallel_output=False`` the head gathers them: the loss must then not reduce over TP and
+    sampling must not gather again. Looks through a wrapper that keeps the decoder as ``.model``.
+    """
+    inner = getattr(model, "model", model)
+    return bool(getattr(getattr(inner, "args", None), "parallel_output", True))
 
 
 def build_model(

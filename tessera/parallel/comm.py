@@ -38,6 +38,9 @@ __all__ = [
     "gather_tensor",
     "use_fast_all_reduce",
     "fast_all_reduce_for",
+    "collective_device",
+    "to_host",
+    "reduce_scalars",
 ]
 
 
@@ -114,6 +117,54 @@ def all_reduce(x: torch.Tensor, group: Any, op: dist.ReduceOp = dist.ReduceOp.SU
         else:
             dist.all_reduce(x, op=op, group=group)
     return x
+
+
+def collective_device(group: Any = None) -> torch.device:
+    """The device whose tensors ``group``'s backend accepts (``None``: the default group).
+
+    NCCL serves CUDA tensors only (``No backend type associated with device type cpu``), so a flag
+    or count reduced over an NCCL group must live on the GPU; a group that serves the CPU (gloo, or
+    a ``cpu:gloo,cuda:nccl`` group) takes it on the CPU, where no device sync is needed.
+    """
+    pg = group if group is not None else dist.group.WORLD
+    kinds = {d.type for d in getattr(pg, "_device_types", ())}
+    if not kinds:  # a torch without per-group device types: infer from the backend name
+        kinds = {"cpu"} if "gloo" in str(dist.get_backend(pg)) else {"cuda"}
+    return torch.device("cpu") if "cpu" in kinds else torch.device(sorted(kinds)[0])
+
+
+def to_host(t: torch.Tensor) -> list[Any]:
+    """``t.tolist()``: the one place device values are read back to Python.
+
+    A fake tensor (``FakeTensorMode``: dry runs of a real-size config without a GPU) has no values;
+    it reads as zeros, so control flow continues down the normal (no overflow, no stop) path.
+    """
+    from torch._subclasses.fake_tensor import is_fake
+
+    if is_fake(t):
+        zero: Any = 0.0 if t.is_floating_point() else (False if t.dtype == torch.bool else 0)
+        for n in reversed(t.shape):  # nested lists of zeros, built without torch (the fake mode is active)
+            zero = [zero] * n if not isinstance(zero, list) else [list(zero) for _ in range(n)]
+        return zero
+    return t.tolist()
+
+
+def reduce_scalars(values: list[float], group: Any, op: dist.ReduceOp = dist.ReduceOp.SUM,
+                   device: torch.device | None = None, dtype: torch.dtype = torch.float64) -> list[Any]:
+    """All-reduce a few Python numbers over ``group`` (``None``: the default group) and return them.
+
+    The tensor is built on ``device`` (default: the group's :func:`collective_device`), so counts,
+    flags and loss sums obey the backend's device rule like every other collective. Without an
+    initialized process group the values come back unchanged, and so they do from a fake
+    reduction (a dry run: every simulated rank is taken to hold what this one holds).
+    """
+    from torch._subclasses.fake_tensor import is_fake
+
+    t = torch.tensor(values, dtype=dtype, device=device or (collective_device(group) if dist.is_initialized()
+                                                              else torch.device("cpu")))
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        all_reduce(t, group if group is not None else dist.group.WORLD, op)
+    return list(values) if is_fake(t) else t.tolist()
 
 
 def _all_reduce_copy(x: torch.Tensor, group: Any) -> torch.Tensor:

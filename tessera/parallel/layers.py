@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import is_fake
 
 from tessera.core.context import derive_seed
 from tessera.parallel.attrs import set_tensor_parallel_attrs
@@ -88,10 +89,10 @@ def tp_invariant_normal_(
     """Fill this rank's shard of ``param`` with N(0, std) so that the shards concatenate to the TP=1 tensor.
 
     ``name`` is the parameter's full dotted name: it (with ``seed``) decides the values. ``param`` is
-    rank ``tp_rank``'s shard along ``partition_dim`` (None: a replicated tensor). Meta tensors are left
-    alone.
+    rank ``tp_rank``'s shard along ``partition_dim`` (None: a replicated tensor). Meta and fake tensors
+    (shape-only builds and dry runs) are left alone.
     """
-    if param.is_meta or param.numel() == 0:
+    if param.is_meta or is_fake(param) or param.numel() == 0:
         return param
     dim = 0 if partition_dim is None else partition_dim
     offset = tp_rank * param.shape[dim] if partition_dim is not None else 0

@@ -1,0 +1,190 @@
+"""Command-line validation of the scripts under tools/ (issue 14, point 9).
+
+Every numeric flag is range-checked by argparse (``tessera.cli_args``): an out-of-range value exits
+with status 2 and a message naming the flag and the value, before any checkpoint is read. Flags whose
+validity depends on the checkpoint or config (``--tp`` must divide the heads, ``--vocab-size`` must
+fit the model) end in an ``error: ...`` line and a non-zero status, not a traceback. The tools run
+in this process through their ``main(argv)`` (a Python + torch start per call would cost ~2 s); two
+runs go through a real interpreter to check the command line end to end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib.util
+import os
+import subprocess
+import sys
+from types import ModuleType
+
+import pytest
+
+from tessera import cli_args
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "configs", "tiny.py")
+MISSING = os.path.join(ROOT, "no_such_checkpoint")  # argparse rejects the flag before this path is opened
+
+
+# ---------------------------------------------------------------------------------------- the type callables
+@pytest.mark.parametrize("fn, good, bad", [
+    (cli_args.positive_int, ["1", "7", "+3"], ["0", "-4", "1.5", "abc", ""]),
+    (cli_args.nonnegative_int, ["0", "40"], ["-1", "0.0", "x"]),
+    (cli_args.random_seed, ["0", str(2**64 - 1)], ["-1", str(2**64), "1e3"]),
+    (cli_args.off_or_int_at_least(2), ["0", "2", "100"], ["1", "-1", "-2"]),
+    (cli_args.positive_float, ["1e-9", "3"], ["0", "-0.0", "-1", "nan", "inf", "one"]),
+    (cli_args.nonnegative_float, ["0", "0.0", "2.5"], ["-1e-9", "nan", "inf", "-inf"]),
+    (cli_args.probability, ["1", "1.0", "1e-6", "0.95"], ["0", "1.0000001", "-0.5", "nan"]),
+    (cli_args.fraction, ["0", "0.01", "0.999"], ["1", "-1e-9", "1.5", "nan"]),
+])
+def test_type_callables_accept_the_boundaries_and_reject_just_outside(fn, good, bad):
+    for text in good:
+        assert fn(text) == pytest.approx(float(text)), text
+    for text in bad:
+        with pytest.raises(argparse.ArgumentTypeError):
+            fn(text)
+
+
+def test_ints_stay_ints_and_floats_floats():
+    assert type(cli_args.positive_int("3")) is int and type(cli_args.random_seed("3")) is int
+    assert type(cli_args.probability("1")) is float and type(cli_args.nonnegative_float("0")) is float
+
+
+@pytest.mark.parametrize("fn, text, message", [
+    (cli_args.positive_int, "-4", "-4 is not a positive integer (must be >= 1)"),
+    (cli_args.positive_int, "abc", "'abc' is not an integer"),
+    (cli_args.nonnegative_int, "-1", "-1 is not a non-negative integer (must be >= 0)"),
+    (cli_args.random_seed, "-1", "-1 is not a valid seed (must be in [0, 2**64 - 1])"),
+    (cli_args.off_or_int_at_least(2), "1", "1 is not valid (must be 0 = off, or >= 2)"),
+    (cli_args.nonnegative_float, "-0.5", "-0.5 is not a non-negative number (must be >= 0)"),
+    (cli_args.nonnegative_float, "nan", "nan is not a finite number"),
+    (cli_args.positive_float, "0", "0 is not a positive number (must be > 0)"),
+    (cli_args.probability, "0", "0 is not in (0, 1]"),
+    (cli_args.fraction, "1", "1 is not in [0, 1)"),
+])
+def test_messages_say_the_value_and_the_allowed_range(fn, text, message):
+    with pytest.raises(argparse.ArgumentTypeError) as err:
+        fn(text)
+    assert str(err.value) == message
+
+
+def test_cli_args_imports_nothing_from_tessera():
+    """The tools import it before torch (tools/bench.py parses its flags before loading anything heavy)."""
+    code = ("import sys, tessera.cli_args; "
+            "print(sorted(m for m in sys.modules if m.startswith('tessera') or m == 'torch'))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "['tessera', 'tessera.cli_args']"
+
+
+# ---------------------------------------------------------------------------------------- tools, in process
+@functools.cache
+def _tool_module(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"_cli_tool_{name[:-3]}", os.path.join(ROOT, "tools", name))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run(capsys, name: str, *argv: str) -> tuple[int, str, str]:
+    """``tools/<name>``'s ``main(argv)``: (exit status, stdout, stderr); argparse's SystemExit counts as a status."""
+    capsys.readouterr()
+    try:
+        code = _tool_module(name).main(list(argv))
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+BAD_FLAGS = [  # (tool, argv, the "argument --flag: value" that stderr must contain)
+    ("generate.py", [MISSING, "--max-new-tokens", "-4"], "argument --max-new-tokens: -4 is not a positive integer"),
+    ("generate.py", [MISSING, "--max-new-tokens", "0"], "argument --max-new-tokens: 0 "),
+    ("generate.py", [MISSING, "--temperature", "-0.5"], "argument --temperature: -0.5 "),
+    ("generate.py", [MISSING, "--temperature", "nan"], "argument --temperature: nan "),
+    ("generate.py", [MISSING, "--top-k", "-1"], "argument --top-k: -1 "),
+    ("generate.py", [MISSING, "--top-p", "0"], "argument --top-p: 0 is not in (0, 1]"),
+    ("generate.py", [MISSING, "--top-p", "1.5"], "argument --top-p: 1.5 "),
+    ("generate.py", [MISSING, "--seed", "-1"], "argument --seed: -1 "),
+    ("generate.py", [MISSING, "--threads", "0"], "argument --threads: 0 "),
+    ("convert_checkpoint.py", [MISSING, "out", "--tp", "0"], "argument --tp: 0 "),
+    ("convert_checkpoint.py", [MISSING, "out", "--dp", "-2"], "argument --dp: -2 "),
+    ("import_hf.py", [MISSING, "out", "--tp", "0"], "argument --tp: 0 "),
+    ("export_hf.py", [MISSING, "out", "--vocab-size", "0"], "argument --vocab-size: 0 "),
+    ("model_summary.py", [TINY, "--tp", "0"], "argument --tp: 0 "),
+    ("model_summary.py", [TINY, "--seq-len", "-1"], "argument --seq-len: -1 "),
+    ("precision_report.py", ["--config", TINY, "--zero1", "0"], "argument --zero1: 0 "),
+    ("precision_report.py", ["--config", TINY, "--zero1", "-1"], "argument --zero1: -1 "),
+    ("prepare_data.py", ["--input", MISSING, "--output", "out", "--valid-fraction", "1"],
+     "argument --valid-fraction: 1 is not in [0, 1)"),
+    ("prepare_data.py", ["--input", MISSING, "--output", "out", "--valid-fraction", "-0.1"],
+     "argument --valid-fraction: -0.1 "),
+    ("prepare_data.py", ["--input", MISSING, "--output", "out", "--valid-every-nth", "1"],
+     "argument --valid-every-nth: 1 "),
+    ("bench.py", ["--threads", "0"], "argument --threads: 0 "),
+    ("bench.py", ["--only-gpu", "--no-gpu"], "argument --no-gpu: not allowed with argument --only-gpu"),
+]
+
+
+@pytest.mark.parametrize("name, argv, message", BAD_FLAGS, ids=[f"{t}:{' '.join(a[-2:])}" for t, a, _ in BAD_FLAGS])
+def test_out_of_range_flags_exit_2_naming_the_flag_and_value(capsys, name, argv, message):
+    code, out, err = _run(capsys, name, *argv)
+    assert code == 2, (code, err)
+    assert message in err, err
+    assert "Traceback" not in err and out == ""
+
+
+def test_convert_tp_without_dst_is_a_usage_error(capsys):
+    code, _, err = _run(capsys, "convert_checkpoint.py", MISSING, "--consolidate", "x.safetensors", "--tp", "2")
+    assert code == 2 and "--tp/--dp set the layout of DST" in err, err
+
+
+# ---------------------------------------------------------------------------------------- a real checkpoint
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> str:
+    """configs/tiny.py's model (4 heads, vocab 256) saved untrained at TP=1 by the training-time saver."""
+    from tessera.core.checkpoint import Layout, save_checkpoint
+    from tessera.core.config import Config
+    from tessera.model import build_model
+
+    cfg = Config.from_file(TINY)
+    model = build_model(cfg.model, seed=0)
+    return save_checkpoint(str(tmp_path_factory.mktemp("cli") / "ckpt"), 1, model=model, optimizer=None,
+                           trainer_state={"step": 1}, config=cfg.to_dict(), rng_states=None, layout=Layout())
+
+
+def test_generate_accepts_the_boundary_values(capsys, ckpt):
+    code, out, err = _run(capsys, "generate.py", ckpt, "--tokenizer", "byte", "--prompt", "ab", "--max-new-tokens",
+                          "1", "--temperature", "0", "--top-k", "0", "--top-p", "1", "--seed", "0")
+    assert code == 0, err
+    assert out.startswith("ab") and "1 tokens in" in err
+
+
+def test_flags_the_checkpoint_rules_out_give_an_error_line(capsys, ckpt, tmp_path):
+    code, _, err = _run(capsys, "convert_checkpoint.py", ckpt, str(tmp_path / "tp3"), "--tp", "3")
+    assert code == 1 and err.startswith("error: ") and "TP=3" in err and "Traceback" not in err, err
+    code, _, err = _run(capsys, "export_hf.py", ckpt, str(tmp_path / "hf"), "--vocab-size", "257")
+    assert code == 1 and err.startswith("error: --vocab-size 257 must be in [1, model.vocab_size=256]"), err
+
+
+def test_flags_the_config_rules_out_give_an_error_line(capsys, tmp_path):
+    code, _, err = _run(capsys, "model_summary.py", TINY, "--tp", "3")
+    assert code == 2 and err.startswith("error: ") and "not divisible by tensor-parallel size 3" in err, err
+    code, _, err = _run(capsys, "bench.py", "--tiny", "--no-gpu", "--out", str(tmp_path / "b.md"),
+                        "model.hidden_size=-1")
+    assert code == 2 and "error: model.hidden_size: must be > 0, got -1" in err and "Traceback" not in err, err
+    assert not (tmp_path / "b.md").exists()
+
+
+# ---------------------------------------------------------------------------------------- real command lines
+@pytest.mark.parametrize("argv, message", [
+    (["tools/generate.py", MISSING, "--max-new-tokens", "-4"],
+     "generate.py: error: argument --max-new-tokens: -4 is not a positive integer (must be >= 1)"),
+    (["tools/bench.py", "--threads", "-2"], "bench.py: error: argument --threads: -2 is not a positive integer"),
+])
+def test_command_line_exits_2_with_the_argparse_message(argv, message):
+    proc = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr and proc.stdout == ""
