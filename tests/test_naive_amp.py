@@ -51,7 +51,9 @@ def test_design_example_bf16():
     assert out.dtype == torch.float32
     # independent reference: bf16 first layer, fp32 second layer, computed by hand
     h = (x.bfloat16() @ w1.bfloat16().t()).float()
-    ref = (h @ w2.t()).bfloat16().float()  # the marked module's output goes back to the model dtype
+    # the marked module's output is the model's output and output_to_fp32 asks for fp32: it comes back
+    # as computed, not rounded to bf16 and upcast (issue 14, point 7)
+    ref = h @ w2.t()
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
     out.sum().backward()
     assert model.model.linear1.weight.grad.dtype == torch.bfloat16

@@ -344,14 +344,22 @@ def _env_int(name: str, *fallbacks: str) -> int:
     raise ConfigError(f"environment variable {name} is not set: launch with torchrun/srun or set it")
 
 
+_TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
 def launch_from_torch(
     config: Config | Mapping[str, Any] | str | os.PathLike, seed: int | None = 1024, backend: str | None = None
 ) -> ParallelContext:
     """Launch under torchrun: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT from the env.
 
     Joins through ``env://``, which reuses the store torchrun's agent already serves on MASTER_PORT.
-    ``seed=None`` takes the config's ``seed`` key.
+    ``seed=None`` takes the config's ``seed`` key. Without any of torchrun's variables (``python
+    train.py ...``) it runs as a single process: world size 1, an in-process store, no port.
     """
+    if not any(key in os.environ for key in _TORCHRUN_ENV):
+        logger.info("no torchrun environment (%s): running as a single process, world size 1", "/".join(_TORCHRUN_ENV))
+        return launch(config, rank=0, world_size=1, init_method=dist.HashStore(), local_rank=0, backend=backend,
+                      seed=seed)
     _env_int("MASTER_PORT")  # a clear error instead of a hang when it is missing
     world_size = _env_int("WORLD_SIZE")
     init = _torchrun_store(world_size, _as_config(config).dist.timeout_s) or "env://"

@@ -106,6 +106,27 @@ def fp32_module_names(model: nn.Module) -> set[str]:
     return out
 
 
+def _check_shared_parameters(model: nn.Module) -> None:
+    """A parameter shared by an fp32 module and a low-precision one (tied embeddings with only one
+    side marked) cannot be both: refuse it, naming the modules, instead of picking one silently."""
+    fp32 = {id(m) for _, root in _fp32_roots(model) for m in root.modules()}
+    owners: dict[int, list[tuple[str, bool]]] = {}
+    for mod_name, module in model.named_modules(remove_duplicate=False):
+        for p_name, p in module.named_parameters(recurse=False):
+            entry = (f"{mod_name}.{p_name}" if mod_name else p_name, id(module) in fp32)
+            if entry not in owners.setdefault(id(p), []):
+                owners[id(p)].append(entry)
+    for entries in owners.values():
+        if len({is_fp32 for _, is_fp32 in entries}) > 1:
+            marked = [n for n, f in entries if f]
+            unmarked = [n for n, f in entries if not f]
+            raise ConfigError(
+                f"{' and '.join(n for n, _ in entries)} are one shared parameter (e.g. model.tie_word_embeddings"
+                f"=True), but fp32 marks cover {marked} and not {unmarked}: mark both modules fp32 (e.g. "
+                "model.fp32_modules=['embedding', 'output']) or neither"
+            )
+
+
 def _cast_floating(obj: Any, dtype: torch.dtype) -> Any:
     """Cast floating tensors inside nested tuples/lists/dicts; leave everything else as is."""
     if isinstance(obj, torch.Tensor):
@@ -158,6 +179,10 @@ class NaiveAMPModel(nn.Module):
             mark_fp32_norms(model)
         self.model = model
         self._hooks: list[Any] = []
+        # fp32 outputs of marked modules, keyed by id of their low-precision cast, for this forward only
+        self._fp32_twins: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        if self.dtype != torch.float32:  # fp32/tf32 store everything in fp32: marks cannot conflict
+            _check_shared_parameters(model)
         self._convert(model)
 
     # ------------------------------------------------------------------ casting
@@ -184,7 +209,24 @@ class NaiveAMPModel(nn.Module):
         return _cast_floating(args, torch.float32), _cast_floating(kwargs, torch.float32)
 
     def _to_model_dtype_hook(self, module: nn.Module, args: tuple, output: Any) -> Any:
-        return _cast_floating(output, self.dtype)
+        cast = _cast_floating(output, self.dtype)
+        if self.output_to_fp32 and isinstance(output, torch.Tensor) and cast is not output:
+            self._fp32_twins[id(cast)] = (cast, output)
+        return cast
+
+    def _restore_fp32(self, out: Any) -> Any:
+        """A model output that is exactly a marked module's cast output gets that module's fp32 tensor
+        back (e.g. an fp32 head's logits), instead of the cast rounded to the model dtype and upcast."""
+        if isinstance(out, torch.Tensor):
+            twin = self._fp32_twins.get(id(out))
+            return twin[1] if twin is not None and twin[0] is out else out
+        if isinstance(out, tuple) and hasattr(out, "_fields"):
+            return type(out)(*(self._restore_fp32(x) for x in out))
+        if isinstance(out, (tuple, list)):
+            return type(out)(self._restore_fp32(x) for x in out)
+        if isinstance(out, Mapping):
+            return {k: self._restore_fp32(v) for k, v in out.items()}
+        return out
 
     # ------------------------------------------------------------------ buffers
     def _buffer_group(self) -> Any:
@@ -217,9 +259,13 @@ class NaiveAMPModel(nn.Module):
             self._sync_buffers()
         args = _cast_floating(args, self.dtype)
         kwargs = _cast_floating(kwargs, self.dtype)
-        out = self.model(*args, **kwargs)
-        if self.output_to_fp32:
-            out = _cast_floating(out, torch.float32)
+        self._fp32_twins.clear()
+        try:
+            out = self.model(*args, **kwargs)
+            if self.output_to_fp32:
+                out = _cast_floating(self._restore_fp32(out), torch.float32)
+        finally:
+            self._fp32_twins.clear()
         return out
 
 

@@ -4,21 +4,27 @@ Heads are split contiguously over the TP group: rank r holds query heads
 ``[r*Hq/tp, (r+1)*Hq/tp)`` and KV heads ``[r*Hkv/tp, (r+1)*Hkv/tp)``; since both counts divide by tp,
 every local query head's KV head is local too.
 
-Backends, chosen once per forward by ``plan_attention`` and logged once per distinct choice:
+Backends, chosen per call from the q/k/v actually passed (an fp32-marked attention in a bf16 model
+gets fp32 tensors) and logged once per distinct choice:
 
 1. the ``flash_attn`` package (``flash_attn_varlen_func`` with ``cu_seqlens``, ``flash_attn_func``
    otherwise) when installed, on CUDA, for fp16/bf16, with ``use_flash_attn=True``;
 2. otherwise ``F.scaled_dot_product_attention``: ``is_causal=True`` when every row is one document
    (torch picks its flash / memory-efficient kernel on CUDA), or a block-diagonal causal boolean mask
    ``[B, 1, S, S]`` built once per forward and shared by all layers when rows hold several documents.
+   With grouped KV heads on CUDA, K/V are expanded where SDPA's GQA support would fall to the math
+   kernel (see ``_sdpa``).
+
+With a KV cache (generation), the same module forward runs on the new positions only and attends
+over the cached keys/values (``attend_cached``).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import logging
-from dataclasses import dataclass
-from typing import Any, Callable, ContextManager
+from dataclasses import dataclass, field
+from typing import Any, Callable, ContextManager, Protocol
 
 import torch
 import torch.nn as nn
@@ -30,7 +36,8 @@ from tessera.model.rotary import apply_rotary, document_ids
 from tessera.parallel.comm import copy_to_region, group_size
 from tessera.parallel.layers import ColumnParallelLinear, RowParallelLinear, divide
 
-__all__ = ["Attention", "AttentionPlan", "plan_attention", "check_cu_seqlens", "RNGReplay"]
+__all__ = ["Attention", "AttentionPlan", "KVCacheLayer", "plan_attention", "check_cu_seqlens", "RNGReplay",
+           "attend", "attend_cached", "select_backend"]
 
 logger = logging.getLogger("tessera")
 _LOGGED: set[str] = set()
@@ -60,20 +67,55 @@ def select_backend(device: torch.device, dtype: torch.dtype, use_flash_attn: boo
     elif device.type != "cuda":
         why = f"the device is {device.type}, not cuda"
     elif dtype not in (torch.float16, torch.bfloat16):
-        why = f"the activations are {dtype}, flash_attn needs float16/bfloat16"
+        why = f"q/k/v are {dtype}, flash_attn needs float16/bfloat16"
     else:
         return "flash_attn", ""
     return "sdpa", why
 
 
+class KVCacheLayer(Protocol):
+    """One layer's view of a KV cache (``tessera.model.kv_cache.KVCache.layer``)."""
+
+    past: int  # positions already cached before the current queries
+
+    def extend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
 @dataclass
 class AttentionPlan:
-    """What every layer's attention needs for one forward: backend plus document layout."""
+    """The document layout of one forward, shared by every layer.
 
-    backend: str  # "flash_attn" | "sdpa"
-    cu_seqlens: torch.Tensor | None = None  # int32, on the activations' device (flash varlen)
-    max_seqlen: int | None = None  # longest document (flash varlen)
-    mask: torch.Tensor | None = None  # [B, 1, S, S] bool, True = may attend (sdpa, packed rows)
+    The backend is not part of it: each call picks one from the q/k/v it is given (an fp32-marked
+    attention inside a bf16 model gets fp32 tensors, which flash_attn refuses). What a backend needs
+    (flash varlen boundaries, the SDPA block-diagonal mask) is built on first use and reused.
+    """
+
+    batch: int
+    seqlen: int
+    cu_seqlens: torch.Tensor | None = None  # None or one document per row: plain causal attention
+    use_flash_attn: bool = True
+    _varlen: tuple[torch.Tensor, int] | None = field(default=None, repr=False)
+    _mask: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def packed(self) -> bool:
+        # one document per row means B+1 boundaries, all of them row boundaries
+        return self.cu_seqlens is not None and self.cu_seqlens.numel() != self.batch + 1
+
+    def varlen(self, device: torch.device) -> tuple[torch.Tensor, int]:
+        """int32 ``cu_seqlens`` on ``device`` and the longest document (flash_attn_varlen_func)."""
+        if self._varlen is None:
+            max_seqlen = int((self.cu_seqlens[1:] - self.cu_seqlens[:-1]).max())  # no sync for a CPU cu_seqlens
+            self._varlen = (self.cu_seqlens.to(device=device, dtype=torch.int32), max_seqlen)
+        return self._varlen
+
+    def mask(self, device: torch.device) -> torch.Tensor:
+        """``[B, 1, S, S]`` bool, True where a query may attend (same document, not in the future)."""
+        if self._mask is None:
+            docs = document_ids(self.cu_seqlens.to(device), self.batch, self.seqlen)
+            causal = torch.ones(self.seqlen, self.seqlen, dtype=torch.bool, device=device).tril()
+            self._mask = ((docs.unsqueeze(2) == docs.unsqueeze(1)) & causal).unsqueeze(1)
+        return self._mask
 
 
 def check_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, seqlen: int) -> torch.Tensor:
@@ -96,56 +138,66 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, seqlen: int) -> torch
     return cu_seqlens
 
 
-def plan_attention(
-    cu_seqlens: torch.Tensor | None,
-    batch: int,
-    seqlen: int,
-    device: torch.device,
-    dtype: torch.dtype,
-    use_flash_attn: bool,
-) -> AttentionPlan:
-    """Pick the backend for these activations, log it once, and build what it needs (mask / varlen)."""
-    backend, why = select_backend(device, dtype, use_flash_attn)
-    # one document per row (B+1 boundaries, all of them row boundaries): plain causal attention
-    packed = cu_seqlens is not None and cu_seqlens.numel() != batch + 1
-    if backend == "flash_attn":
-        _log_once("attention backend: flash_attn (flash_attn_varlen_func for packed rows, flash_attn_func otherwise)")
-        if not packed:
-            return AttentionPlan(backend)
-        max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())  # no device sync for a CPU cu_seqlens
-        cu = cu_seqlens.to(device=device, dtype=torch.int32)
-        return AttentionPlan(backend, cu_seqlens=cu, max_seqlen=max_seqlen)
-    _log_once(
-        f"attention backend: torch scaled_dot_product_attention on {device.type} (is_causal for one document "
-        f"per row, block-diagonal causal mask for packed rows); flash_attn not used: {why}"
-    )
-    if not packed:
-        return AttentionPlan(backend)
-    docs = document_ids(cu_seqlens.to(device), batch, seqlen)
-    causal = torch.ones(seqlen, seqlen, dtype=torch.bool, device=device).tril()
-    mask = (docs.unsqueeze(2) == docs.unsqueeze(1)) & causal
-    return AttentionPlan(backend, mask=mask.unsqueeze(1))
+def plan_attention(cu_seqlens: torch.Tensor | None, batch: int, seqlen: int, use_flash_attn: bool) -> AttentionPlan:
+    """The layout every layer's attention shares in one forward (``cu_seqlens`` already checked)."""
+    return AttentionPlan(batch, seqlen, cu_seqlens, use_flash_attn)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, is_causal: bool,
+          dropout_p: float) -> torch.Tensor:
+    """SDPA on ``[B, H, S, d]`` with grouped KV heads.
+
+    On CUDA, SDPA honours ``enable_gqa`` only in its flash kernel, which takes neither a boolean mask
+    nor fp32: in those cases the grouped call would fall to the math kernel (O(S^2) memory), so K/V
+    are expanded to the query heads first and the memory-efficient kernel runs instead.
+    """
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1 and q.device.type == "cuda" and (mask is not None or q.dtype not in (torch.float16, torch.bfloat16)):
+        why = "a packed-document mask" if mask is not None else f"{q.dtype} q/k/v"
+        _log_once(f"attention: K/V heads expanded {groups}x for SDPA on cuda ({why}: its GQA-capable flash "
+                  "kernel does not take it, the memory-efficient kernel needs equal head counts)")
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        groups = 1
+    return lowp.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal,
+                                             enable_gqa=groups > 1)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan, dropout_p: float) -> torch.Tensor:
-    """Causal attention within documents: q ``[B, S, Hq, d]``, k/v ``[B, S, Hkv, d]`` -> ``[B, S, Hq, d]``."""
-    if plan.backend == "flash_attn":
+    """Causal attention within documents: q ``[B, S, Hq, d]``, k/v ``[B, S, Hkv, d]`` -> ``[B, S, Hq, d]``.
+
+    The backend is picked here, from the tensors passed, and logged once per distinct choice.
+    """
+    backend, why = select_backend(q.device, q.dtype, plan.use_flash_attn)
+    if backend == "flash_attn":
         from flash_attn import flash_attn_func, flash_attn_varlen_func
 
-        if plan.cu_seqlens is None:
+        _log_once("attention backend: flash_attn (flash_attn_varlen_func for packed rows, flash_attn_func otherwise)")
+        if not plan.packed:
             return flash_attn_func(q, k, v, dropout_p=dropout_p, causal=True)
+        cu, max_seqlen = plan.varlen(q.device)
         b, s = q.shape[:2]
         out = flash_attn_varlen_func(
             q.reshape(b * s, *q.shape[2:]), k.reshape(b * s, *k.shape[2:]), v.reshape(b * s, *v.shape[2:]),
-            plan.cu_seqlens, plan.cu_seqlens, plan.max_seqlen, plan.max_seqlen,
-            dropout_p=dropout_p, causal=True,
+            cu, cu, max_seqlen, max_seqlen, dropout_p=dropout_p, causal=True,
         )
         return out.view_as(q)
-    out = lowp.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-        attn_mask=plan.mask, dropout_p=dropout_p, is_causal=plan.mask is None,
-        enable_gqa=q.shape[2] != k.shape[2],
+    _log_once(
+        f"attention backend: torch scaled_dot_product_attention on {q.device.type} for {q.dtype} (is_causal for "
+        f"one document per row, block-diagonal causal mask for packed rows); flash_attn not used: {why}"
     )
+    mask = plan.mask(q.device) if plan.packed else None
+    out = _sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, mask is None, dropout_p)
+    return out.transpose(1, 2)
+
+
+def attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int) -> torch.Tensor:
+    """q ``[B, s, Hq, d]`` at positions ``past..past+s`` over cached k/v ``[B, past+s, Hkv, d]``, causally."""
+    s, total = q.shape[1], k.shape[1]
+    mask = None
+    if s > 1 and past > 0:  # query i (absolute past+i) sees keys 0..past+i
+        qpos = torch.arange(past, past + s, device=q.device).unsqueeze(1)
+        mask = (torch.arange(total, device=q.device).unsqueeze(0) <= qpos).view(1, 1, s, total)
+    out = _sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, s > 1 and past == 0, 0.0)
     return out.transpose(1, 2)
 
 
@@ -226,6 +278,7 @@ class Attention(nn.Module):
         sin: torch.Tensor,
         plan: AttentionPlan,
         rng_replay: RNGReplay | None = None,
+        cache: KVCacheLayer | None = None,
     ) -> torch.Tensor:
         b, s, _ = x.shape
         x = copy_to_region(x, self.process_group)  # one gradient all-reduce for q, k and v together
@@ -234,7 +287,11 @@ class Attention(nn.Module):
         v = self.wv(x, input_is_copied=True).view(b, s, self.num_kv_heads_per_rank, self.head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         p = self.attn_dropout if self.training else 0.0
-        if p == 0.0 or self.tensor_rng is None:
+        if cache is not None:
+            past = cache.past
+            k, v = cache.extend(k, v)
+            out = attend_cached(q, k, v, past)
+        elif p == 0.0 or self.tensor_rng is None:
             out = attend(q, k, v, plan, p)
         else:
             with self.tensor_rng():

@@ -1,13 +1,11 @@
-"""Incremental decoding with a key/value cache, reusing a ``Transformer``'s own submodules.
+"""Incremental decoding with a key/value cache.
 
 ``Transformer.forward`` recomputes the whole sequence each time, which is exact and simple but costs
-O(T^2) projections to sample T tokens. Here each layer's keys and values are kept, so a new token
-costs one row of projections and one attention row. Rather than adding a cache argument to the
-training forward (and risking its behaviour), this module walks the same modules in the same order
-— embedding, per layer ``attention_norm`` -> ``wq/wk/wv`` -> rotary -> attention -> ``wo`` ->
-residual -> ``ffn_norm`` -> ``feed_forward`` -> residual, then ``norm`` and ``output`` — so every weight,
-TP collective (the column/row-parallel layers communicate themselves) and dtype behaviour is the
-model's. Inference only: no dropout, no activation checkpointing, one document per row.
+O(T^2) projections to sample T tokens. With a ``KVCache`` passed to the model's own forward
+(``model(ids, cache=cache)``), each layer keeps its keys and values, so a new token costs one row
+of projections and one attention row. It is the same forward as training — the same module calls,
+TP collectives, fp32-island casts and attention backends — run on the new positions only. Inference
+only: no dropout, no activation checkpointing, one document per row.
 """
 
 from __future__ import annotations
@@ -16,10 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from tessera.model.generation import full_vocab_logits, sample_next
-from tessera.model.rotary import apply_rotary, rotary_cos_sin
 from tessera.model.transformer import Transformer
 
 __all__ = ["KVCache", "forward_with_cache", "generate_ids_cached"]
@@ -29,7 +25,8 @@ __all__ = ["KVCache", "forward_with_cache", "generate_ids_cached"]
 class KVCache:
     """Per-layer keys/values ``[B, capacity, Hkv_local, d]``; ``length`` positions are filled.
 
-    Buffers are allocated on first use and grown by doubling, so appending is amortized O(1).
+    Buffers are allocated on first use and grown by doubling, so appending is amortized O(1). The
+    model advances ``length`` after each forward.
     """
 
     length: int = 0
@@ -55,27 +52,26 @@ class KVCache:
         self.values[layer][:, self.length:end] = v
         return self.keys[layer][:, :end], self.values[layer][:, :end]
 
+    def layer(self, index: int) -> "_LayerView":
+        """What layer ``index``'s attention sees (``tessera.model.attention.KVCacheLayer``)."""
+        return _LayerView(self, index)
 
-def _attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int) -> torch.Tensor:
-    """q ``[B, s, Hq, d]`` at positions ``past..past+s`` over k/v ``[B, past+s, Hkv, d]``, causally."""
-    s, total = q.shape[1], k.shape[1]
-    mask = None
-    causal = False
-    if s > 1:
-        if past == 0:
-            causal = True
-        else:  # query i (absolute past+i) sees keys 0..past+i
-            qpos = torch.arange(past, past + s, device=q.device).unsqueeze(1)
-            mask = torch.arange(total, device=q.device).unsqueeze(0) <= qpos
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=causal,
-        enable_gqa=q.shape[2] != k.shape[2],
-    )
-    return out.transpose(1, 2)
+
+@dataclass
+class _LayerView:
+    cache: KVCache
+    index: int
+
+    @property
+    def past(self) -> int:
+        return self.cache.length
+
+    def extend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cache.append(self.index, k, v)
 
 
 @torch.no_grad()
-def forward_with_cache(model: Transformer, input_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+def forward_with_cache(model: torch.nn.Module, input_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
     """Logits for ``input_ids`` ``[B, s]`` continuing the sequences in ``cache`` (which is extended).
 
     Equals ``model(full_ids)[:, -s:]`` up to floating-point summation order. Logits are vocab-sharded
@@ -83,24 +79,7 @@ def forward_with_cache(model: Transformer, input_ids: torch.Tensor, cache: KVCac
     """
     if model.training:
         raise RuntimeError("forward_with_cache is for inference: call model.eval() first")
-    b, s = input_ids.shape
-    past = cache.length
-    h = model.embedding(input_ids)
-    positions = torch.arange(past, past + s, device=h.device).expand(b, s)
-    cos, sin = rotary_cos_sin(positions, model.args.head_dim, model.args.rope_base)
-    for i, layer in enumerate(model.layers):
-        attn = layer.attention
-        x = layer.attention_norm(h)
-        q = attn.wq(x).view(b, s, attn.num_heads_per_rank, attn.head_dim)
-        k = attn.wk(x).view(b, s, attn.num_kv_heads_per_rank, attn.head_dim)
-        v = attn.wv(x).view(b, s, attn.num_kv_heads_per_rank, attn.head_dim)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        k_all, v_all = cache.append(i, k, v)
-        out = _attend_cached(q, k_all, v_all, past)
-        h = h + attn.wo(out.reshape(b, s, attn.num_heads_per_rank * attn.head_dim))
-        h = h + layer.feed_forward(layer.ffn_norm(h))
-    cache.length = past + s
-    return model.output(model.norm(h))
+    return model(input_ids, cache=cache)
 
 
 @torch.no_grad()

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from tessera.model.args import ModelArgs
-from tessera.model.attention import Attention, AttentionPlan, RNGReplay, check_cu_seqlens, plan_attention
+from tessera.model.attention import Attention, AttentionPlan, KVCacheLayer, RNGReplay, check_cu_seqlens, plan_attention
 from tessera.model.mlp import FeedForward
 from tessera.model.norm import RMSNorm
 from tessera.model.rotary import positions_from_cu_seqlens, rotary_cos_sin
@@ -89,8 +89,9 @@ class DecoderLayer(nn.Module):
         sin: torch.Tensor,
         plan: AttentionPlan,
         rng_replay: RNGReplay | None = None,
+        cache: KVCacheLayer | None = None,
     ) -> torch.Tensor:
-        h = x + self._drop(self.attention(self.attention_norm(x), cos, sin, plan, rng_replay))
+        h = x + self._drop(self.attention(self.attention_norm(x), cos, sin, plan, rng_replay, cache))
         return h + self._drop(self.feed_forward(self.ffn_norm(h)))
 
     def _drop(self, x: torch.Tensor) -> torch.Tensor:
@@ -105,6 +106,10 @@ class Transformer(nn.Module):
     else gathered to ``[B, S, V]``. ``cu_seqlens`` (1-D int, over the flattened ``B*S`` tokens, first 0,
     last ``B*S``, every row boundary included) marks packed documents: attention stays inside a
     document and, unless ``position_ids`` is given, positions restart at 0 per document.
+
+    ``cache`` (a ``tessera.model.kv_cache.KVCache``, inference only) continues cached sequences: the
+    ids are the next positions, keys/values are appended to the cache. Generation thus runs through
+    the same module calls as training, so fp32 marks and their casts apply to it alike.
     """
 
     def __init__(
@@ -154,8 +159,15 @@ class Transformer(nn.Module):
         input_ids: torch.Tensor,
         cu_seqlens: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        cache: Any = None,
     ) -> torch.Tensor:
         batch, seqlen = input_ids.shape
+        past = 0
+        if cache is not None:
+            if self.training or cu_seqlens is not None:
+                raise ValueError("a KV cache is for inference on one document per row: call model.eval() "
+                                 "and pass no cu_seqlens")
+            past = cache.length
         if cu_seqlens is not None:
             cu_seqlens = check_cu_seqlens(cu_seqlens, batch, seqlen)
         h = self.embedding(input_ids)
@@ -163,15 +175,17 @@ class Transformer(nn.Module):
             if cu_seqlens is not None:
                 position_ids = positions_from_cu_seqlens(cu_seqlens.to(h.device), batch, seqlen)
             else:
-                position_ids = torch.arange(seqlen, device=h.device).expand(batch, seqlen)
+                position_ids = torch.arange(past, past + seqlen, device=h.device).expand(batch, seqlen)
         cos, sin = rotary_cos_sin(position_ids.to(h.device), self.args.head_dim, self.args.rope_base)
-        plan = plan_attention(cu_seqlens, batch, seqlen, h.device, h.dtype, self.args.use_flash_attn)
+        plan = plan_attention(cu_seqlens, batch, seqlen, self.args.use_flash_attn)
         recompute = self.training and torch.is_grad_enabled()
         for i, layer in enumerate(self.layers):
             if recompute and i < self.num_checkpoint_layers:
                 h = checkpoint(layer, h, cos, sin, plan, RNGReplay(), use_reentrant=False)
             else:
-                h = layer(h, cos, sin, plan)
+                h = layer(h, cos, sin, plan, None, cache.layer(i) if cache is not None else None)
+        if cache is not None:
+            cache.length = past + seqlen
         return self.output(self.norm(h))
 
 
