@@ -180,3 +180,68 @@ def test_sync_buffer_is_a_no_op_without_distributed():
     model = TinyLM()
     amp = NaiveAMPModel(model, dtype="bf16", sync_buffer=True)
     amp(torch.randint(0, 16, (1, 3)))  # no process group: must simply run
+
+
+# ---------------------------------------------------------------- the decoder's precision corners (issue 14)
+from tessera.model import build_model  # noqa: E402
+from tessera.model.generation import generate_ids  # noqa: E402
+from tessera.model.kv_cache import KVCache, forward_with_cache, generate_ids_cached  # noqa: E402
+
+SMALL = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_kv_attention_heads=2, vocab_size=64,
+             mlp_ratio=2.0, multiple_of=16, use_flash_attn=False)
+
+
+def _decoder(**overrides):
+    return build_model({**SMALL, **overrides}, seed=3)
+
+
+@pytest.mark.parametrize("marks", [["output"], ["embedding"]])
+def test_tied_weight_with_one_side_fp32_is_a_config_error_naming_both(marks):
+    with pytest.raises(ConfigError) as e:
+        NaiveAMPModel(_decoder(tie_word_embeddings=True), dtype=torch.bfloat16, fp32_modules=marks, sync_buffer=False)
+    assert "embedding.weight" in str(e.value) and "output.weight" in str(e.value)
+
+
+def test_tied_weight_marked_on_both_sides_is_fp32_and_the_residual_stream_stays_bf16():
+    model = NaiveAMPModel(_decoder(tie_word_embeddings=True), dtype=torch.bfloat16,
+                          fp32_modules=["embedding", "output"], sync_buffer=False)
+    inner = model.model
+    assert inner.output.weight is inner.embedding.weight and inner.embedding.weight.dtype == torch.float32
+    seen = {}
+    inner.layers[0].register_forward_pre_hook(lambda m, args: seen.__setitem__("h", args[0].dtype))
+    logits = model(torch.randint(0, 64, (2, 8)))
+    assert seen["h"] == torch.bfloat16 and logits.dtype == torch.float32
+    # fp32 and tf32 store everything in fp32: the same marks cannot conflict there
+    NaiveAMPModel(_decoder(tie_word_embeddings=True), dtype=torch.float32, fp32_modules=["output"], sync_buffer=False)
+
+
+def test_fp32_head_logits_are_not_rounded_to_bf16():
+    """Independent reference: the fp32 head applied by hand to the bf16 hidden state."""
+    torch.manual_seed(0)
+    model = NaiveAMPModel(_decoder(), dtype=torch.bfloat16, fp32_modules=["output"], sync_buffer=False)
+    inner = model.model
+    with torch.no_grad():
+        inner.output.weight.mul_(40.0)  # logits of size ~10-20, where bf16 rounding is ~0.06
+    hidden = {}
+    inner.norm.register_forward_hook(lambda m, args, out: hidden.__setitem__("h", out))
+    logits = model(torch.randint(0, 64, (2, 8)))
+    ref = hidden["h"].float() @ inner.output.weight.t()
+    assert logits.abs().max() > 8
+    torch.testing.assert_close(logits, ref, rtol=1e-6, atol=1e-5)
+    assert not torch.equal(logits, ref.bfloat16().float())  # the old rounding would differ
+
+
+@pytest.mark.parametrize("marks", [["layers.*.attention"], ["layers.1"], ["norm", "output"]])
+def test_generation_with_fp32_islands_equals_full_recomputation(marks):
+    """The KV-cache path goes through the same module forwards, so fp32 marks cast there too."""
+    torch.manual_seed(0)
+    model = NaiveAMPModel(_decoder(), dtype=torch.bfloat16, fp32_modules=marks, sync_buffer=False).model
+    model.eval()
+    ids = torch.randint(0, 64, (1, 12))
+    with torch.no_grad():
+        full = model(ids).float()
+        cache = KVCache()
+        parts = [forward_with_cache(model, ids[:, a:b], cache).float() for a, b in [(0, 5), (5, 6), (6, 12)]]
+    torch.testing.assert_close(torch.cat(parts, dim=1), full, rtol=0.02, atol=0.05)
+    prompt = ids[0, :4].tolist()
+    assert generate_ids_cached(model, prompt, 6, temperature=0.0) == generate_ids(model, prompt, 6, temperature=0.0)

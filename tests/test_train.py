@@ -181,3 +181,19 @@ def test_two_agents_nnodes_2(tmp_path):
     # TP groups are contiguous ranks, so each stays inside one torchrun agent ("node")
     assert "tensor-parallel groups are node-local (node0 holds ranks [0, 1])" in outs[0][1]
     assert "spans nodes" not in outs[0][1] + outs[1][1]
+
+
+def test_plain_python_without_torchrun_runs_as_one_process(tmp_path):
+    """``python train.py --config ...`` (no launcher, no MASTER_PORT) trains with world size 1."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    log_folder = str(tmp_path / "logs")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--config", TINY, *COMMON,
+                           "data.total_steps=2", f"log_folder='{log_folder}'", "job_name='plain'"],
+                          cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "running as a single process, world size 1" in proc.stdout + proc.stderr
+    assert sorted(losses(os.path.join(log_folder, "plain"))) == [1, 2]

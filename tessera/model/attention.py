@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from tessera.parallel import lowp
 
 from tessera.model.rotary import apply_rotary, document_ids
-from tessera.parallel.comm import copy_to_region, group_size
+from tessera.parallel.comm import copy_to_region, group_size, to_host
 from tessera.parallel.layers import ColumnParallelLinear, RowParallelLinear, divide
 
 __all__ = ["Attention", "AttentionPlan", "KVCacheLayer", "plan_attention", "check_cu_seqlens", "RNGReplay",
@@ -105,7 +105,7 @@ class AttentionPlan:
     def varlen(self, device: torch.device) -> tuple[torch.Tensor, int]:
         """int32 ``cu_seqlens`` on ``device`` and the longest document (flash_attn_varlen_func)."""
         if self._varlen is None:
-            max_seqlen = int((self.cu_seqlens[1:] - self.cu_seqlens[:-1]).max())  # no sync for a CPU cu_seqlens
+            max_seqlen = int(to_host((self.cu_seqlens[1:] - self.cu_seqlens[:-1]).max()))  # no sync on a CPU cu_seqlens
             self._varlen = (self.cu_seqlens.to(device=device, dtype=torch.int32), max_seqlen)
         return self._varlen
 

@@ -1,0 +1,105 @@
+"""Attention backend choice per call (issue 14, points 5 and 6), checked on fake CUDA tensors.
+
+flash_attn is not installed here, so a stand-in module records what reaches it; the SDPA route is
+observed by wrapping ``tessera.parallel.lowp.scaled_dot_product_attention``. Numerics of the K/V
+expansion are checked on the CPU against SDPA's own grouped-query path.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tessera.fake_cuda import fake_cuda_mode
+from tessera.model import attention
+from tessera.model.attention import _sdpa, attend, plan_attention
+
+CUDA = torch.device("cuda")
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Pretend flash_attn is installed; record every flash_attn and SDPA call with its tensors."""
+    seen: list[tuple[str, torch.Tensor, torch.Tensor, dict]] = []
+
+    def flash(q, k, v, *args, **kwargs):
+        seen.append(("flash_attn", q, k, kwargs))
+        return torch.empty_like(q)
+
+    def varlen(q, k, v, *args, **kwargs):
+        seen.append(("flash_attn_varlen", q, k, kwargs))
+        return torch.empty_like(q)
+
+    def sdpa(q, k, v, **kwargs):
+        seen.append(("sdpa", q, k, kwargs))
+        return torch.empty_like(q)
+
+    monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(flash_attn_func=flash,
+                                                                         flash_attn_varlen_func=varlen))
+    monkeypatch.setattr(attention, "flash_attn_available", lambda: True)
+    monkeypatch.setattr(attention.lowp, "scaled_dot_product_attention", sdpa)
+    return seen
+
+
+def _qkv(dtype: torch.dtype, device: torch.device, hq: int = 4, hkv: int = 2):
+    b, s, d = 2, 8, 16
+    return (torch.randn(b, s, hq, d, dtype=dtype, device=device), torch.randn(b, s, hkv, d, dtype=dtype, device=device),
+            torch.randn(b, s, hkv, d, dtype=dtype, device=device))
+
+
+def test_backend_follows_the_tensors_passed_not_the_model_dtype(calls):
+    """One plan (made for a bf16 model) serves a bf16 layer and an fp32-marked layer: flash_attn gets
+    only the bf16 call, the fp32 island goes to SDPA."""
+    plan = plan_attention(None, 2, 8, use_flash_attn=True)
+    with fake_cuda_mode():
+        attend(*_qkv(torch.bfloat16, CUDA), plan, 0.0)
+        attend(*_qkv(torch.float32, CUDA), plan, 0.0)
+    assert [(c[0], c[1].dtype) for c in calls] == [("flash_attn", torch.bfloat16), ("sdpa", torch.float32)]
+
+
+def test_packed_rows_use_varlen_flash_or_a_mask(calls):
+    cu = torch.tensor([0, 3, 8, 16], dtype=torch.int32)  # row 0 holds two documents
+    plan = plan_attention(cu, 2, 8, use_flash_attn=True)
+    with fake_cuda_mode():
+        attend(*_qkv(torch.float16, CUDA), plan, 0.0)
+        attend(*_qkv(torch.float32, CUDA), plan, 0.0)
+    assert [c[0] for c in calls] == ["flash_attn_varlen", "sdpa"]
+    mask = calls[1][3]["attn_mask"]
+    assert tuple(mask.shape) == (2, 1, 8, 8) and mask.dtype == torch.bool
+
+
+@pytest.mark.parametrize("dtype,packed,expanded", [
+    (torch.bfloat16, False, False),  # SDPA's flash kernel takes GQA: keep 2 KV heads
+    (torch.bfloat16, True, True),  # boolean mask: flash kernel refuses it -> expand
+    (torch.float32, False, True),  # fp32: flash kernel refuses it -> expand
+])
+def test_gqa_is_expanded_on_cuda_where_sdpa_would_fall_to_math(calls, dtype, packed, expanded):
+    cu = torch.tensor([0, 3, 8, 16], dtype=torch.int32) if packed else None
+    plan = plan_attention(cu, 2, 8, use_flash_attn=False)
+    with fake_cuda_mode():
+        attend(*_qkv(dtype, CUDA), plan, 0.0)
+    (_, q, k, kwargs), = calls
+    assert k.shape[1] == (4 if expanded else 2)  # [B, H, S, d] at the SDPA call
+    assert kwargs["enable_gqa"] is (not expanded)
+
+
+def test_cpu_keeps_sdpa_grouped_query_path(calls):
+    plan = plan_attention(torch.tensor([0, 3, 8, 16], dtype=torch.int32), 2, 8, use_flash_attn=True)
+    attend(*_qkv(torch.float32, torch.device("cpu")), plan, 0.0)
+    (name, _, k, kwargs), = calls
+    assert name == "sdpa" and k.shape[1] == 2 and kwargs["enable_gqa"] is True
+
+
+def test_expanded_kv_equals_grouped_query_attention():
+    """The expansion is only a layout change: same result as SDPA's grouped path (CPU, fp32)."""
+    torch.manual_seed(0)
+    q, k, v = (t.transpose(1, 2) for t in _qkv(torch.float32, torch.device("cpu"), hq=6, hkv=2))
+    mask = torch.ones(8, 8, dtype=torch.bool).tril().view(1, 1, 8, 8).expand(2, 1, 8, 8)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    expanded = F.scaled_dot_product_attention(q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1), attn_mask=mask)
+    torch.testing.assert_close(expanded, ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(_sdpa(q, k, v, mask, False, 0.0), ref, rtol=1e-6, atol=1e-6)
