@@ -18,15 +18,15 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from tessera.core.checkpoint import CheckpointError, Layout, find_resumable_checkpoint, load_checkpoint, save_checkpoint
-from tessera.core.config import Config, ConfigError
-from tessera.core.context import ParallelMode, gpc, launch_from_slurm, launch_from_torch
-from tessera.core.lr_scheduler import WarmupCosineLR
-from tessera.core.metrics import MetricsWriter, gpu_peak_tflops, measure_matmul_tflops, peak_memory_gib, setup_logging
-from tessera.core.naive_amp import naive_amp_from_config, unwrap_model
-from tessera.core.optimizer import TooManySkippedSteps, build_optimizer
-from tessera.core.precision import resolve_precision
-from tessera.core.trainer import StopRequest, Trainer
+from tessera.checkpoint.core import CheckpointError, Layout, find_resumable_checkpoint, load_checkpoint, save_checkpoint
+from tessera.config import Config, ConfigError
+from tessera.dist import ParallelMode, gpc, launch_from_slurm, launch_from_torch
+from tessera.train.lr_scheduler import WarmupCosineLR
+from tessera.train.metrics import MetricsWriter, gpu_peak_tflops, measure_matmul_tflops, peak_memory_gib, setup_logging
+from tessera.train.naive_amp import naive_amp_from_config, unwrap_model
+from tessera.train.optimizer import TooManySkippedSteps, build_optimizer
+from tessera.config.precision import resolve_precision
+from tessera.train.step import StopRequest, Trainer
 from tessera.data import build_data
 from tessera.data.errors import DataError
 from tessera.model import build_model, flops_per_token
@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _has_checkpoint(cfg: Config) -> bool:
     """A run that already saved checkpoints resumes from them instead of re-loading load_ckpt_folder."""
-    from tessera.core.checkpoint import list_checkpoints
+    from tessera.checkpoint.core import list_checkpoints
 
     return bool(cfg.ckpt.auto_resume and cfg.ckpt.save_ckpt_folder and list_checkpoints(cfg.ckpt.save_ckpt_folder))
 

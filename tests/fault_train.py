@@ -44,8 +44,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import train  # noqa: E402
-from tessera.core import checkpoint as ckpt_mod  # noqa: E402
-from tessera.core.trainer import Trainer  # noqa: E402
+from tessera.checkpoint import core as checkpoint as ckpt_mod  # noqa: E402
+from tessera.train.step import Trainer  # noqa: E402
 from tessera.data.loader import TrainLoader  # noqa: E402
 
 RANK = int(os.environ.get("RANK", "0"))

@@ -14,7 +14,7 @@ import re
 
 import torch
 
-from tessera.bench.report import SECTIONS
+from benchmarks.report import SECTIONS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -72,7 +72,7 @@ def test_bench_tiny(tmp_path):
     assert par["memory"]["bf16_z2"]["closed_form"]["total"] == 12.0
 
     # the bf16 verdict gives the reason that fits the CPU: without bf16 instructions, or with them
-    from tessera.bench.report import to_markdown
+    from benchmarks.report import to_markdown
 
     peaks = res["single"]["peaks"]
     for has_bf16 in (False, True):
@@ -85,8 +85,8 @@ def test_bench_tiny(tmp_path):
 
 def test_gpu_section_code_path_on_cpu():
     """The GPU section's code runs on any device; exercise it on the CPU at tiny dims."""
-    from tessera.bench.report import section_gpu
-    from tessera.bench.runner import MODES, measure_gpu
+    from benchmarks.report import section_gpu
+    from benchmarks.runner import MODES, measure_gpu
 
     torch.set_num_threads(1)
     g = measure_gpu(MODES["tiny"], "cpu", log=lambda _: None)

@@ -5,7 +5,7 @@ import textwrap
 
 import pytest
 
-from tessera.core.config import Config, ConfigError, check_world_size
+from tessera.config import Config, ConfigError, check_world_size
 
 BASE = dict(
     model=dict(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=256, dtype="torch.float32"),

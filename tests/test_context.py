@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tessera.core.config import ConfigError
-from tessera.core.context import expand_slurm_nodelist
+from tessera.config import ConfigError
+from tessera.dist.launch import expand_slurm_nodelist
 from tessera.testing import WorkerError, free_port, run_distributed
 
 
@@ -43,7 +43,7 @@ def combos(world):
 
 def _groups_worker(rank, world):
     """Build every layout; read each group's membership by a real all_gather over that group."""
-    from tessera.core.context import ParallelMode, gpc, launch_from_torch
+    from tessera.dist import ParallelMode, gpc, launch_from_torch
 
     results = {}
     for i, (tp, zero1) in enumerate(combos(world)):
@@ -78,7 +78,7 @@ def test_group_membership(world):
 
 
 def _slurm_worker(rank, world, port):
-    from tessera.core.context import ParallelMode, gpc, launch_from_slurm
+    from tessera.dist import ParallelMode, gpc, launch_from_slurm
 
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         os.environ.pop(k, None)
@@ -92,7 +92,7 @@ def _slurm_worker(rank, world, port):
 
 
 def _torch_worker(rank, world):
-    from tessera.core.context import ParallelMode, gpc, launch_from_torch
+    from tessera.dist import ParallelMode, gpc, launch_from_torch
 
     launch_from_torch(cfg_dict(tp=2), seed=3)
     out = {m.value: gpc.get_ranks_in_group(m) for m in ParallelMode}
@@ -114,7 +114,7 @@ def test_slurm_nodelist_expansion():
 
 
 def _bad_world_worker(rank, world):
-    from tessera.core.context import launch_from_torch
+    from tessera.dist import launch_from_torch
 
     try:
         launch_from_torch(cfg_dict(tp=4), seed=1)
@@ -131,7 +131,7 @@ def test_world_size_not_tp_times_dp_fails_on_every_rank():
 
 
 def _dropout_worker(rank, world):
-    from tessera.core.context import ParallelMode, gpc, launch_from_torch
+    from tessera.dist import ParallelMode, gpc, launch_from_torch
 
     launch_from_torch(cfg_dict(tp=2), seed=11)
     x = torch.ones(256)

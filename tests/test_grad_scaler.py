@@ -5,8 +5,8 @@ import io
 import pytest
 import torch
 
-from tessera.core.config import Config, ConfigError
-from tessera.core.grad_scaler import ConstantGradScaler, DynamicGradScaler, build_grad_scaler
+from tessera.config import Config, ConfigError
+from tessera.train.grad_scaler import ConstantGradScaler, DynamicGradScaler, build_grad_scaler
 
 
 def _run(scaler, events):

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from tessera.core.lr_scheduler import WarmupCosineLR
+from tessera.train.lr_scheduler import WarmupCosineLR
 
 
 def expected(step, base=1e-3, total=100, warmup=10, eta_min=1e-5):

@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tessera.core.config import Config
-from tessera.core.context import gpc, launch_from_torch
+from tessera.config import Config
+from tessera.dist import gpc, launch_from_torch
 from tessera.model import build_model, count_parameters, flops_per_token, rotary_cos_sin
 from tessera.model import attention as attention_module
 from tessera.model.rotary import apply_rotary

@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from tessera.core.config import ConfigError
-from tessera.core.naive_amp import (
+from tessera.config import ConfigError
+from tessera.train.naive_amp import (
     NaiveAMPModel,
     fp32_module_names,
     mark_fp32_modules,

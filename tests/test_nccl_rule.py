@@ -21,10 +21,10 @@ import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from tessera.core.checkpoint import Layout, _all_agree, find_resumable_checkpoint
-from tessera.core.naive_amp import NaiveAMPModel
-from tessera.core.optimizer import build_optimizer
-from tessera.core.trainer import StopRequest, Trainer
+from tessera.checkpoint.core import Layout, _all_agree, find_resumable_checkpoint
+from tessera.train.naive_amp import NaiveAMPModel
+from tessera.train.optimizer import build_optimizer
+from tessera.train.step import StopRequest, Trainer
 from tessera.model import build_model
 from tessera.fake_cuda import fake_cuda_mode
 from tessera.parallel.comm import collective_device, reduce_scalars

@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from tessera.core.naive_amp import NaiveAMPModel
-from tessera.core.optimizer import HybridZeroOptimizer, TooManySkippedSteps, build_param_groups
+from tessera.train.naive_amp import NaiveAMPModel
+from tessera.train.optimizer import HybridZeroOptimizer, TooManySkippedSteps, build_param_groups
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

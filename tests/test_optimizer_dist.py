@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tessera.core.naive_amp import NaiveAMPModel
-from tessera.core.optimizer import HybridZeroOptimizer, build_param_groups
+from tessera.train.naive_amp import NaiveAMPModel
+from tessera.train.optimizer import HybridZeroOptimizer, build_param_groups
 from tessera.testing import run_distributed
 from tests.test_optimizer import Net, rel  # the same small model and relative-difference helper
 
@@ -81,8 +81,8 @@ def _dp2_worker(rank, world, batches, resume_at):
 
 
 def _report_part():
-    from tessera.core.config import Config
-    from tessera.core.precision_report import precision_report
+    from tessera.config import Config
+    from tessera.train.precision_report import precision_report
     from tessera.model import build_model
 
     cfg = Config.from_file(os.path.join(ROOT, "configs", "tiny.py"))
@@ -243,7 +243,7 @@ class BufNet(Net):
 
 
 def _overflow_part(rank, world):
-    from tessera.core.context import gpc, launch_from_torch
+    from tessera.dist import gpc, launch_from_torch
 
     cfg = dict(
         model=dict(num_layers=1, hidden_size=8, num_attention_heads=2, vocab_size=16, dtype="torch.float16"),

@@ -4,9 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tessera.core.config import Config
-from tessera.core.naive_amp import naive_amp_from_config
-from tessera.core.optimizer import build_optimizer
+from tessera.config import Config
+from tessera.train.naive_amp import naive_amp_from_config
+from tessera.train.optimizer import build_optimizer
 
 VOCAB, SEQ, STEPS = 64, 32, 200
 

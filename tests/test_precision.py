@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from tessera.core.config import ConfigError
-from tessera.core.precision import VALID_NAMES, apply_precision, parse_dtype
+from tessera.config import ConfigError
+from tessera.config.precision import VALID_NAMES, apply_precision, parse_dtype
 
 # storage dtype and TF32 state from DESIGN.md's precision table, written out independently here
 TABLE = {

@@ -104,7 +104,7 @@ class _Job:
     def __init__(self, rank: int, world: int, tp: int) -> None:
         import torch.distributed as dist
 
-        from tessera.core.checkpoint import Layout
+        from tessera.checkpoint.core import Layout
 
         singles = [dist.new_group([r]) for r in range(world)]  # every rank creates every group
         whole = dist.new_group(list(range(world)))
@@ -143,7 +143,7 @@ def _step_batches(step: int, dp_rank: int) -> list[dict[str, torch.Tensor]]:
 
 
 def _config(dtype: str, marks: str, tied: bool, tp: int, parallel_output: bool = True):
-    from tessera.core.config import Config
+    from tessera.config import Config
 
     model = {**MODEL, "dtype": DTYPES[dtype], "tie_word_embeddings": tied, "parallel_output": parallel_output,
              **MARKS[marks]}
@@ -153,9 +153,9 @@ def _config(dtype: str, marks: str, tied: bool, tp: int, parallel_output: bool =
 
 def _build(cfg, job: _Job, seed: int):
     """The path train.py takes: fp32 TP-sharded model -> precision wrapper -> ZeRO optimizer -> Trainer."""
-    from tessera.core.naive_amp import naive_amp_from_config
-    from tessera.core.optimizer import build_optimizer
-    from tessera.core.trainer import Trainer
+    from tessera.train.naive_amp import naive_amp_from_config
+    from tessera.train.optimizer import build_optimizer
+    from tessera.train.step import Trainer
     from tessera.model import build_model
 
     model = build_model(cfg.model, tp_group=job.tp_group, seed=seed, device="cpu")
@@ -181,7 +181,7 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _observe_dtypes(inner) -> dict:
-    from tessera.core.naive_amp import fp32_module_names
+    from tessera.train.naive_amp import fp32_module_names
 
     return {
         # remove_duplicate=False: a tied weight is checked under both of its names
@@ -217,10 +217,10 @@ def _observe_generation(inner, job: _Job) -> dict:
 
 def _run_cell(job: _Job, dtype: str, marks: str, tied: bool, folder: str) -> dict:
     """Train one cell, checkpoint and resume it, generate from it; return what was observed."""
-    from tessera.core.checkpoint import load_checkpoint, save_checkpoint
-    from tessera.core.config import ConfigError
-    from tessera.core.naive_amp import unwrap_model
-    from tessera.core.precision import apply_precision
+    from tessera.checkpoint.core import load_checkpoint, save_checkpoint
+    from tessera.config import ConfigError
+    from tessera.train.naive_amp import unwrap_model
+    from tessera.config.precision import apply_precision
 
     cfg = _config(dtype, marks, tied, job.tp_size)
     apply_precision(cfg.model.dtype)  # what launch_from_torch does (TF32 switches: CUDA only)
@@ -249,7 +249,7 @@ def _run_cell(job: _Job, dtype: str, marks: str, tied: bool, folder: str) -> dic
 
 def _parallel_output_part(job: _Job) -> dict:
     """fp32, TP=2: the same run with vocab-sharded logits and with gathered logits, through Trainer."""
-    from tessera.core.naive_amp import unwrap_model
+    from tessera.train.naive_amp import unwrap_model
     from tessera.model.transformer import logits_are_vocab_sharded
 
     out = {}
@@ -423,8 +423,8 @@ def test_parallel_output_true_and_false_agree_at_tp2(jobs):
 def test_tf32_keeps_fp32_parameters_and_fp32_numbers_on_cpu():
     """``tf32`` is a CUDA compute mode, not a storage dtype: parameters stay fp32 (marks or not) and a
     CPU forward equals the fp32 model's bitwise."""
-    from tessera.core.naive_amp import NaiveAMPModel
-    from tessera.core.precision import parse_dtype, resolve_precision
+    from tessera.train.naive_amp import NaiveAMPModel
+    from tessera.config.precision import parse_dtype, resolve_precision
     from tessera.model import build_model
 
     for name in ("tf32", "torch.tf32"):

@@ -6,8 +6,8 @@ import os
 import pytest
 import torch
 
-from tessera.core.config import Config
-from tessera.core.precision_report import precision_report
+from tessera.config import Config
+from tessera.train.precision_report import precision_report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "tiny.py")

@@ -27,8 +27,8 @@ import pytest
 import torch
 from torch import nn
 
-from tessera.core import checkpoint as ckpt_mod
-from tessera.core.checkpoint import (CheckpointError, Layout, find_resumable_checkpoint, list_checkpoints,
+from tessera.checkpoint import core as checkpoint as ckpt_mod
+from tessera.checkpoint.core import (CheckpointError, Layout, find_resumable_checkpoint, list_checkpoints,
                                      load_checkpoint, save_checkpoint)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -380,8 +380,8 @@ def test_flipped_bytes_in_a_shard_are_reported_and_the_run_falls_back(tmp_path, 
 
 
 def _tiny_model_and_optimizer(seed):
-    from tessera.core.naive_amp import NaiveAMPModel
-    from tessera.core.optimizer import HybridZeroOptimizer
+    from tessera.train.naive_amp import NaiveAMPModel
+    from tessera.train.optimizer import HybridZeroOptimizer
 
     torch.manual_seed(seed)
     model = NaiveAMPModel(nn.Sequential(nn.Linear(6, 8), nn.Linear(8, 2)), dtype="bf16", sync_buffer=False)
@@ -390,7 +390,7 @@ def _tiny_model_and_optimizer(seed):
 
 
 def _train_and_save(folder, step, seed):
-    from tessera.core.naive_amp import unwrap_model
+    from tessera.train.naive_amp import unwrap_model
 
     model, opt = _tiny_model_and_optimizer(seed)
     x = torch.randn(4, 6)
@@ -402,7 +402,7 @@ def _train_and_save(folder, step, seed):
 
 
 def _resume_with_optimizer(folder):
-    from tessera.core.naive_amp import unwrap_model
+    from tessera.train.naive_amp import unwrap_model
 
     model, opt = _tiny_model_and_optimizer(99)
     path, meta = find_resumable_checkpoint(folder, Layout(), load=lambda p: load_checkpoint(
@@ -430,7 +430,7 @@ def test_damaged_file_is_named_and_the_previous_checkpoint_is_used(tmp_path, cap
             f.truncate(os.path.getsize(target) - 7)
     else:
         os.remove(target)
-    from tessera.core.naive_amp import unwrap_model
+    from tessera.train.naive_amp import unwrap_model
 
     with pytest.raises(CheckpointError) as err:
         m, o = _tiny_model_and_optimizer(5)
@@ -460,9 +460,9 @@ def test_loading_never_unpickles(tmp_path, monkeypatch, ref):
     unpickling entry point patched to raise."""
     import io
 
-    from tessera.core.config import Config
-    from tessera.core.naive_amp import naive_amp_from_config, unwrap_model
-    from tessera.core.optimizer import build_optimizer
+    from tessera.config import Config
+    from tessera.train.naive_amp import naive_amp_from_config, unwrap_model
+    from tessera.train.optimizer import build_optimizer
     from tessera.model import build_model
 
     def forbidden(*a, **k):
@@ -493,7 +493,7 @@ def test_loading_never_unpickles(tmp_path, monkeypatch, ref):
 def test_readme_says_config_files_run_as_code(tmp_path):
     readme = open(os.path.join(ROOT, "README.md")).read()
     assert "Config files are Python and\nrun as code" in readme or "Config files are Python and run as code" in readme
-    from tessera.core.config import Config
+    from tessera.config import Config
 
     marker = tmp_path / "ran"
     cfg = tmp_path / "cfg.py"
@@ -504,7 +504,7 @@ def test_readme_says_config_files_run_as_code(tmp_path):
 
 def test_metrics_jsonl_recovers_from_a_torn_last_line(tmp_path):
     """A rank 0 killed mid-write leaves half a JSON line; the restarted attempt's records stay parseable."""
-    from tessera.core.metrics import MetricsWriter
+    from tessera.train.metrics import MetricsWriter
 
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"kind": "train", "step": 1, "loss": 2.0}\n{"kind": "train", "st')
@@ -543,9 +543,9 @@ def test_nan_loss_in_bf16_skips_on_both_ranks_then_stops_naming_step_and_checkpo
 def test_fp16_stop_rule_counts_skips_only_at_the_minimum_scale():
     """fp16: overflows back the scale off (no stop) until it reaches min_scale; from then on the same
     max_consecutive_skips rule as bf16/fp32 applies."""
-    from tessera.core.grad_scaler import DynamicGradScaler
-    from tessera.core.naive_amp import NaiveAMPModel
-    from tessera.core.optimizer import HybridZeroOptimizer, TooManySkippedSteps
+    from tessera.train.grad_scaler import DynamicGradScaler
+    from tessera.train.naive_amp import NaiveAMPModel
+    from tessera.train.optimizer import HybridZeroOptimizer, TooManySkippedSteps
 
     torch.manual_seed(0)
     model = NaiveAMPModel(nn.Linear(4, 2), dtype="fp16", sync_buffer=False)

@@ -55,9 +55,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import torch
 
-    from tessera.bench.report import gpu_only_markdown, to_markdown
-    from tessera.bench.runner import MODES, measure_gpu, run_bench
-    from tessera.core.config import ConfigError
+    from benchmarks.report import gpu_only_markdown, to_markdown
+    from benchmarks.runner import MODES, measure_gpu, run_bench
+    from tessera.config import ConfigError
 
     mode = MODES["tiny" if args.tiny else "quick" if args.quick else "full"]
     if args.threads is not None:

@@ -26,9 +26,9 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tessera.cli_args import positive_int  # noqa: E402
-from tessera.core.checkpoint import CheckpointError  # noqa: E402
-from tessera.interop.ckpt_io import resolve_step_folder  # noqa: E402
-from tessera.interop.convert import consolidate, convert_checkpoint  # noqa: E402
+from tessera.checkpoint.core import CheckpointError  # noqa: E402
+from tessera.checkpoint.source import resolve_step_folder  # noqa: E402
+from tessera.checkpoint.convert import consolidate, convert_checkpoint  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.consolidate:
             print(f"wrote {consolidate(a.src, a.consolidate, verify=not a.no_verify)}")
         if a.dst is not None:
-            from tessera.core.checkpoint import read_meta
+            from tessera.checkpoint.core import read_meta
 
             old = read_meta(resolve_step_folder(a.src))["layout"]
             tp = int(old["tp_size"]) if a.tp is None else a.tp

@@ -25,9 +25,9 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tessera.cli_args import positive_int  # noqa: E402
-from tessera.core.checkpoint import CheckpointError  # noqa: E402
+from tessera.checkpoint.core import CheckpointError  # noqa: E402
 from tessera.data.errors import DataError  # noqa: E402
-from tessera.interop.hf import export_hf  # noqa: E402
+from tessera.checkpoint.hf import export_hf  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,11 +26,11 @@ import torch  # noqa: E402
 from tessera.cli_args import (  # noqa: E402
     nonnegative_float, nonnegative_int, positive_int, probability, random_seed,
 )
-from tessera.core.checkpoint import CheckpointError  # noqa: E402
+from tessera.checkpoint.core import CheckpointError  # noqa: E402
 from tessera.data.errors import DataError  # noqa: E402
-from tessera.interop.hf import parse_dtype_name  # noqa: E402
-from tessera.interop.inference import load_for_inference  # noqa: E402
-from tessera.interop.tokenizers import tokenizer_for_checkpoint  # noqa: E402
+from tessera.checkpoint.hf import parse_dtype_name  # noqa: E402
+from tessera.checkpoint.inference import load_for_inference  # noqa: E402
+from tessera.checkpoint.tokenizers import tokenizer_for_checkpoint  # noqa: E402
 from tessera.model.generation import generate_ids  # noqa: E402
 from tessera.model.kv_cache import generate_ids_cached  # noqa: E402
 

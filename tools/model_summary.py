@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from tessera.cli_args import positive_int  # noqa: E402
-from tessera.core.config import Config, ConfigError  # noqa: E402
+from tessera.config import Config, ConfigError  # noqa: E402
 from tessera.model import build_model, count_parameters, flops_per_token  # noqa: E402
 from tessera.parallel import MetaGroup, partition_dim  # noqa: E402
 

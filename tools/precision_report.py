@@ -23,8 +23,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from tessera.cli_args import positive_int  # noqa: E402
-from tessera.core.config import Config, ConfigError  # noqa: E402
-from tessera.core.precision_report import precision_report  # noqa: E402
+from tessera.config import Config, ConfigError  # noqa: E402
+from tessera.train.precision_report import precision_report  # noqa: E402
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -119,7 +119,7 @@ class DataBundle:
 
 def _data_settings(data_cfg: Mapping[str, Any]) -> dict[str, Any]:
     """The data section with schema defaults filled in (so tests may pass a partial plain dict)."""
-    from tessera.core.config import SCHEMA, Key
+    from tessera.config import SCHEMA, Key
 
     spec = SCHEMA.keys["data"].keys
     unknown = set(data_cfg) - set(spec)

@@ -44,7 +44,7 @@ def dtype_for_vocab(vocab_size: int) -> np.dtype:
 
 
 def _sha256(path: str) -> str:
-    from tessera.core.checkpoint import sha256_file
+    from tessera.checkpoint.core import sha256_file
 
     return sha256_file(path)
 

@@ -34,6 +34,7 @@ from tessera.model.mlp import FeedForward
 from tessera.model.norm import RMSNorm
 from tessera.model.rotary import positions_from_cu_seqlens, rotary_cos_sin
 from tessera.parallel.comm import group_size
+from tessera.parallel.defaults import launch_defaults
 from tessera.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
 __all__ = ["DecoderLayer", "Transformer", "build_model", "check_tensor_parallel_sizes", "logits_are_vocab_sharded"]
@@ -209,20 +210,18 @@ def build_model(
 ) -> Transformer:
     """Build the decoder from the config's ``model`` section, fp32, sharded over ``tp_group``.
 
-    Defaults come from ``gpc`` when it is set up: ``tp_group`` = its TENSOR group, ``seed`` = its seed
-    (else 1024), ``device`` = its device (else the CPU), ``tensor_rng`` = its TENSOR RNG stream. Pass
-    ``tessera.parallel.MetaGroup(tp)`` with ``device="meta"`` to get TP shard shapes without any
-    process group or allocation.
+    Defaults come from the launched job (``tessera.parallel.defaults``, filled by ``tessera.dist``):
+    ``tp_group`` = its TENSOR group, ``seed`` = its seed (else 1024), ``device`` = its device (else
+    the CPU), ``tensor_rng`` = its TENSOR RNG stream. Pass ``tessera.parallel.MetaGroup(tp)`` with
+    ``device="meta"`` to get TP shard shapes without any process group or allocation.
     """
-    from tessera.core.context import ParallelMode, gpc
-
-    tensor_ready = gpc.is_initialized(ParallelMode.TENSOR)
-    if tp_group is None and tensor_ready:
-        tp_group = gpc.get_group(ParallelMode.TENSOR)
+    job = launch_defaults()
+    if tp_group is None:
+        tp_group = job.tp_group
     if seed is None:
-        seed = gpc.seed_value if gpc.seed_value is not None else 1024
+        seed = job.seed if job.seed is not None else 1024
     if device is None:
-        device = gpc.device if tensor_ready else torch.device("cpu")
-    if tensor_rng is None and tensor_ready:
-        tensor_rng = lambda: gpc.seed(ParallelMode.TENSOR)  # noqa: E731
+        device = job.device if job.device is not None else torch.device("cpu")
+    if tensor_rng is None:
+        tensor_rng = job.tensor_rng
     return Transformer(ModelArgs.from_config(model_cfg), tp_group, seed=seed, device=device, tensor_rng=tensor_rng)

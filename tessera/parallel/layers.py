@@ -26,7 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
 
-from tessera.core.context import derive_seed
+from tessera.parallel.seeds import derive_seed
 from tessera.parallel.attrs import set_tensor_parallel_attrs
 from tessera.parallel.lowp import linear
 from tessera.parallel.comm import (

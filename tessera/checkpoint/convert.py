@@ -27,8 +27,8 @@ from typing import Any, Mapping
 
 import torch
 
-from tessera.core.checkpoint import CheckpointError
-from tessera.interop.ckpt_io import (
+from tessera.checkpoint.core import CheckpointError
+from tessera.checkpoint.source import (
     CheckpointSource,
     commit_folder,
     new_meta,
@@ -37,7 +37,7 @@ from tessera.interop.ckpt_io import (
     shard_files,
     write_meta,
 )
-from tessera.interop.safetensors_io import SafetensorsWriter
+from tessera.checkpoint.safetensors_io import SafetensorsWriter
 
 __all__ = ["convert_checkpoint", "consolidate", "load_consolidated_state"]
 
@@ -55,7 +55,7 @@ def _zero1_for(config: Mapping[str, Any], dp: int) -> tuple[int, int]:
 
 
 def _new_config(config: Mapping[str, Any], tp: int, zero1: int) -> dict[str, Any]:
-    from tessera.core.config import Config
+    from tessera.config import Config
 
     new = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in config.items()}
     par = dict(new.get("parallel") or {})

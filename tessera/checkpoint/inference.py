@@ -6,8 +6,8 @@ from typing import Any
 
 import torch
 
-from tessera.interop.ckpt_io import CheckpointSource
-from tessera.interop.convert import load_consolidated_state
+from tessera.checkpoint.source import CheckpointSource
+from tessera.checkpoint.convert import load_consolidated_state
 
 __all__ = ["load_for_inference"]
 

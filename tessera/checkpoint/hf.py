@@ -30,8 +30,8 @@ from typing import Any, Mapping
 
 import torch
 
-from tessera.core.checkpoint import CheckpointError
-from tessera.interop.ckpt_io import (
+from tessera.checkpoint.core import CheckpointError
+from tessera.checkpoint.source import (
     CheckpointSource,
     commit_folder,
     file_entry,
@@ -40,7 +40,7 @@ from tessera.interop.ckpt_io import (
     param_layout,
     write_meta,
 )
-from tessera.interop.safetensors_io import SafetensorsReader, SafetensorsWriter, read_header
+from tessera.checkpoint.safetensors_io import SafetensorsReader, SafetensorsWriter, read_header
 from tessera.model.mlp import ffn_hidden_size
 
 __all__ = ["to_hf_name", "from_hf_name", "hf_config_from_model_cfg", "model_cfg_from_hf_config", "export_hf",
@@ -76,7 +76,7 @@ def parse_dtype_name(name: str) -> torch.dtype:
 
 def run_dtype(model_cfg: Mapping[str, Any]) -> torch.dtype:
     """The storage dtype a run trained in (tf32 is fp32 storage)."""
-    from tessera.core.precision import parse_dtype
+    from tessera.config.precision import parse_dtype
 
     return parse_dtype(model_cfg.get("dtype", "torch.float32"))[0]
 
@@ -219,7 +219,7 @@ def export_hf(ckpt: str, out_dir: str, *, dtype: str | torch.dtype | None = None
     HF size recorded by the import, else the model's). ``tokenizer``: ``"byte"``, a tokenizer.json,
     ``"none"`` (write no tokenizer files), or None for the run's own. Returns a summary dict.
     """
-    from tessera.interop.tokenizers import tokenizer_for_checkpoint, write_hf_tokenizer_files
+    from tessera.checkpoint.tokenizers import tokenizer_for_checkpoint, write_hf_tokenizer_files
 
     os.makedirs(out_dir, exist_ok=True)
     for name in ("config.json", "model.safetensors"):
@@ -320,7 +320,7 @@ def import_hf(hf_dir: str, dst: str, *, tp: int, dtype: str | torch.dtype | None
     ``dst``: a ``step_<N>`` folder, or a folder that gets ``step_<step>``. ``dtype``: storage dtype of the
     shards (default: each HF tensor's own). Returns the step folder, ready for ``ckpt.load_ckpt_folder``.
     """
-    from tessera.core.config import Config
+    from tessera.config import Config
 
     cfg_path = os.path.join(hf_dir, "config.json")
     if not os.path.isfile(cfg_path):

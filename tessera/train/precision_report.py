@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tessera.core.naive_amp import NaiveAMPModel, fp32_module_names, unwrap_model
-from tessera.core.optimizer import HybridZeroOptimizer, build_param_groups
-from tessera.core.precision import resolve_precision
+from tessera.train.naive_amp import NaiveAMPModel, fp32_module_names, unwrap_model
+from tessera.train.optimizer import HybridZeroOptimizer, build_param_groups
+from tessera.config.precision import resolve_precision
 
 __all__ = ["ModuleRow", "PrecisionReport", "closed_form_bytes", "precision_report"]
 

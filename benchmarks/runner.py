@@ -8,7 +8,7 @@ variant alike instead of whichever happened to run then.
 Sections (keys of the result dict):
 
 - ``single``: tessera's ``Trainer.train_step`` (NaiveAMPModel + HybridZeroOptimizer, TP=1) in
-  bf16/fp16/fp32/tf32 and a plain PyTorch step of the same model (``tessera.bench.plain``) in fp32
+  bf16/fp16/fp32/tf32 and a plain PyTorch step of the same model (``benchmarks.plain``) in fp32
   and bf16 autocast with tessera's GEMM choice, on the main batch;
 - ``native``: the same at a small batch with torch's native bf16 CPU kernels (slow on CPUs without
   avx512_bf16/AMX, hence the small batch): tessera with ``TESSERA_CPU_LOWP_MATMUL=native`` and plain
@@ -38,13 +38,13 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from tessera.core.config import Config, apply_overrides, load_python_file
-from tessera.core.metrics import gpu_peak_tflops, measure_matmul_tflops
-from tessera.core.naive_amp import naive_amp_from_config
-from tessera.core.optimizer import build_optimizer
-from tessera.core.precision import apply_precision
-from tessera.core.precision_report import closed_form_bytes
-from tessera.core.trainer import Trainer
+from tessera.config import Config, apply_overrides, load_python_file
+from tessera.train.metrics import gpu_peak_tflops, measure_matmul_tflops
+from tessera.train.naive_amp import naive_amp_from_config
+from tessera.train.optimizer import build_optimizer
+from tessera.config.precision import apply_precision
+from tessera.train.precision_report import closed_form_bytes
+from tessera.train.step import Trainer
 from tessera.data import build_data
 from tessera.model import ModelArgs, build_model, flops_per_token
 from tessera.parallel import lowp
@@ -253,7 +253,7 @@ def _tessera_variant(name: str, cfg: Config, batches: list, env: str | None = No
 
 def _plain_variant(name: str, cfg: Config, batches: list, dtype: torch.dtype, gemm: str,
                    state: dict[str, torch.Tensor]) -> _Variant:
-    from tessera.bench.plain import PlainDecoder, PlainStep
+    from benchmarks.plain import PlainDecoder, PlainStep
 
     model = PlainDecoder(ModelArgs.from_config(cfg.model), dtype, gemm)
     model.load_state_dict(state)  # tessera's initial fp32 weights: the same model, the same first loss
@@ -558,7 +558,7 @@ def measure_gpu(mode: Mode, device: torch.device | str = "cuda", log: Callable[[
 
 
 def _measure_gpu(mode: Mode, device: torch.device | str, log: Callable[[str], None]) -> dict[str, Any]:
-    from tessera.bench.plain import PlainDecoder, PlainStep
+    from benchmarks.plain import PlainDecoder, PlainStep
     from tessera.model.attention import select_backend
 
     device = torch.device(device)
@@ -649,7 +649,7 @@ def _measure_gpu(mode: Mode, device: torch.device | str, log: Callable[[str], No
 
 # ---------------------------------------------------------------------------- all
 def run_bench(mode: Mode, log: Callable[[str], None] = print, gpu: bool | None = None) -> dict[str, Any]:
-    """Every section; returns a JSON-able dict (``tessera.bench.report.to_markdown`` renders it)."""
+    """Every section; returns a JSON-able dict (``benchmarks.report.to_markdown`` renders it)."""
     with _restore_process_state():
         return _run_bench(mode, log, gpu)
 

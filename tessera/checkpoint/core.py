@@ -63,7 +63,7 @@ class Layout:
 
     @classmethod
     def from_gpc(cls) -> "Layout":
-        from tessera.core.context import ParallelMode, gpc
+        from tessera.dist.context import ParallelMode, gpc
 
         return cls(gpc.get_global_rank(), gpc.get_world_size(ParallelMode.GLOBAL),
                    gpc.get_local_rank(ParallelMode.TENSOR), gpc.get_world_size(ParallelMode.TENSOR),

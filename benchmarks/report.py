@@ -1,7 +1,7 @@
-"""Render ``tessera.bench.runner.run_bench`` results as BENCHMARKS.md.
+"""Render ``benchmarks.runner.run_bench`` results as BENCHMARKS.md.
 
 Every number in the file comes from the result dict of one run; ratios are paired per round
-(median, with min-max over rounds) as described in ``tessera.bench.runner``.
+(median, with min-max over rounds) as described in ``benchmarks.runner``.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def _ratio(p: dict[str, float], nd: int = 2) -> str:
 
 
 def _paired(a: dict[str, Any], b: dict[str, Any], key: str = "times") -> dict[str, float]:
-    from tessera.bench.runner import paired
+    from benchmarks.runner import paired
 
     return paired(a[key], b[key])
 
@@ -91,7 +91,7 @@ def section_overhead(res: dict[str, Any]) -> list[str]:
         f"One process, {s['threads']} thread(s), batch {s['micro_bsz']} x {s['seq_len']} = {s['tokens']} tokens, "
         "TP=1. tessera = `Trainer.train_step` on `NaiveAMPModel` + `HybridZeroOptimizer` (fp32 masters, "
         "fp32 main grads, global-norm clipping), built as train.py builds them. plain = "
-        "`tessera/bench/plain.py`: nn.Linear/nn.Embedding, RMSNorm, rotary, SDPA, SwiGLU with the same "
+        "`benchmarks/plain.py`: nn.Linear/nn.Embedding, RMSNorm, rotary, SDPA, SwiGLU with the same "
         "matmuls and the same initial weights, fp32 cross-entropy, `clip_grad_norm_(1.0)`, `torch.optim.AdamW`; "
         "bf16 under `torch.autocast('cpu', torch.bfloat16)` (fp32 parameters).",
         "",
@@ -269,7 +269,7 @@ def section_memory(res: dict[str, Any]) -> list[str]:
         "Bytes per parameter held after one real training step, summed from the allocated tensors by "
         "`HybridZeroOptimizer.memory_bytes()` (each storage counted once; flat buffers include the padding to a "
         "multiple of the ZeRO size), vs the closed form 2 + 4 + (4 + 8)/d for bf16/fp16 and 4 + 4 + 8/d for "
-        f"fp32/tf32 (tessera.core.precision_report.closed_form_bytes). DP={w} rows are rank 0 of {w} processes.",
+        f"fp32/tf32 (tessera.train.precision_report.closed_form_bytes). DP={w} rows are rank 0 of {w} processes.",
         "",
         "| dtype | layout | weights | main grads | masters | Adam states | **measured total** | closed form |",
         "|---|---|---:|---:|---:|---:|---:|---:|",
@@ -434,7 +434,7 @@ def to_markdown(res: dict[str, Any], command: str) -> str:
 
 def gpu_only_markdown(res: dict[str, Any], command: str) -> str:
     """``--only-gpu``: the command, date, machine and section 6 alone."""
-    from tessera.bench.runner import machine_info
+    from benchmarks.runner import machine_info
     import datetime
 
     m = machine_info()

@@ -1,13 +1,13 @@
 """Offline, single-process access to tessera checkpoint folders, tensor by tensor.
 
-The training-time loader (``tessera.core.checkpoint.load_checkpoint``) reads whole shards into a live
+The training-time loader (``tessera.checkpoint.core.load_checkpoint``) reads whole shards into a live
 (possibly distributed) model. Offline tools need the opposite: no process group, no model in memory,
 any TP layout in, one full tensor at a time out, so a 7B checkpoint can be exported or resharded in a
 few GB of RAM. This module provides that (``CheckpointSource``) and the pieces shared by the writers:
 the model's parameter layout from its config (built on the meta device), and meta.json assembly in
 the format ``load_checkpoint`` verifies.
 
-Tensor paths inside a shard file follow ``tessera.core.checkpoint.write_tree``: the model file keys a
+Tensor paths inside a shard file follow ``tessera.checkpoint.core.write_tree``: the model file keys a
 parameter ``name`` as ``/name``, the optimizer file as ``/master/name`` and ``/state/name/<key>``; a
 tensor stored once for several paths (tied weights) is listed in the file's ``aliases`` metadata.
 """
@@ -26,8 +26,8 @@ from typing import Any, Iterator, Mapping
 import torch
 
 import tessera
-from tessera.core.checkpoint import CHECKPOINT_FORMAT, CheckpointError, list_checkpoints, read_meta, verify_files
-from tessera.interop.safetensors_io import SafetensorsReader, read_header
+from tessera.checkpoint.core import CHECKPOINT_FORMAT, CheckpointError, list_checkpoints, read_meta, verify_files
+from tessera.checkpoint.safetensors_io import SafetensorsReader, read_header
 
 __all__ = ["CheckpointSource", "ParamLayout", "param_layout", "resolve_step_folder", "commit_folder",
            "write_meta", "new_meta", "file_entry", "output_step_folder", "shard_files"]
@@ -234,14 +234,14 @@ def file_entry(path: str) -> dict[str, Any]:
 
 def write_meta(folder: str, meta: dict[str, Any]) -> None:
     """meta.json through the checkpoint writer (atomic, written last, with its self-digest)."""
-    from tessera.core.checkpoint import write_meta as _write
+    from tessera.checkpoint.core import write_meta as _write
 
     _write(folder, meta)
 
 
 def new_meta(*, step: int, layout: Mapping[str, int], has_optimizer: bool, trainer_state: Mapping[str, Any],
              config: Mapping[str, Any], files: Mapping[str, Any], **extra: Any) -> dict[str, Any]:
-    """A meta.json dict in the format ``tessera.core.checkpoint.load_checkpoint`` reads."""
+    """A meta.json dict in the format ``tessera.checkpoint.core.load_checkpoint`` reads."""
     return {
         "format": CHECKPOINT_FORMAT,
         "tessera_version": tessera.__version__,

@@ -1,0 +1,2 @@
+"""The one checkpoint stack: format, atomic folders, resharding, training save/load, conversion,
+Hugging Face export/import and inference loading."""

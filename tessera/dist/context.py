@@ -1,0 +1,239 @@
+"""Parallel context: process groups per parallel mode and RNG streams (``gpc``); launching is in ``launch``.
+
+Layout (world = tp x dp): TP groups are contiguous ranks ({0,1},{2,3},... for tp=2) so they stay
+inside a node under torchrun/slurm; DP groups are strided (rank r has tp_rank = r % tp and
+dp_rank = r // tp); ZERO1 groups split every DP group into consecutive chunks of ``zero1`` ranks.
+
+RNG contract:
+- the global seed seeds Python's ``random`` and NumPy identically on every rank;
+- the DATA stream is torch's ambient generator. Its seed depends on (seed, dp_rank) only: identical on
+  all TP ranks of a group (so dropout outside TP regions matches across TP ranks, as replicated
+  activations must) and different across DP ranks (which see different data anyway);
+- the TENSOR stream depends on (seed, dp_rank, tp_rank): dropout inside TP regions (sharded heads)
+  draws different masks per TP rank. Enter it with ``with gpc.seed(ParallelMode.TENSOR): ...``.
+Parameter initialization uses neither: each parameter has its own generator (see parallel.layers),
+which is what makes weights TP-invariant.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+from datetime import timedelta
+from enum import Enum
+from typing import Any, Iterator, Mapping
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from tessera.config import Config
+from tessera.parallel.comm import use_fast_all_reduce
+from tessera.parallel.defaults import LaunchDefaults, register_launch_defaults
+from tessera.parallel.seeds import derive_seed
+
+logger = logging.getLogger("tessera")
+
+
+class ParallelMode(str, Enum):
+    GLOBAL = "global"
+    DATA = "data"
+    TENSOR = "tensor"
+    ZERO1 = "zero1"
+
+
+def group_layout(world_size: int, tp: int, zero1: int) -> dict[ParallelMode, list[list[int]]]:
+    """All groups of every mode, as lists of global ranks (the single source of the layout).
+
+    ``zero1=-1`` means the whole data-parallel group.
+    """
+    if world_size % tp:
+        raise ConfigError(f"world size {world_size} is not a multiple of parallel.tensor.size={tp}")
+    dp = world_size // tp
+    zero1 = dp if zero1 == -1 else zero1
+    if dp % zero1:
+        raise ConfigError(f"parallel.zero1.size={zero1} does not divide the data-parallel size {dp}")
+    tensor = [list(range(i * tp, (i + 1) * tp)) for i in range(dp)]
+    data = [list(range(j, world_size, tp)) for j in range(tp)]
+    zero = [g[k : k + zero1] for g in data for k in range(0, dp, zero1)]
+    return {ParallelMode.GLOBAL: [list(range(world_size))], ParallelMode.TENSOR: tensor,
+            ParallelMode.DATA: data, ParallelMode.ZERO1: zero}
+
+
+class ParallelContext:
+    """Process groups, ranks and RNG streams of this process (``gpc`` is the process-wide instance)."""
+
+    def __init__(self) -> None:
+        self.config: Config | None = None
+        self._groups: dict[ParallelMode, Any] = {}
+        self._ranks: dict[ParallelMode, list[int]] = {}
+        self._global_rank = 0
+        self._local_rank = 0  # rank within the node (CUDA device index)
+        self.seed_value: int | None = None
+        self._rng_states: dict[ParallelMode, dict[str, torch.Tensor]] = {}
+        self._current_rng_mode = ParallelMode.DATA
+        self.device = torch.device("cpu")
+        self.tensor_group_nodes: list[Any] = []
+        self.shm_all_reduce: Any = None  # the TP group's ShmAllReduce route, if used
+
+    # ------------------------------------------------------------------ getters
+    def is_initialized(self, mode: ParallelMode) -> bool:
+        return mode in self._ranks
+
+    def is_using_parallel_mode(self, mode: ParallelMode) -> bool:
+        return self.is_initialized(mode) and len(self._ranks[mode]) > 1
+
+    def get_group(self, mode: ParallelMode) -> Any:
+        """The process group of ``mode`` (None when not initialized: a plain single process)."""
+        return self._groups.get(mode)
+
+    def get_ranks_in_group(self, mode: ParallelMode) -> list[int]:
+        return list(self._ranks.get(mode, [self._global_rank]))
+
+    def get_world_size(self, mode: ParallelMode) -> int:
+        return len(self._ranks[mode]) if mode in self._ranks else 1
+
+    def get_local_rank(self, mode: ParallelMode) -> int:
+        """This process's index inside its group of ``mode``."""
+        return self._ranks[mode].index(self._global_rank) if mode in self._ranks else 0
+
+    def get_global_rank(self) -> int:
+        return self._global_rank
+
+    def is_rank_for_log(self) -> bool:
+        return self._global_rank == 0
+
+    @property
+    def local_rank(self) -> int:
+        """Rank within the node (selects the CUDA device)."""
+        return self._local_rank
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.get_world_size(ParallelMode.TENSOR)
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.get_world_size(ParallelMode.DATA)
+
+    # ------------------------------------------------------------------ setup
+    def init_global_dist(
+        self, rank: int, world_size: int, backend: str, init_method: Any, local_rank: int, timeout_s: float
+    ) -> None:
+        if torch.cuda.is_available() and backend == "nccl":
+            torch.cuda.set_device(local_rank % torch.cuda.device_count())
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        if not dist.is_initialized():
+            # init_method: a URL, or a Store already connected (see _torchrun_store)
+            where = {"store": init_method} if isinstance(init_method, dist.Store) else {"init_method": init_method}
+            dist.init_process_group(
+                backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s), **where,
+            )
+        self._global_rank = rank
+        self._local_rank = local_rank
+
+    def init_parallel_groups(self, tp: int, zero1: int, timeout_s: float | None = None) -> None:
+        """Create every group of every mode; all ranks must call this with the same arguments."""
+        world = dist.get_world_size()
+        rank = dist.get_rank()
+        kwargs = {"timeout": timedelta(seconds=timeout_s)} if timeout_s else {}
+        for mode, groups in group_layout(world, tp, zero1).items():
+            for ranks in groups:
+                group = dist.group.WORLD if mode is ParallelMode.GLOBAL else dist.new_group(ranks, **kwargs)
+                if rank in ranks:
+                    self._groups[mode] = group
+                    self._ranks[mode] = ranks
+
+    def set_seed(self, seed: int) -> None:
+        """Seed Python/NumPy globally and build the DATA (ambient) and TENSOR torch streams."""
+        self.seed_value = seed
+        random.seed(seed)
+        np.random.seed(seed % (2**32))
+        dp_rank = self.get_local_rank(ParallelMode.DATA)
+        tp_rank = self.get_local_rank(ParallelMode.TENSOR)
+        self._rng_states = {}
+        torch.manual_seed(derive_seed(seed, "tensor", dp_rank, tp_rank))
+        self._rng_states[ParallelMode.TENSOR] = _get_torch_rng()
+        torch.manual_seed(derive_seed(seed, "data", dp_rank))
+        self._rng_states[ParallelMode.DATA] = _get_torch_rng()
+        self._current_rng_mode = ParallelMode.DATA
+
+    @contextlib.contextmanager
+    def seed(self, mode: ParallelMode) -> Iterator[None]:
+        """Draw from ``mode``'s torch RNG stream inside the block (e.g. TENSOR for sharded dropout)."""
+        if mode not in self._rng_states or mode is self._current_rng_mode:
+            yield
+            return
+        previous = self._current_rng_mode
+        self._rng_states[previous] = _get_torch_rng()
+        _set_torch_rng(self._rng_states[mode])
+        self._current_rng_mode = mode
+        try:
+            yield
+        finally:
+            self._rng_states[mode] = _get_torch_rng()
+            _set_torch_rng(self._rng_states[previous])
+            self._current_rng_mode = previous
+
+    def get_rng_states(self) -> dict[str, Any]:
+        """Every RNG state of this process, as tensors and plain values (safe for weights_only load)."""
+        states = dict(self._rng_states)
+        states[self._current_rng_mode] = _get_torch_rng()
+        py = random.getstate()
+        np_state = np.random.get_state()
+        return {
+            "python": {"version": py[0], "state": torch.tensor(py[1], dtype=torch.int64), "gauss": py[2]},
+            "numpy": {"keys": torch.from_numpy(np_state[1].astype(np.int64)), "pos": int(np_state[2]),
+                      "has_gauss": int(np_state[3]), "cached_gaussian": float(np_state[4])},
+            "torch": {mode.value: s for mode, s in states.items()},
+            "current_mode": self._current_rng_mode.value,
+        }
+
+    def set_rng_states(self, states: Mapping[str, Any]) -> None:
+        py = states["python"]
+        random.setstate((py["version"], tuple(int(x) for x in py["state"].tolist()), py["gauss"]))
+        n = states["numpy"]
+        np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"]))
+        self._rng_states = {ParallelMode(k): v for k, v in states["torch"].items()}
+        self._current_rng_mode = ParallelMode(states["current_mode"])
+        _set_torch_rng(self._rng_states[self._current_rng_mode])
+
+    def destroy(self) -> None:
+        """Tear down the process groups and forget the layout (safe to call twice)."""
+        if self.shm_all_reduce is not None:
+            use_fast_all_reduce(self.shm_all_reduce.group, None)
+            self.shm_all_reduce.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self.__init__()
+
+
+def _get_torch_rng() -> dict[str, torch.Tensor]:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_torch_rng(state: Mapping[str, torch.Tensor]) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+gpc = ParallelContext()
+
+
+def _launch_defaults() -> LaunchDefaults:
+    """What ``tessera.model.build_model`` takes when the caller passes no group, seed or device."""
+    ready = gpc.is_initialized(ParallelMode.TENSOR)
+    return LaunchDefaults(
+        tp_group=gpc.get_group(ParallelMode.TENSOR) if ready else None,
+        seed=gpc.seed_value,
+        device=gpc.device if ready else None,
+        tensor_rng=(lambda: gpc.seed(ParallelMode.TENSOR)) if ready else None,
+    )
+
+
+register_launch_defaults(_launch_defaults)

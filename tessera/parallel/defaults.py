@@ -1,0 +1,39 @@
+"""Where a leaf finds the process's launch defaults without importing the launcher.
+
+``build_model(model_cfg)`` is documented to default to the launched job's tensor-parallel group, seed,
+device and TENSOR RNG stream. ``tessera.dist`` registers a provider of those here when it is imported;
+``tessera.model`` asks for them only when the caller passed none. So the imports still run one way
+(``dist`` -> ``parallel`` <- ``model``) and a plain single process (nothing registered, or nothing
+launched) gets no TP, seed 1024 and the CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager
+
+import torch
+
+__all__ = ["LaunchDefaults", "register_launch_defaults", "launch_defaults"]
+
+
+@dataclass(frozen=True)
+class LaunchDefaults:
+    tp_group: Any = None
+    seed: int | None = None
+    device: torch.device | None = None
+    tensor_rng: Callable[[], ContextManager[Any]] | None = None
+
+
+_provider: Callable[[], LaunchDefaults] | None = None
+
+
+def register_launch_defaults(provider: Callable[[], LaunchDefaults] | None) -> None:
+    """Install (or with None remove) the callable that describes the launched job."""
+    global _provider
+    _provider = provider
+
+
+def launch_defaults() -> LaunchDefaults:
+    """The launched job's defaults, or empty ones when nothing launched this process."""
+    return _provider() if _provider is not None else LaunchDefaults()

@@ -1,0 +1,1 @@
+"""Training: the precision wrapper, grad scalers, HybridZeroOptimizer, LR schedule, the step, metrics."""
