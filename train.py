@@ -26,7 +26,8 @@ from tessera.train.metrics import MetricsWriter, gpu_peak_tflops, measure_matmul
 from tessera.train.naive_amp import naive_amp_from_config, unwrap_model
 from tessera.train.optimizer import TooManySkippedSteps, build_optimizer
 from tessera.config.precision import resolve_precision
-from tessera.train.step import StopRequest, Trainer
+from tessera.train.step import Trainer
+from tessera.train.stop import StopRequest
 from tessera.data import build_data
 from tessera.data.errors import DataError
 from tessera.model import build_model, flops_per_token

@@ -129,9 +129,11 @@ TrainLoader.next_step_batches = _next_step_batches
 
 # ---------------------------------------------------------------------------- the step
 class FaultTrainer(Trainer):
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.loss_hook = self._fault_hook
+    """The production Trainer with faults injected into the training loss (validation is left alone)."""
+
+    def _loss(self, batch, reduction="mean", label_smoothing=None):
+        loss = super()._loss(batch, reduction, label_smoothing)
+        return self._fault_hook(loss) if self.model.training else loss
 
     def _fault_hook(self, loss: torch.Tensor) -> torch.Tensor:
         step = STEP["n"]

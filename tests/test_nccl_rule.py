@@ -24,7 +24,8 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from tessera.checkpoint.core import Layout, _all_agree, find_resumable_checkpoint
 from tessera.train.naive_amp import NaiveAMPModel
 from tessera.train.optimizer import build_optimizer
-from tessera.train.step import StopRequest, Trainer
+from tessera.train.step import Trainer
+from tessera.train.stop import StopRequest
 from tessera.model import build_model
 from tessera.fake_cuda import fake_cuda_mode
 from tessera.parallel.comm import collective_device, reduce_scalars

@@ -14,7 +14,7 @@ The inner torch optimizer is rebuilt on the master slices only, so it only ever 
 its states are ``1/d`` of the bucket. Persistent bytes per low-precision parameter:
 ``2 (bf16 weight) + 4 (fp32 main grad) + (4 master + 8 Adam) / d``.
 
-Per optimizer step (every rank of the job calls it):
+Per optimizer step (every rank of the job calls it; norms and clipping are in ``grad_norm``):
 1. all-reduce the main grads over DP (sum; the 1/dp average is folded into the unscale factor);
 2. per-parameter fp32 norms; inf/NaN anywhere -> every rank agrees (all-reduce over the global
    group) and skips the update (params, masters and states untouched), the scaler backs off;
@@ -28,19 +28,19 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from tessera.dist.context import ParallelMode, gpc
-from tessera.train.grad_scaler import BaseGradScaler, build_grad_scaler
 from tessera.config.precision import Precision, resolve_precision
-from tessera.parallel.attrs import is_tensor_parallel, partition_dim
-from tessera.parallel.comm import all_reduce as comm_all_reduce
-from tessera.parallel.comm import to_host
+from tessera.dist.context import ParallelMode, gpc
+from tessera.parallel.attrs import is_tensor_parallel
+from tessera.train.grad_buffer import Bucket, GroupComm, param_name_map
+from tessera.train.grad_norm import any_rank_non_finite, clip_factor, global_norm, param_norms
+from tessera.train.grad_scaler import BaseGradScaler, build_grad_scaler
+from tessera.train.naive_amp import unwrap_model
+from tessera.train.optimizer_state import STATE_DICT_FORMAT, load_optimizer_state_dict, optimizer_state_dict
 
 __all__ = [
     "HybridZeroOptimizer",
@@ -50,7 +50,6 @@ __all__ = [
     "STATE_DICT_FORMAT",
 ]
 
-STATE_DICT_FORMAT = "tessera.hybrid_zero_optimizer/1"
 _LOW = (torch.float16, torch.bfloat16)
 
 
@@ -59,130 +58,8 @@ class TooManySkippedSteps(RuntimeError):
     with a dynamic (fp16) scaler only overflows at its ``min_scale`` count."""
 
 
-# ---------------------------------------------------------------------- communication
-@dataclass
-class _Comm:
-    """A process group with its size and this process's rank (size 1 = no communication)."""
-
-    group: Any
-    size: int
-    rank: int
-
-    @classmethod
-    def of(cls, group: Any, what: str) -> "_Comm":
-        if group is None:
-            return cls(None, 1, 0)
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError(f"HybridZeroOptimizer: {what} was given but torch.distributed is not initialized")
-        size = dist.get_world_size(group)
-        rank = dist.get_rank(group)
-        if rank < 0:
-            raise ValueError(f"HybridZeroOptimizer: this process is not a member of the {what}")
-        return cls(group if size > 1 else None, size, rank)
-
-    def all_reduce(self, t: torch.Tensor, op: Any = None) -> torch.Tensor:
-        if self.size > 1:  # through tessera's comm so a fast node-local route (shared memory) applies
-            comm_all_reduce(t, self.group, op or dist.ReduceOp.SUM)
-        return t
-
-    def all_gather_flat(self, flat: torch.Tensor) -> None:
-        """Every rank holds its own 1/size slice of ``flat``; afterwards every rank holds all of it."""
-        if self.size == 1:
-            return
-        chunks = list(flat.chunk(self.size))
-        dist.all_gather(chunks, chunks[self.rank].clone(), group=self.group)
-
-    def gather_full(self, shard: torch.Tensor) -> torch.Tensor:
-        """Concatenate the 1-D ``shard`` of every rank (rank order)."""
-        if self.size == 1:
-            return shard.detach().clone()
-        out = torch.empty(shard.numel() * self.size, dtype=shard.dtype, device=shard.device)
-        dist.all_gather(list(out.chunk(self.size)), shard.detach().contiguous(), group=self.group)
-        return out
-
-
 def _default_group(mode: ParallelMode) -> Any:
     return gpc.get_group(mode) if gpc.is_initialized(mode) else None
-
-
-# ---------------------------------------------------------------------- buckets
-class _Bucket:
-    """Parameters of one inner param group and one storage dtype, in flat padded buffers."""
-
-    def __init__(self, params: list[nn.Parameter], names: list[str], grad_flat: torch.Tensor, zero1: _Comm) -> None:
-        self.params = params
-        self.names = names
-        self.dtype = params[0].dtype
-        self.own_masters = self.dtype == torch.float32
-        self.numels = [p.numel() for p in params]
-        self.offsets = [0]
-        for n in self.numels[:-1]:
-            self.offsets.append(self.offsets[-1] + n)
-        self.numel = sum(self.numels)
-        self.shard = self.shard_size(self.numel, zero1.size)
-        self.padded = self.shard * zero1.size
-        if grad_flat.numel() != self.padded:
-            raise AssertionError("internal: main-grad slice of the wrong size")
-        self.lo, self.hi = zero1.rank * self.shard, (zero1.rank + 1) * self.shard
-        device = params[0].device
-        with torch.no_grad():
-            self.param_flat = torch.zeros(self.padded, dtype=self.dtype, device=device)
-            for p, off, n in zip(params, self.offsets, self.numels):
-                self.param_flat[off : off + n].copy_(p.data.reshape(-1))
-                p.data = self.param_flat[off : off + n].view(p.shape)
-            self.grad_flat = grad_flat  # a slice of one buffer shared by all buckets of its dtype
-            self.grad_views = [self.grad_flat[off : off + n].view(p.shape) for p, off, n in
-                               zip(params, self.offsets, self.numels)]
-            if self.own_masters:
-                self.master = self.param_flat[self.lo : self.hi].detach()
-            else:
-                self.master = self.param_flat[self.lo : self.hi].detach().float()
-
-    @staticmethod
-    def shard_size(numel: int, d: int) -> int:
-        return max(1, math.ceil(numel / d))
-
-    def full_from(self, tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-        """A padded flat buffer built from per-parameter tensors (used when loading)."""
-        flat = torch.zeros(self.padded, dtype=dtype, device=self.param_flat.device)
-        for t, off, n in zip(tensors, self.offsets, self.numels):
-            flat[off : off + n].copy_(t.reshape(-1))
-        return flat
-
-    def split(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """Per-parameter tensors (parameter shapes) cut out of a padded flat buffer."""
-        return [flat[off : off + n].view(p.shape).clone() for p, off, n in zip(self.params, self.offsets, self.numels)]
-
-
-def _name_map(param_names: Any, params: list[nn.Parameter]) -> dict[int, str]:
-    """id(param) -> name from a Module, a {Parameter: name} mapping or (name, Parameter) pairs."""
-    if param_names is None:
-        return {id(p): f"param_{i}" for i, p in enumerate(params)}
-    if isinstance(param_names, nn.Module):
-        from tessera.train.naive_amp import unwrap_model
-
-        pairs = list(unwrap_model(param_names).named_parameters())
-    elif isinstance(param_names, Mapping):
-        items = list(param_names.items())
-        pairs = [(v, k) if isinstance(k, torch.Tensor) else (k, v) for k, v in items]
-    else:
-        pairs = list(param_names)
-    out: dict[int, str] = {}
-    for name, p in pairs:
-        if not isinstance(name, str) or not isinstance(p, torch.Tensor):
-            raise TypeError("param_names: expected a Module, {Parameter: name} or (name, Parameter) pairs")
-        out[id(p)] = name
-    missing = [i for i, p in enumerate(params) if id(p) not in out]
-    if missing:
-        raise ValueError(
-            f"param_names: {len(missing)} optimized parameter(s) have no name (e.g. index {missing[0]} with "
-            f"shape {tuple(params[missing[0]].shape)}); pass the unwrapped model's named_parameters()"
-        )
-    names = [out[id(p)] for p in params]
-    if len(set(names)) != len(names):
-        dup = sorted({n for n in names if names.count(n) > 1})
-        raise ValueError(f"param_names: duplicate names {dup[:5]}")
-    return out
 
 
 # ---------------------------------------------------------------------- the optimizer
@@ -230,13 +107,13 @@ class HybridZeroOptimizer(torch.optim.Optimizer):
         )
 
         # groups: explicit > gpc's > single process
-        self._tp = _Comm.of(tp_group if tp_group is not None else _default_group(ParallelMode.TENSOR), "tp_group")
-        self._dp = _Comm.of(dp_group if dp_group is not None else _default_group(ParallelMode.DATA), "dp_group")
-        self._zero1 = _Comm.of(
+        self._tp = GroupComm.of(tp_group if tp_group is not None else _default_group(ParallelMode.TENSOR), "tp_group")
+        self._dp = GroupComm.of(dp_group if dp_group is not None else _default_group(ParallelMode.DATA), "dp_group")
+        self._zero1 = GroupComm.of(
             zero1_group if zero1_group is not None else _default_group(ParallelMode.ZERO1), "zero1_group"
         )
         gg = global_group if global_group is not None else _default_group(ParallelMode.GLOBAL)
-        self._global = _Comm.of(gg, "global_group") if gg is not None else None
+        self._global = GroupComm.of(gg, "global_group") if gg is not None else None
         if self._zero1.size > self._dp.size or self._dp.size % self._zero1.size:
             raise ValueError(
                 f"HybridZeroOptimizer: the ZERO1 group (size {self._zero1.size}) must split the DP group "
@@ -256,7 +133,7 @@ class HybridZeroOptimizer(torch.optim.Optimizer):
                 raise TypeError("HybridZeroOptimizer: sparse parameters are not supported")
         self.precision = self._resolve_dtype(dtype, params)
         self.scaler = grad_scaler if grad_scaler is not None else build_grad_scaler(grad_scal_cfg, self.precision)
-        names = _name_map(param_names, params)
+        names = param_name_map(param_names, params)
 
         # rebuild the inner optimizer on master slices: one inner group per (group, storage dtype)
         specs: list[tuple[dict[str, Any], list[nn.Parameter], torch.dtype]] = []
@@ -272,20 +149,20 @@ class HybridZeroOptimizer(torch.optim.Optimizer):
         d = self._zero1.size
         sizes: dict[torch.dtype, int] = {}
         for _, plist, gdt in specs:
-            sizes[gdt] = sizes.get(gdt, 0) + _Bucket.shard_size(sum(p.numel() for p in plist), d) * d
+            sizes[gdt] = sizes.get(gdt, 0) + Bucket.shard_size(sum(p.numel() for p in plist), d) * d
         device = params[0].device
         if any(p.device != device for p in params):
             raise ValueError("HybridZeroOptimizer: all parameters must be on one device "
                              "(move the model before building the optimizer)")
         self._grad_buffers = {gdt: torch.zeros(n, dtype=gdt, device=device) for gdt, n in sizes.items()}
         used = dict.fromkeys(sizes, 0)
-        self._buckets: list[_Bucket] = []
+        self._buckets: list[Bucket] = []
         new_groups: list[dict[str, Any]] = []
         for hyper, plist, gdt in specs:
-            n = _Bucket.shard_size(sum(p.numel() for p in plist), d) * d
+            n = Bucket.shard_size(sum(p.numel() for p in plist), d) * d
             view = self._grad_buffers[gdt][used[gdt] : used[gdt] + n]
             used[gdt] += n
-            bucket = _Bucket(plist, [names[id(p)] for p in plist], view, self._zero1)
+            bucket = Bucket(plist, [names[id(p)] for p in plist], view, self._zero1)
             self._buckets.append(bucket)
             new_groups.append({**hyper, "params": [bucket.master]})
         optimizer.param_groups = []
@@ -398,25 +275,6 @@ class HybridZeroOptimizer(torch.optim.Optimizer):
                     return view
         raise KeyError("get_main_grad: the parameter is not managed by this optimizer")
 
-    def _param_norms(self) -> torch.Tensor:
-        """fp32 L2 norm of every parameter's main grad, in bucket order."""
-        views = [v for b in self._buckets for v in b.grad_views]
-        if hasattr(torch, "_foreach_norm"):
-            try:
-                return torch.stack(torch._foreach_norm(views, 2, dtype=torch.float32))
-            except (TypeError, RuntimeError):  # an older signature without dtype
-                pass
-        return torch.stack([torch.linalg.vector_norm(v, dtype=torch.float32) for v in views])
-
-    def _agree_any(self, flag: torch.Tensor) -> bool:
-        """True on every rank when ``flag`` is set on any rank."""
-        if self._global is not None:
-            self._global.all_reduce(flag, dist.ReduceOp.MAX)
-        else:  # TP then DP reaches every rank of a tp x dp layout
-            self._tp.all_reduce(flag, dist.ReduceOp.MAX)
-            self._dp.all_reduce(flag, dist.ReduceOp.MAX)
-        return to_host(flag)[0] > 0
-
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> tuple[bool, float]:
         """One update from the accumulated gradients; returns ``(success, grad_norm)``.
@@ -433,24 +291,16 @@ class HybridZeroOptimizer(torch.optim.Optimizer):
         for buf in self._grad_buffers.values():
             self._dp.all_reduce(buf)
 
-        all_norms = self._param_norms()
-        found_inf = self._agree_any((~torch.isfinite(all_norms).all()).to(torch.float32).reshape(1))
+        all_norms = param_norms([v for b in self._buckets for v in b.grad_views])
+        found_inf = any_rank_non_finite(all_norms, self._global, self._tp, self._dp)
 
         if found_inf:
             self._after_step(success=False)
             self.last_grad_norm = float("inf")
             return False, float("inf")
 
-        # a 0/1 weight rather than a boolean index: no data-dependent shape, so no device sync
-        sq = torch.stack([(all_norms.double().square() * self._count_mask).sum()])
-        self._tp.all_reduce(sq)
-        grad_norm = math.sqrt(to_host(sq)[0]) / (scale * self._dp.size)
-
-        factor = 1.0 / (scale * self._dp.size)
-        if self.clip_grad_norm > 0:
-            clip_coef = self.clip_grad_norm / (grad_norm + 1e-6)
-            if clip_coef < 1.0:
-                factor *= clip_coef
+        grad_norm = global_norm(all_norms, self._count_mask, self._tp) / (scale * self._dp.size)
+        factor = (1.0 / (scale * self._dp.size)) * clip_factor(grad_norm, self.clip_grad_norm)
         for b in self._buckets:
             g = b.grad_flat[b.lo : b.hi]
             g = g.mul_(factor) if g.dtype == torch.float32 else g.float().mul_(factor)
@@ -487,107 +337,14 @@ class HybridZeroOptimizer(torch.optim.Optimizer):
                 "(hybrid_zero_optimizer.max_consecutive_skips)"
             )
 
-    # ------------------------------------------------------------------ state
+    # ------------------------------------------------------------------ state (see optimizer_state)
     def state_dict(self) -> dict[str, Any]:
-        """Layout-independent state: full TP-local tensors keyed by parameter name.
+        """Layout-independent state (a collective over ZERO1): ``optimizer_state.optimizer_state_dict``."""
+        return optimizer_state_dict(self)
 
-        A collective over the ZERO1 group (every rank must call it). Layout::
-
-            {"format": STATE_DICT_FORMAT, "dtype": "bfloat16", "zero1_size": d,
-             "scaler": {...}, "skipped_steps": int, "num_steps": int,
-             "param_groups": [{<hyperparameters>, "params": [names]}, ...],   # inner groups
-             "master": {name: fp32 tensor, parameter shape},
-             "state": {name: {"exp_avg": tensor (param shape), "exp_avg_sq": ..., "step": 0-dim}},
-             "partition_dim": {name: int | None}}                               # TP tags
-        """
-        master: dict[str, torch.Tensor] = {}
-        state: dict[str, dict[str, Any]] = {}
-        groups = []
-        for b, group in zip(self._buckets, self.optim.param_groups):
-            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": list(b.names)})
-            full = b.param_flat.float() if b.own_masters else self._zero1.gather_full(b.master)
-            for name, t in zip(b.names, b.split(full)):
-                master[name] = t
-            inner = self.optim.state.get(b.master, {})
-            per_param: list[dict[str, Any]] = [{} for _ in b.params]
-            for key, value in inner.items():
-                if isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == b.shard:
-                    for d, t in zip(per_param, b.split(self._zero1.gather_full(value))):
-                        d[key] = t
-                else:
-                    for d in per_param:
-                        d[key] = value.detach().clone() if isinstance(value, torch.Tensor) else value
-            if inner:
-                state.update(zip(b.names, per_param))
-        return {
-            "format": STATE_DICT_FORMAT,
-            "dtype": self.precision.name,
-            "zero1_size": self._zero1.size,
-            "scaler": self.scaler.state_dict(),
-            "skipped_steps": self.skipped_steps,
-            "num_steps": self.num_steps,
-            "param_groups": groups,
-            "master": master,
-            "state": state,
-            "partition_dim": {n: partition_dim(p) for b in self._buckets for n, p in zip(b.names, b.params)},
-        }
-
-    @torch.no_grad()
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Load a ``state_dict()`` saved under any DP/ZeRO layout with the same TP-local shapes.
-
-        Sets the masters, the optimizer state (sliced for this ZERO1 rank), the scaler, the counters,
-        the inner groups' hyperparameters, and the parameters themselves (= masters in the model dtype).
-        """
-        if state_dict.get("format") != STATE_DICT_FORMAT:
-            raise ValueError(f"not a HybridZeroOptimizer state dict (format {state_dict.get('format')!r}, "
-                             f"expected {STATE_DICT_FORMAT!r})")
-        masters, states = state_dict["master"], state_dict["state"]
-        saved_groups = {n: g for g in state_dict.get("param_groups", []) for n in g["params"]}
-        for b, group in zip(self._buckets, self.optim.param_groups):
-            missing = [n for n in b.names if n not in masters]
-            if missing:
-                raise KeyError(f"optimizer state dict has no master weight for {missing[:5]}")
-            for n, p in zip(b.names, b.params):
-                if tuple(masters[n].shape) != tuple(p.shape):
-                    raise ValueError(
-                        f"optimizer state dict: {n!r} has shape {tuple(masters[n].shape)}, this rank's parameter "
-                        f"is {tuple(p.shape)} (reshard the tensor-parallel slices first)"
-                    )
-            full = b.full_from([masters[n] for n in b.names], torch.float32)
-            b.param_flat.copy_(full)
-            if not b.own_masters:
-                b.master.copy_(full[b.lo : b.hi])
-            have = [n in states for n in b.names]
-            if any(have) and not all(have):
-                raise KeyError(f"optimizer state dict has state for only some parameters of a group "
-                               f"(missing {[n for n, h in zip(b.names, have) if not h][:5]})")
-            self.optim.state.pop(b.master, None)
-            if all(have):
-                first = states[b.names[0]]
-                new_state: dict[str, Any] = {}
-                for key, value in first.items():
-                    if isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(b.params[0].shape) and (
-                        value.dim() > 0 or b.params[0].dim() == 0
-                    ) and key != "step":
-                        flat = b.full_from([states[n][key] for n in b.names], torch.float32)
-                        new_state[key] = flat[b.lo : b.hi].clone().to(b.master.dtype)
-                    elif isinstance(value, torch.Tensor):
-                        # torch keeps "step" on the CPU unless the group is capturable / fused
-                        on_device = key != "step" or group.get("capturable") or group.get("fused")
-                        new_state[key] = value.detach().clone().to(b.master.device if on_device else value.device)
-                    else:
-                        new_state[key] = value
-                self.optim.state[b.master] = new_state
-            saved = saved_groups.get(b.names[0])
-            if saved is not None:
-                for k, v in saved.items():
-                    if k != "params":
-                        group[k] = v
-        self.scaler.load_state_dict(state_dict["scaler"])
-        self.skipped_steps = int(state_dict.get("skipped_steps", 0))
-        self.num_steps = int(state_dict.get("num_steps", 0))
-        self.consecutive_skips = 0
+        """Load a ``state_dict()`` saved under any DP/ZeRO layout with the same TP-local shapes."""
+        load_optimizer_state_dict(self, state_dict)
 
     # ------------------------------------------------------------------ introspection
     def memory_bytes(self) -> dict[str, int]:
@@ -635,8 +392,6 @@ def build_param_groups(
     Norms are recognized by 1-D parameters or an owning module class containing "Norm"; biases by
     1-D shape or a name ending in "bias". Empty groups are left out.
     """
-    from tessera.train.naive_amp import unwrap_model
-
     model = unwrap_model(model)
     decay: list[nn.Parameter] = []
     no_decay: list[nn.Parameter] = []

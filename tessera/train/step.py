@@ -1,4 +1,4 @@
-"""One optimizer step over ``micro_num`` micro-batches, validation, and the run's stop conditions.
+"""One optimizer step over ``micro_num`` micro-batches, and validation.
 
 Kept separate from ``train.py`` so tests and benchmarks drive exactly the step that training runs.
 """
@@ -6,14 +6,11 @@ Kept separate from ``train.py`` so tests and benchmarks drive exactly the step t
 from __future__ import annotations
 
 import math
-import os
-import signal
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 import torch
-import torch.distributed as dist
 
 from tessera.model.transformer import logits_are_vocab_sharded
 from tessera.parallel import vocab_parallel_cross_entropy
@@ -48,8 +45,7 @@ class Trainer:
     """Forward/backward/step for a TP x DP model wrapped in NaiveAMPModel + HybridZeroOptimizer."""
 
     def __init__(self, model: torch.nn.Module, optimizer: Any, *, tp_group: Any, dp_group: Any,
-                 device: torch.device, label_smoothing: float = 0.0, dp_size: int = 1,
-                 loss_hook: Any = None):
+                 device: torch.device, label_smoothing: float = 0.0, dp_size: int = 1):
         self.model = model
         self.optimizer = optimizer
         self.tp_group = tp_group
@@ -59,7 +55,6 @@ class Trainer:
         self.device = device
         self.label_smoothing = label_smoothing
         self.dp_size = dp_size
-        self.loss_hook = loss_hook  # test hook: f(loss) -> loss (e.g. inject NaN at chosen steps)
 
     def _loss(self, batch: Mapping[str, Any], reduction: str = "mean", label_smoothing: float | None = None) -> torch.Tensor:
         logits = self.model(batch["input_ids"], cu_seqlens=batch.get("cu_seqlens"),
@@ -87,8 +82,6 @@ class Trainer:
         tokens = 0
         for batch in batches:
             loss_sum = self._loss(batch, reduction="sum")
-            if self.loss_hook is not None:
-                loss_sum = self.loss_hook(loss_sum)
             self.optimizer.backward(loss_sum * (self.dp_size / global_tokens))
             nats.append(loss_sum.detach().double())
             tokens += batch["input_ids"].numel()
@@ -122,43 +115,3 @@ class Trainer:
         if nbytes > 0:
             out["bits_per_byte"] = nats / nbytes / math.log(2)
         return out
-
-
-@dataclass
-class StopRequest:
-    """SIGTERM / SIGINT / a stop file, agreed on by all ranks at a step boundary.
-
-    The handler only sets a flag; the ranks all-reduce it once per step, so every rank stops after the
-    same step and can save a checkpoint together instead of dying at different points.
-    """
-
-    stop_file: str | None = None
-    reason: str | None = None
-    _signals: list[int] = field(default_factory=list)
-
-    def install(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._handler)
-
-    def _handler(self, signum: int, frame: Any) -> None:
-        self._signals.append(signum)
-        self.reason = signal.Signals(signum).name
-
-    def consume(self) -> None:
-        """Remove an honoured stop file (after all ranks agreed), so the next launch is not stopped."""
-        if self.stop_file:
-            try:
-                os.remove(self.stop_file)
-            except FileNotFoundError:  # another rank on a shared filesystem removed it first
-                pass
-
-    def should_stop(self, group: Any = None) -> tuple[bool, str | None]:
-        """Whether any rank of ``group`` (default: all ranks) was asked to stop; the same answer everywhere.
-
-        The flag is reduced on the device the group's backend serves (on NCCL: the GPU).
-        """
-        local = bool(self._signals) or bool(self.stop_file and os.path.exists(self.stop_file))
-        if local and self.reason is None:
-            self.reason = f"stop file {self.stop_file}"
-        stop = bool(reduce_scalars([1 if local else 0], group, op=dist.ReduceOp.MAX, dtype=torch.int32)[0])
-        return stop, (self.reason or "stop requested on another rank") if stop else None

@@ -1,0 +1,55 @@
+"""Stopping a run cleanly: SIGTERM / SIGINT / a stop file, agreed on by every rank at a step boundary."""
+
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tessera.parallel.comm import reduce_scalars
+
+__all__ = ["StopRequest"]
+
+
+@dataclass
+class StopRequest:
+    """SIGTERM / SIGINT / a stop file, agreed on by all ranks at a step boundary.
+
+    The handler only sets a flag; the ranks all-reduce it once per step, so every rank stops after the
+    same step and can save a checkpoint together instead of dying at different points.
+    """
+
+    stop_file: str | None = None
+    reason: str | None = None
+    _signals: list[int] = field(default_factory=list)
+
+    def install(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handler)
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        self._signals.append(signum)
+        self.reason = signal.Signals(signum).name
+
+    def consume(self) -> None:
+        """Remove an honoured stop file (after all ranks agreed), so the next launch is not stopped."""
+        if self.stop_file:
+            try:
+                os.remove(self.stop_file)
+            except FileNotFoundError:  # another rank on a shared filesystem removed it first
+                pass
+
+    def should_stop(self, group: Any = None) -> tuple[bool, str | None]:
+        """Whether any rank of ``group`` (default: all ranks) was asked to stop; the same answer everywhere.
+
+        The flag is reduced on the device the group's backend serves (on NCCL: the GPU).
+        """
+        local = bool(self._signals) or bool(self.stop_file and os.path.exists(self.stop_file))
+        if local and self.reason is None:
+            self.reason = f"stop file {self.stop_file}"
+        stop = bool(reduce_scalars([1 if local else 0], group, op=dist.ReduceOp.MAX, dtype=torch.int32)[0])
+        return stop, (self.reason or "stop requested on another rank") if stop else None
