@@ -20,6 +20,7 @@ scatter_to_region   keep this rank's slice       all-gather along last dim
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,21 +92,24 @@ def _check_can_communicate(x: torch.Tensor, group: Any) -> bool:
 
 
 # group -> an object with ``supports(x, op)`` and ``all_reduce(x, op)`` used instead of torch.distributed
-# (the shared-memory all-reduce of ``tessera.parallel.shm_comm`` for node-local CPU groups)
-_FAST_ALL_REDUCE: dict[int, tuple[Any, Any]] = {}
+# (the shared-memory all-reduce of ``tessera.parallel.shm_comm`` for node-local CPU groups). Weak keys:
+# a destroyed group drops its route with it.
+_FAST_ALL_REDUCE: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
 
 
 def use_fast_all_reduce(group: Any, impl: Any | None) -> None:
     """Route this module's all-reduces over ``group`` through ``impl`` (``None`` removes the route)."""
     if impl is None:
-        _FAST_ALL_REDUCE.pop(id(group), None)
+        _FAST_ALL_REDUCE.pop(group, None)
     else:
-        _FAST_ALL_REDUCE[id(group)] = (group, impl)
+        _FAST_ALL_REDUCE[group] = impl
 
 
 def fast_all_reduce_for(group: Any) -> Any | None:
-    entry = _FAST_ALL_REDUCE.get(id(group))
-    return entry[1] if entry is not None and entry[0] is group else None
+    try:
+        return _FAST_ALL_REDUCE.get(group)
+    except TypeError:  # a group object that cannot be weakly referenced has no route
+        return None
 
 
 def all_reduce(x: torch.Tensor, group: Any, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:

@@ -15,6 +15,8 @@ from typing import Any, Mapping
 
 import torch
 
+from tessera.parallel.lowp import linear
+
 logger = logging.getLogger("tessera")
 
 # Dense peak TFLOP/s per device by name fragment: (bf16/fp16 tensor core, tf32 tensor core, fp32 IEEE).
@@ -52,8 +54,6 @@ def measure_matmul_tflops(dtype: torch.dtype, device: torch.device, size: int = 
     dense kernel reaches here is the honest denominator. It runs through ``tessera.parallel.lowp.linear``,
     the kernel the model's linears use, so numerator and denominator share one kernel choice.
     """
-    from tessera.parallel.lowp import linear
-
     # a private generator: drawing from the ambient one would shift the training RNG streams (dropout)
     # by however many numbers this takes, and a resumed run, which measures after restoring them,
     # would no longer continue the interrupted run's streams

@@ -16,9 +16,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tessera.config.precision import resolve_precision
+from tessera.testing import run_distributed
 from tessera.train.naive_amp import NaiveAMPModel, fp32_module_names, unwrap_model
 from tessera.train.optimizer import HybridZeroOptimizer, build_param_groups
-from tessera.config.precision import resolve_precision
 
 __all__ = ["ModuleRow", "PrecisionReport", "closed_form_bytes", "precision_report"]
 
@@ -188,7 +189,5 @@ def precision_report(
                              f"{dist.get_world_size()} ranks")
         return _report_worker(dist.get_rank(), zero1_size, model, dtype, batch, loss_fn, fp32_modules,
                               use_fp32_norm, reduce_dtype)
-    from tessera.testing import run_distributed
-
     return run_distributed(_report_worker, zero1_size, model, dtype, batch, loss_fn, fp32_modules,
                            use_fp32_norm, reduce_dtype, timeout=timeout)[0]
