@@ -1,7 +1,7 @@
 """argparse ``type=`` callables that check a numeric flag's range, for the scripts under ``tools/``.
 
 Config keys are validated when a config loads; command-line flags deserve the same, or
-``--max-new-tokens -4`` runs, exits 0 and reports "-4 tokens (-929 tokens/s)". Each callable parses
+``--max-new-tokens -4`` runs, exits 0 and reports a negative token count. Each callable parses
 the text and raises ``argparse.ArgumentTypeError`` naming the value and the allowed range, so argparse
 prints ``error: argument --max-new-tokens: -4 is not a positive integer (must be >= 1)`` and exits
 with status 2 before anything expensive (a checkpoint load, a spawned process) has started.

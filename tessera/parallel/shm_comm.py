@@ -1,11 +1,10 @@
 """All-reduce through shared memory for a CPU process group whose ranks share one machine.
 
 Why: tensor parallelism all-reduces activations twice per layer forward and twice backward. On CPU
-the gloo backend hands each collective to worker threads and sockets; on the 2-core VM this project
-is developed on that costs ~1-2 ms per call whatever the size (a loopback TCP round trip is ~30 us),
-i.e. 15-20 % of a small model's training step. Ranks on one machine can instead write their tensor
-into a shared segment and each add up all slots itself: a few microseconds of synchronisation plus
-one copy in and one pass over the slots.
+the gloo backend hands each collective to worker threads and sockets, a fixed cost per call whatever
+the size that a small model's step pays dozens of times (BENCHMARKS.md §3 measures both routes).
+Ranks on one machine can instead write their tensor into a shared segment and each add up all slots
+itself: a little synchronisation plus one copy in and one pass over the slots.
 
 Protocol (collective number ``k``, counting from 1; every rank calls the same collectives in the same
 order, as with any process group):
