@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from tessera.config import Config
+from tessera.config import Config, parallel_sizes
 from tessera.parallel.comm import use_fast_all_reduce
 from tessera.parallel.defaults import LaunchDefaults, register_launch_defaults
 from tessera.parallel.seeds import derive_seed
@@ -48,12 +48,7 @@ def group_layout(world_size: int, tp: int, zero1: int) -> dict[ParallelMode, lis
 
     ``zero1=-1`` means the whole data-parallel group.
     """
-    if world_size % tp:
-        raise ConfigError(f"world size {world_size} is not a multiple of parallel.tensor.size={tp}")
-    dp = world_size // tp
-    zero1 = dp if zero1 == -1 else zero1
-    if dp % zero1:
-        raise ConfigError(f"parallel.zero1.size={zero1} does not divide the data-parallel size {dp}")
+    _, dp, zero1 = parallel_sizes(world_size, tp, zero1)
     tensor = [list(range(i * tp, (i + 1) * tp)) for i in range(dp)]
     data = [list(range(j, world_size, tp)) for j in range(tp)]
     zero = [g[k : k + zero1] for g in data for k in range(0, dp, zero1)]

@@ -33,6 +33,7 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 from torch import nn
 
+from tessera.config import ConfigError, resolve_zero1_size
 from tessera.config.precision import Precision, resolve_precision
 from tessera.dist.context import ParallelMode, gpc
 from tessera.parallel.attrs import is_tensor_parallel
@@ -114,11 +115,11 @@ class HybridZeroOptimizer(torch.optim.Optimizer):
         )
         gg = global_group if global_group is not None else _default_group(ParallelMode.GLOBAL)
         self._global = GroupComm.of(gg, "global_group") if gg is not None else None
-        if self._zero1.size > self._dp.size or self._dp.size % self._zero1.size:
-            raise ValueError(
-                f"HybridZeroOptimizer: the ZERO1 group (size {self._zero1.size}) must split the DP group "
-                f"(size {self._dp.size}); pass dp_group as well as zero1_group"
-            )
+        try:
+            resolve_zero1_size(self._dp.size, self._zero1.size)
+        except ConfigError as e:
+            raise ValueError(f"HybridZeroOptimizer: the ZERO1 group (size {self._zero1.size}) must split the DP "
+                             f"group (size {self._dp.size}): {e}; pass dp_group as well as zero1_group") from None
 
         # frozen parameters (requires_grad=False) are left alone: no buffers, no update, no state
         params: list[nn.Parameter] = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
