@@ -1,11 +1,19 @@
-"""Config loading, overrides, defaults, and strict validation: every error names the key and the file."""
+"""Config loading, overrides, defaults, and strict validation: every error names the key and the file.
+
+The size rules are the model's own: config and model reject the same sizes (the config before any group)."""
 
 import copy
+import dataclasses
 import textwrap
 
 import pytest
+import torch
 
-from tessera.config import Config, ConfigError, check_world_size
+from tessera.config import SCHEMA, Config, ConfigError, check_world_size, parallel_sizes, resolve_zero1_size
+from tessera.model import build_model
+from tessera.model.args import ModelArgs
+from tessera.model.attention import Attention
+from tessera.parallel import MetaGroup
 
 BASE = dict(
     model=dict(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=256, dtype="torch.float32"),
@@ -221,3 +229,107 @@ def test_zero1_not_dividing_dp():
     cfg = Config.from_dict(with_changes(parallel=dict(tensor=dict(size=1), zero1=dict(size=3))))
     with pytest.raises(ConfigError, match=r"parallel.zero1.size=3 does not divide the data-parallel size 4"):
         check_world_size(cfg, 4)
+
+
+def test_parallel_sizes_and_zero1_rule_shared_with_the_layout():
+    assert parallel_sizes(8, 2, -1) == (2, 4, 4) and parallel_sizes(8, 2, 2) == (2, 4, 2)
+    assert resolve_zero1_size(4, -1) == 4 and resolve_zero1_size(4, 2) == 2
+    with pytest.raises(ConfigError, match=r"parallel.zero1.size=3 does not divide the data-parallel size 4"):
+        resolve_zero1_size(4, 3)
+    with pytest.raises(ConfigError, match=r"parallel.zero1.size=8 does not divide the data-parallel size 4"):
+        parallel_sizes(8, 2, 8)  # a ZeRO group larger than the DP group
+
+
+# ---------------------------------------------------------------- one source of sizes and defaults
+def test_ffn_hidden_not_divisible_by_tp_is_a_config_error_before_any_group(tmp_path):
+    # heads, KV heads and vocab all split over tp=2; only the SwiGLU hidden size does not:
+    # int(64 * 8/3) = 170 rounded up to a multiple of 3 = 171
+    assert not torch.distributed.is_initialized()
+    cfg = with_changes(model=dict(BASE["model"], multiple_of=3))
+    msg = expect_error(cfg, "171", "model.hidden_size=64", "model.mlp_ratio", "model.multiple_of=3",
+                       "parallel.tensor.size=2")
+    assert "num_attention_heads" not in msg and "vocab_size" not in msg
+    path = write_config(tmp_path, """
+        model = dict(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=256, multiple_of=3)
+        parallel = dict(tensor=dict(size=2))
+        data = dict(type="synthetic")
+    """)
+    with pytest.raises(ConfigError, match=f"parallel.tensor.size=2.*{path}"):
+        Config.from_file(path)
+    assert not torch.distributed.is_initialized()  # raised by validation alone
+    assert Config.from_dict(with_changes(model=dict(BASE["model"], multiple_of=3),
+                                         parallel=dict(tensor=dict(size=1)))).model.multiple_of == 3
+
+
+_SIZE_CASES = [  # (model keys, tp)
+    (dict(num_attention_heads=4), 2),  # fine
+    (dict(num_attention_heads=4), 3),  # heads, KV heads, vocab (256) and SwiGLU hidden (256) vs tp
+    (dict(num_attention_heads=8, num_kv_attention_heads=2), 4),  # KV heads vs tp
+    (dict(num_attention_heads=4, vocab_size=258), 4),  # vocab vs tp
+    (dict(num_attention_heads=4, multiple_of=3), 2),  # SwiGLU hidden vs tp
+    (dict(num_attention_heads=4, hidden_size=66), 1),  # hidden vs heads
+    (dict(num_attention_heads=8, hidden_size=72), 1),  # odd head dim (rotary)
+    (dict(num_attention_heads=4, num_kv_attention_heads=3), 1),  # heads vs KV heads
+]
+
+
+@pytest.mark.parametrize("model_keys, tp", _SIZE_CASES)
+def test_model_and_config_apply_the_same_size_rules(model_keys, tp):
+    model_cfg = {"num_layers": 2, "hidden_size": 64, "vocab_size": 256, **model_keys}
+    config_err = model_err = None
+    try:
+        Config.from_dict(dict(model=model_cfg, parallel=dict(tensor=dict(size=tp)), data=dict(type="synthetic")))
+    except ConfigError as e:
+        config_err = str(e)
+    try:
+        build_model(model_cfg, tp_group=MetaGroup(tp) if tp > 1 else None, device="meta")
+    except ValueError as e:
+        model_err = str(e)
+    assert (config_err is None) == (model_err is None), (config_err, model_err)
+    if config_err is not None:
+        # the same rules in the same order; the config names its keys, the model its arguments
+        as_model = config_err.replace("model.", "").replace("parallel.tensor.size=", "tensor-parallel size ")
+        assert as_model == model_err
+        assert "model." in config_err and "model." not in model_err
+
+
+def test_attention_alone_applies_the_model_size_rules():
+    with pytest.raises(ValueError, match="num_attention_heads=4 is not divisible by num_kv_attention_heads=3"):
+        Attention(64, 4, 3)
+    with pytest.raises(ValueError, match="num_kv_attention_heads=2 is not divisible by tensor-parallel size 4"):
+        Attention(64, 8, 2, MetaGroup(4), device="meta")
+
+
+def test_model_defaults_are_model_args_defaults():
+    spec = SCHEMA.keys["model"].keys
+    for f in dataclasses.fields(ModelArgs):
+        key = spec[f.name]  # every ModelArgs field is a config key
+        if f.default is dataclasses.MISSING:
+            with pytest.raises(ConfigError, match=f"missing required key 'model.{f.name}'"):
+                Config.from_dict(dict(model={k: v for k, v in BASE["model"].items() if k != f.name},
+                                      data=dict(type="synthetic")))
+        else:
+            assert key.default == f.default, f.name
+    minimal = dict(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=256)
+    from_config = ModelArgs.from_config(Config.from_dict(dict(model=minimal, data=dict(type="synthetic"))).model)
+    assert from_config == ModelArgs(**minimal)  # build_model(dict(...)) and a loaded config agree
+
+
+def test_norm_type_accepts_only_rmsnorm():
+    assert Config.from_dict(BASE).model.norm_type == "rmsnorm"
+    assert Config.from_dict(with_changes(model=dict(BASE["model"], norm_type="rmsnorm"))).model.norm_type == "rmsnorm"
+    expect_error(with_changes(model=dict(BASE["model"], norm_type="layernorm")), "model.norm_type", "'rmsnorm'",
+                 "'layernorm'")
+    Config.from_file("configs/7B.py")  # InternEvo's key, set in the 7B config
+
+
+def test_tensor_mode_mtp_only_msp_not_implemented_yet():
+    assert Config.from_dict(BASE).parallel.tensor.mode == "mtp"
+    assert Config.from_dict(with_changes(parallel=dict(tensor=dict(size=2, mode="mtp")))).parallel.tensor.mode == "mtp"
+    expect_error(with_changes(parallel=dict(tensor=dict(size=2, mode="msp"))), "parallel.tensor.mode", "msp",
+                 "not implemented yet")
+    expect_error(with_changes(parallel=dict(tensor=dict(size=2, mode="sp"))), "parallel.tensor.mode", "'mtp'", "'msp'")
+
+
+def test_unused_keys_are_not_accepted():
+    expect_error(with_changes(data=dict(BASE["data"], num_workers=2)), "unknown key 'data.num_workers'")

@@ -7,9 +7,8 @@ Train: each optimizer step consumes the next ``G = dp_size * micro_bsz * micro_n
 global sequence (see sampler.py). Viewed as ``[micro_num, dp_size, micro_bsz]``, rank ``r`` takes
 ``[:, r, :]``: micro-batch ``m`` of all ranks together is one contiguous piece of the sequence.
 
-``data.num_workers`` is accepted for InternEvo config compatibility but unused: a micro-batch is a
-few slices of a memory map, far cheaper than a training step, so worker processes would only add
-start-up time and state to resume.
+There are no loader worker processes (no ``data.num_workers`` key): a micro-batch is a few slices of a
+memory map, far cheaper than a training step, so workers would only add start-up time and state to resume.
 
 Valid: up to ``valid_micro_num`` micro-batches of ``valid_micro_bsz`` rows (default ``micro_bsz``) per
 rank, rows spread evenly over the valid set, the same on every call; consecutive rows overlap by
@@ -26,6 +25,7 @@ from typing import Any, Callable, Iterator, Mapping
 import numpy as np
 import torch
 
+from tessera.config import ConfigError, check_data, validate_section
 from tessera.data.errors import DataError
 from tessera.data.packing import PackedRows
 from tessera.data.sampler import GlobalRowSampler
@@ -118,15 +118,13 @@ class DataBundle:
 
 
 def _data_settings(data_cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """The data section with schema defaults filled in (so tests may pass a partial plain dict)."""
-    from tessera.config import SCHEMA, Key
-
-    spec = SCHEMA.keys["data"].keys
-    unknown = set(data_cfg) - set(spec)
-    if unknown:
-        raise DataError(f"unknown data key(s) {sorted(unknown)}; valid keys: {sorted(spec)}")
-    return {name: data_cfg[name] if name in data_cfg else key.default
-            for name, key in spec.items() if isinstance(key, Key)}
+    """The data section checked by the config's own rules, defaults filled (tests may pass a partial dict)."""
+    try:
+        settings = validate_section("data", data_cfg)
+        check_data(settings)
+    except ConfigError as e:
+        raise DataError(str(e)) from None
+    return settings
 
 
 def _tokenizer_id(meta: Mapping[str, Any]) -> dict[str, Any]:
@@ -172,12 +170,8 @@ def build_data(
             folder = prepare_stdlib_corpus(c["cache_folder"], is_main=dp_rank == 0 if is_main is None else is_main,
                                            barrier=barrier, progress=progress)
             train_folder, valid_folder = f"{folder}/train", f"{folder}/valid"
-        elif c["type"] == "tokens":
+        else:  # "tokens" (the config's rules: a train_folder is set)
             train_folder, valid_folder = c["train_folder"], c["valid_folder"]
-            if not train_folder:
-                raise DataError("data.train_folder is required when data.type='tokens'")
-        else:
-            raise DataError(f"data.type={c['type']!r} must be one of 'tokens', 'synthetic', 'stdlib'")
         train_streams = open_token_folder(train_folder, vocab_size)
         valid_streams = open_token_folder(valid_folder, vocab_size) if valid_folder else None
         if valid_streams and _tokenizer_id(valid_streams[0].meta) != _tokenizer_id(train_streams[0].meta):

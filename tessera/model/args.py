@@ -1,7 +1,12 @@
-"""The model's shape and options, read once from the config's ``model`` section.
+"""The model's shape and options, read once from the config's ``model`` section, and its size rules.
 
 ``ModelArgs`` decouples the modules from the config object: ``build_model`` reads the section, the
-modules take plain values. Field names are the config keys.
+modules take plain values. Field names are the config keys, and its defaults are the config's
+(``tessera.config.schema`` takes them from here).
+
+``size_problems`` is the one statement of which sizes build a model over ``tp`` ranks; the model checks
+it at build time (``check_tensor_parallel_sizes``) and the config checks it before any process group
+exists, naming the config keys instead (``tessera.config.checks``).
 """
 
 from __future__ import annotations
@@ -9,11 +14,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from tessera.model.mlp import ffn_hidden_size
 
-__all__ = ["ModelArgs"]
+__all__ = ["ModelArgs", "ModelSizeError", "SizeProblem", "check_sizes", "check_tensor_parallel_sizes",
+           "size_name", "size_problems"]
 
 
 @dataclass
@@ -72,3 +78,91 @@ class ModelArgs:
         if isinstance(self.checkpoint, bool):
             return self.num_layers if self.checkpoint else 0
         return int(round(float(self.checkpoint) * self.num_layers))
+
+
+def size_name(name: str, value: int | float) -> str:
+    """How the model names a size in an error: ``hidden_size=64``, ``tensor-parallel size 4``."""
+    if name == "tp":
+        return f"tensor-parallel size {value}"
+    return f"{name}={value:g}" if isinstance(value, float) else f"{name}={value}"
+
+
+@dataclass(frozen=True)
+class SizeProblem:
+    """One broken size rule: ``text`` with a ``{name}`` field per size involved, ``sizes`` their values."""
+
+    text: str
+    sizes: dict[str, int | float]
+
+    def describe(self, name: Callable[[str, int | float], str] = size_name) -> str:
+        """The rule as a sentence, each size written by ``name(size_name, value)``."""
+        return self.text.format_map({k: name(k, v) for k, v in self.sizes.items()})
+
+
+class ModelSizeError(ValueError):
+    """Sizes that cannot build the model (over this TP size); ``problems`` holds every broken rule."""
+
+    def __init__(self, problems: list[SizeProblem]) -> None:
+        self.problems = list(problems)
+        super().__init__("; ".join(p.describe() for p in self.problems))
+
+
+def size_problems(
+    *,
+    hidden_size: int,
+    num_attention_heads: int,
+    num_kv_attention_heads: int | None = None,
+    tp: int = 1,
+    vocab_size: int | None = None,
+    mlp_ratio: float | None = None,
+    multiple_of: int | None = None,
+) -> list[SizeProblem]:
+    """Every size rule the decoder (or its attention alone: no vocab/MLP sizes given) breaks over ``tp`` ranks.
+
+    Heads split the hidden size, KV heads split the heads (grouped queries), rotary needs an even head
+    dim, and every tensor-parallel dim (query heads, KV heads, vocabulary, SwiGLU hidden) splits over tp.
+    """
+    kv = num_attention_heads if num_kv_attention_heads is None else num_kv_attention_heads
+    hidden, heads = hidden_size, num_attention_heads
+    out: list[SizeProblem] = []
+    if hidden % heads:
+        out.append(SizeProblem("{hidden_size} is not divisible by {num_attention_heads}",
+                               {"hidden_size": hidden, "num_attention_heads": heads}))
+    elif (hidden // heads) % 2:
+        out.append(SizeProblem("{head_dim} ({hidden_size} / {num_attention_heads}) is odd: rotary embeddings "
+                               "need an even head dim",
+                               {"head_dim": hidden // heads, "hidden_size": hidden, "num_attention_heads": heads}))
+    if heads % kv:
+        out.append(SizeProblem("{num_attention_heads} is not divisible by {num_kv_attention_heads}",
+                               {"num_attention_heads": heads, "num_kv_attention_heads": kv}))
+    if heads % tp:
+        out.append(SizeProblem("{num_attention_heads} is not divisible by {tp}",
+                               {"num_attention_heads": heads, "tp": tp}))
+    if kv % tp:
+        out.append(SizeProblem("{num_kv_attention_heads} is not divisible by {tp}",
+                               {"num_kv_attention_heads": kv, "tp": tp}))
+    if vocab_size is not None and vocab_size % tp:
+        out.append(SizeProblem("{vocab_size} is not divisible by {tp} (round the vocabulary up to a multiple of it)",
+                               {"vocab_size": vocab_size, "tp": tp}))
+    if mlp_ratio is not None and multiple_of is not None:
+        ffn = ffn_hidden_size(hidden, mlp_ratio, multiple_of)
+        if ffn % tp:
+            out.append(SizeProblem("{ffn_hidden_size} (the SwiGLU hidden size: {hidden_size} x {mlp_ratio} rounded "
+                                   "up to a multiple of {multiple_of}) is not divisible by {tp}",
+                                   {"ffn_hidden_size": ffn, "hidden_size": hidden, "mlp_ratio": mlp_ratio,
+                                    "multiple_of": multiple_of, "tp": tp}))
+    return out
+
+
+def check_sizes(**sizes: Any) -> None:
+    """Raise ``ModelSizeError`` (a ValueError) naming the sizes when ``size_problems(**sizes)`` finds any."""
+    problems = size_problems(**sizes)
+    if problems:
+        raise ModelSizeError(problems)
+
+
+def check_tensor_parallel_sizes(args: ModelArgs, tp: int = 1) -> None:
+    """Raise ``ModelSizeError`` naming the sizes when the model of ``args`` cannot be built over ``tp`` ranks."""
+    check_sizes(hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+                num_kv_attention_heads=args.num_kv_attention_heads, tp=tp, vocab_size=args.vocab_size,
+                mlp_ratio=args.mlp_ratio, multiple_of=args.multiple_of)

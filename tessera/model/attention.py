@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from tessera.parallel import lowp
 
+from tessera.model.args import check_sizes
 from tessera.model.rotary import apply_rotary, document_ids
 from tessera.parallel.comm import copy_to_region, group_size, to_host
 from tessera.parallel.layers import ColumnParallelLinear, RowParallelLinear, divide
@@ -250,13 +251,8 @@ class Attention(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        if hidden_size % num_heads:
-            raise ValueError(f"hidden_size={hidden_size} is not divisible by num_attention_heads={num_heads}")
-        if num_heads % num_kv_heads:
-            raise ValueError(
-                f"num_attention_heads={num_heads} is not divisible by num_kv_attention_heads={num_kv_heads}"
-            )
         tp = group_size(process_group)
+        check_sizes(hidden_size=hidden_size, num_attention_heads=num_heads, num_kv_attention_heads=num_kv_heads, tp=tp)
         self.process_group = process_group
         self.head_dim = hidden_size // num_heads
         self.num_heads_per_rank = divide(num_heads, tp, "num_attention_heads")

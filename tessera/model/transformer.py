@@ -28,7 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from tessera.model.args import ModelArgs
+from tessera.model.args import ModelArgs, check_tensor_parallel_sizes
 from tessera.model.attention import Attention, AttentionPlan, KVCacheLayer, RNGReplay, check_cu_seqlens, plan_attention
 from tessera.model.mlp import FeedForward
 from tessera.model.norm import RMSNorm
@@ -41,20 +41,6 @@ __all__ = ["DecoderLayer", "Transformer", "build_model", "check_tensor_parallel_
 
 TensorRNG = Callable[[], ContextManager[Any]]
 _INIT_MODULES = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, RMSNorm)
-
-
-def check_tensor_parallel_sizes(args: ModelArgs, tp: int) -> None:
-    """Raise a ValueError naming the sizes when the model cannot be split over ``tp`` ranks."""
-    sizes = {
-        "num_attention_heads": args.num_attention_heads,
-        "num_kv_attention_heads": args.num_kv_attention_heads,
-        "vocab_size": args.vocab_size,
-        "ffn hidden size (hidden_size*mlp_ratio rounded up to multiple_of)": args.ffn_hidden_size,
-    }
-    bad = [f"{name}={value} is not divisible by tensor-parallel size {tp}"
-           for name, value in sizes.items() if value % tp]
-    if bad:
-        raise ValueError("; ".join(bad))
 
 
 class DecoderLayer(nn.Module):
@@ -126,10 +112,7 @@ class Transformer(nn.Module):
         self.args = args
         self.process_group = process_group
         self.tp_size = group_size(process_group)
-        check_tensor_parallel_sizes(args, self.tp_size)
-        if args.hidden_size % args.num_attention_heads or args.head_dim % 2:
-            raise ValueError(f"hidden_size={args.hidden_size} / num_attention_heads={args.num_attention_heads} "
-                             "must be an even integer head dim (rotary)")
+        check_tensor_parallel_sizes(args, self.tp_size)  # the rules the config checks too, before any group
         self.num_checkpoint_layers = args.num_checkpoint_layers
         self.embedding = VocabParallelEmbedding(
             args.vocab_size, args.hidden_size, process_group, init_std=args.init_std, init_seed=None, device=device

@@ -1,0 +1,109 @@
+"""Every check that involves several config keys, in one place, all run before any process group exists.
+
+``check_config`` runs from ``Config.from_dict`` (so from every ``Config.from_file``), after the key-by-key
+validation; it also fills the defaults derived from other keys. ``check_world_size`` needs the launch
+size and runs in ``tessera.dist.launch`` before the process joins anything. Rules shared with other
+layers are stated once and called from both sides: the model's size rules are ``tessera.model.args``'s
+(the model checks them again at build time); the layout rules are ``parallel_sizes`` /
+``resolve_zero1_size`` here, for the group layout and the optimizer to call as well.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tessera.config.errors import ConfigError, where
+from tessera.config.schema import SCHEMA
+from tessera.model.args import ModelArgs, ModelSizeError, check_tensor_parallel_sizes
+
+__all__ = ["check_config", "check_data", "check_model_sizes", "check_world_size", "parallel_sizes",
+           "resolve_zero1_size"]
+
+_MODEL_KEYS = frozenset(SCHEMA.keys["model"].keys)  # type: ignore[union-attr]
+
+
+def _config_size_name(name: str, value: int | float) -> str:
+    """A size in a config error: the key that sets it (``model.vocab_size=257``, ``parallel.tensor.size=2``)."""
+    if name == "tp":
+        return f"parallel.tensor.size={value}"
+    text = f"{value:g}" if isinstance(value, float) else str(value)
+    return f"model.{name}={text}" if name in _MODEL_KEYS else f"{name}={text}"
+
+
+def check_model_sizes(model: dict[str, Any], tp: int, source: str | None = None) -> None:
+    """The model's own size rules (``tessera.model.args.size_problems``) over ``tp``, as a ConfigError naming
+    the keys; ``model`` is the validated section, ``num_kv_attention_heads`` already filled."""
+    try:
+        check_tensor_parallel_sizes(ModelArgs.from_config(model), tp)
+    except ModelSizeError as e:
+        raise ConfigError("; ".join(p.describe(_config_size_name) for p in e.problems) + where(source)) from None
+
+
+def check_data(data: dict[str, Any], source: str | None = None) -> None:
+    """Rules among the ``data`` keys alone (``build_data`` runs them on its partial dicts too)."""
+    w = where(source)
+    if data["valid_context_len"] >= data["seq_len"]:
+        raise ConfigError(f"data.valid_context_len={data['valid_context_len']} must be below "
+                          f"data.seq_len={data['seq_len']} (a validation row needs a token to score){w}")
+    if data["type"] == "tokens" and not data["train_folder"]:
+        raise ConfigError(f"data.train_folder is required when data.type='tokens'{w}")
+
+
+def check_config(cfg: dict[str, Any], source: str | None = None) -> None:
+    """Fill the defaults derived from other keys and check every rule that involves several keys (in place)."""
+    w = where(source)
+    m, par, data = cfg["model"], cfg["parallel"], cfg["data"]
+    if par["pipeline"]["size"] != 1:
+        raise ConfigError(f"parallel.pipeline.size={par['pipeline']['size']}: pipeline parallelism is not supported; "
+                          f"use 1{w}")
+    if m["num_kv_attention_heads"] is None:
+        m["num_kv_attention_heads"] = m["num_attention_heads"]
+    check_model_sizes(m, par["tensor"]["size"], source)
+    if m["max_position_embeddings"] is None:
+        m["max_position_embeddings"] = data["seq_len"]
+    elif data["seq_len"] > m["max_position_embeddings"]:
+        raise ConfigError(
+            f"data.seq_len={data['seq_len']} exceeds model.max_position_embeddings={m['max_position_embeddings']}{w}"
+        )
+    check_data(data, source)
+    if cfg["lr_scheduler"]["total_steps"] is None:
+        cfg["lr_scheduler"]["total_steps"] = data["total_steps"]
+    gs = cfg["grad_scaler"]
+    if gs["fp16"]["min_scale"] > gs["max_scale"]:
+        raise ConfigError(f"grad_scaler.fp16.min_scale={gs['fp16']['min_scale']} exceeds "
+                          f"grad_scaler.max_scale={gs['max_scale']}{w}")
+    if not gs["fp16"]["min_scale"] <= gs["fp16"]["initial_scale"] <= gs["max_scale"]:
+        raise ConfigError(f"grad_scaler.fp16.initial_scale={gs['fp16']['initial_scale']} is outside "
+                          f"[min_scale, max_scale]{w}")
+    ck = cfg["ckpt"]
+    if ck["enable_save_ckpt"] and not ck["save_ckpt_folder"]:
+        raise ConfigError(f"ckpt.save_ckpt_folder is required when ckpt.enable_save_ckpt=True{w}")
+
+
+# ------------------------------------------------------------------------------ layout (needs the world size)
+def resolve_zero1_size(dp: int, zero1: int, source: str | None = None) -> int:
+    """``parallel.zero1.size`` over a data-parallel group of ``dp`` ranks: -1 means all of them; it must divide dp."""
+    zero1 = dp if zero1 == -1 else zero1
+    if dp % zero1:
+        raise ConfigError(f"parallel.zero1.size={zero1} does not divide the data-parallel size {dp}{where(source)}")
+    return zero1
+
+
+def parallel_sizes(world_size: int, tp: int, zero1: int, source: str | None = None) -> tuple[int, int, int]:
+    """``(tp, dp, zero1)`` of a job of ``world_size`` ranks; world size must be tp x dp and zero1 divide dp."""
+    if world_size % tp:
+        raise ConfigError(
+            f"world size {world_size} is not a multiple of parallel.tensor.size={tp}: "
+            f"world size must equal tensor size x data size{where(source)}"
+        )
+    dp = world_size // tp
+    try:
+        zero1 = resolve_zero1_size(dp, zero1)
+    except ConfigError as e:
+        raise ConfigError(f"{e} (world {world_size} / tp {tp}){where(source)}") from None
+    return tp, dp, zero1
+
+
+def check_world_size(cfg: Any, world_size: int) -> tuple[int, int, int]:
+    """Check the launch size against the config; return (tp, dp, zero1). Raised on every rank alike."""
+    return parallel_sizes(world_size, cfg.parallel.tensor.size, cfg.parallel.zero1.size, cfg.source)

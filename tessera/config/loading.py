@@ -1,0 +1,149 @@
+"""``Config`` (a dict with attribute access) and how one is made: run a Python file, apply ``key.sub=value``
+overrides, then validate key by key (``validate``) and across keys (``checks``).
+
+A config is a Python file of plain dicts (InternEvo style). Names in ALL_CAPS, modules, functions and
+names starting with ``_`` are treated as the file's own helpers and are not part of the config. Every
+other top-level name must be a known key. Validation happens before any process group exists, so a
+typo costs a second, not a queue slot on a cluster.
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import importlib.util
+import os
+import types
+from typing import Any, Iterable, Mapping
+
+import torch
+
+from tessera.config.checks import check_config
+from tessera.config.errors import ConfigError, where
+from tessera.config.schema import SCHEMA, Section
+from tessera.config.validate import suggest, validate_config
+
+__all__ = ["Config", "load_python_file", "parse_override", "apply_overrides"]
+
+
+class Config(dict):
+    """A dict with attribute access, recursively (``cfg.model.hidden_size``)."""
+
+    def __init__(self, data: Mapping[str, Any] | None = None, source: str | None = None):
+        super().__init__()
+        for k, v in (data or {}).items():
+            self[k] = Config(v) if isinstance(v, Mapping) and not isinstance(v, Config) else v
+        object.__setattr__(self, "_source", source)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(f"config has no key {name!r}") from None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        self[name] = Config(value) if isinstance(value, Mapping) and not isinstance(value, Config) else value
+
+    def __deepcopy__(self, memo: dict) -> "Config":
+        return Config(copy.deepcopy(dict(self), memo), self.source)
+
+    @property
+    def source(self) -> str | None:
+        return object.__getattribute__(self, "_source")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain, JSON-friendly dict (torch dtypes become their names)."""
+
+        def plain(v: Any) -> Any:
+            if isinstance(v, Mapping):
+                return {k: plain(x) for k, x in v.items()}
+            if isinstance(v, (list, tuple)):
+                return [plain(x) for x in v]
+            if isinstance(v, torch.dtype):
+                return str(v)
+            return v
+
+        return plain(self)
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def from_file(cls, path: str | os.PathLike, overrides: Iterable[str] = ()) -> "Config":
+        """Execute a Python config file, apply ``key.sub=value`` overrides, fill defaults, validate."""
+        raw = load_python_file(path)
+        apply_overrides(raw, overrides, source=str(path))
+        return cls.from_dict(raw, source=str(path))
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any], source: str | None = None) -> "Config":
+        """Validate a plain dict (e.g. written in a test) against the schema and fill defaults."""
+        filled = validate_config(raw, source)
+        check_config(filled, source)
+        return cls(filled, source)
+
+
+def load_python_file(path: str | os.PathLike) -> dict[str, Any]:
+    """Run the config file as a module and return its config-relevant globals."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file not found: {path}")
+    spec = importlib.util.spec_from_file_location("_tessera_config", path)
+    if spec is None or spec.loader is None:
+        raise ConfigError(f"cannot load config file {path}: not a Python file")
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as e:
+        raise ConfigError(f"syntax error in config file {path}, line {e.lineno}: {e.msg}\n"
+                          f"  {(e.text or '').rstrip()}") from None
+    except Exception as e:  # noqa: BLE001 - any error while running user code is a config error
+        raise ConfigError(f"error while running config file {path}: {type(e).__name__}: {e}") from e
+    out: dict[str, Any] = {}
+    for name, value in vars(module).items():
+        if name.startswith("_") or name.isupper():
+            continue
+        if isinstance(value, (types.ModuleType, types.FunctionType, type)):
+            continue
+        out[name] = value
+    return out
+
+
+def parse_override(text: str, source: str | None = None) -> tuple[list[str], Any]:
+    """``"model.dtype=bf16"`` -> (["model", "dtype"], "bf16"); values are Python literals."""
+    if "=" not in text:
+        raise ConfigError(f"bad override {text!r}: expected key.sub=value{where(source)}")
+    key, value_text = text.split("=", 1)
+    parts = key.strip().split(".")
+    if not all(p.isidentifier() for p in parts):
+        raise ConfigError(f"bad override {text!r}: {key!r} is not a dotted key name")
+    try:
+        value = ast.literal_eval(value_text.strip())
+    except (ValueError, SyntaxError):
+        stripped = value_text.strip()
+        # a bare word (bf16, torch.bfloat16, a path) is taken as a string; anything else is an error
+        if stripped and all(c.isalnum() or c in "._-/+:" for c in stripped):
+            value = stripped
+        else:
+            raise ConfigError(f"bad override {text!r}: value {value_text!r} is not a Python literal") from None
+    return parts, value
+
+
+def apply_overrides(raw: dict[str, Any], overrides: Iterable[str], source: str | None = None) -> None:
+    """Apply CLI overrides in place; keys are checked against the schema (typos get a suggestion)."""
+    for text in overrides:
+        parts, value = parse_override(text, source)
+        node: dict[str, Any] = raw
+        spec: Section = SCHEMA
+        for i, p in enumerate(parts):
+            dotted = ".".join(parts[: i + 1])
+            if p not in spec.keys:
+                raise ConfigError(f"bad override {text!r}: unknown key {dotted!r}{suggest(p, spec.keys)}")
+            sub = spec.keys[p]
+            if i == len(parts) - 1:
+                node[p] = value
+            else:
+                if not isinstance(sub, Section):
+                    raise ConfigError(f"bad override {text!r}: {dotted!r} is not a section")
+                node = node.setdefault(p, {})
+                if not isinstance(node, dict):
+                    raise ConfigError(f"bad override {text!r}: {dotted!r} is not a dict in the config")
+                spec = sub

@@ -1,0 +1,279 @@
+"""The config schema: every key, its accepted types, default and range, as one tree (``SCHEMA``).
+
+The model section's defaults are ``ModelArgs``'s own (``tessera.model.args``), so the config and a
+model built from a partial dict agree; config-only model keys (dtype, fp32 marks, ...) keep theirs here.
+Checks that involve several keys live in ``tessera.config.checks``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from tessera.config.errors import ConfigError
+from tessera.config.precision import parse_dtype
+from tessera.model.args import ModelArgs
+
+__all__ = ["Key", "Section", "SCHEMA", "REQUIRED", "NORM_TYPES", "TENSOR_MODES"]
+
+REQUIRED: Any = object()  # the default of a key the file must set
+
+
+@dataclass
+class Key:
+    """One config key: accepted types, default, and an optional range/choice check."""
+
+    types: tuple[type, ...]
+    default: Any = REQUIRED
+    check: Callable[[Any], str | None] | None = None
+    doc: str = ""
+    nullable: bool = False
+
+
+@dataclass
+class Section:
+    """A dict-valued key whose own keys are validated recursively."""
+
+    keys: dict[str, "Key | Section"]
+    doc: str = ""
+    optional: bool = True  # may be absent from the file (then all defaults)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _positive(v: Any) -> str | None:
+    return None if v > 0 else "must be > 0"
+
+
+def _non_negative(v: Any) -> str | None:
+    return None if v >= 0 else "must be >= 0"
+
+
+def _fraction(v: Any) -> str | None:
+    return None if 0 <= v <= 1 else "must be in [0, 1]"
+
+
+def _one_of(*choices: Any) -> Callable[[Any], str | None]:
+    def check(v: Any) -> str | None:
+        return None if v in choices else f"must be one of {list(choices)}"
+
+    return check
+
+
+def _size_or_all(v: Any) -> str | None:
+    return None if v == -1 or v >= 1 else "must be -1 (whole data-parallel group) or >= 1"
+
+
+def _checkpoint_value(v: Any) -> str | None:
+    if isinstance(v, bool):
+        return None
+    return None if 0 <= v <= 1 else "must be a bool or a fraction of layers in [0, 1]"
+
+
+def _dtype_value(v: Any) -> str | None:
+    try:
+        parse_dtype(v)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def _str_list(v: Any) -> str | None:
+    return None if all(isinstance(x, str) for x in v) else "must be a list of strings"
+
+
+NORM_TYPES = ("rmsnorm",)
+TENSOR_MODES = ("mtp", "msp")  # DESIGN's values; msp is accepted by name only to say it is not there yet
+
+
+def _norm_type(v: Any) -> str | None:
+    return None if v in NORM_TYPES else f"only {list(NORM_TYPES)} is implemented (the decoder uses RMSNorm)"
+
+
+def _tensor_mode(v: Any) -> str | None:
+    if v == "msp":
+        return "'msp' (sequence parallelism) is not implemented yet; use 'mtp'"
+    return None if v in TENSOR_MODES else f"must be one of {list(TENSOR_MODES)} ('msp' is not implemented yet)"
+
+
+_MODEL_ARG_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelArgs)}
+
+
+def _arg(name: str, types: tuple[type, ...], check: Callable[[Any], str | None] | None = None, *,
+         doc: str = "", nullable: bool = False) -> Key:
+    """A model key that ``ModelArgs`` has: its default is ``ModelArgs``'s (required when it has none)."""
+    default = _MODEL_ARG_DEFAULTS[name]
+    return Key(types, REQUIRED if default is dataclasses.MISSING else default, check, doc, nullable)
+
+
+INT = (int,)
+FLOAT = (float, int)
+BOOL = (bool,)
+STR = (str,)
+
+SCHEMA = Section(
+    {
+        "job_name": Key(STR, "tessera", doc="name of the run; the log folder is log_folder/job_name"),
+        "seed": Key(INT, 1024, _non_negative, doc="global seed (train.py --seed overrides)"),
+        "log_folder": Key(STR, "runs", doc="metrics.jsonl, TensorBoard events and text logs go here"),
+        "cudnn_deterministic": Key(BOOL, False),
+        "cudnn_benchmark": Key(BOOL, False),
+        "dist": Section(
+            {
+                "timeout_s": Key(FLOAT, 1800, _positive, doc="collective timeout in seconds"),
+                "backend": Key(STR, None, _one_of("nccl", "gloo"), nullable=True, doc="None: nccl on CUDA, else gloo"),
+                "cpu_shm_allreduce": Key(STR, "auto", _one_of("auto", "on", "off"),
+                                         doc="tensor-parallel all-reduces on CPU through shared memory instead of "
+                                             "gloo when the TP group is on one machine; auto: unless its "
+                                             "processes outnumber the cores"),
+            }
+        ),
+        "model": Section(
+            {
+                # keys that ModelArgs has take their default from it (required where it has none)
+                "num_layers": _arg("num_layers", INT, _positive),
+                "hidden_size": _arg("hidden_size", INT, _positive),
+                "num_attention_heads": _arg("num_attention_heads", INT, _positive),
+                "num_kv_attention_heads": _arg("num_kv_attention_heads", INT, _positive, nullable=True,
+                                               doc="None: = num_attention_heads"),
+                "vocab_size": _arg("vocab_size", INT, _positive),
+                "mlp_ratio": _arg("mlp_ratio", FLOAT, _positive),
+                "multiple_of": _arg("multiple_of", INT, _positive,
+                                    doc="SwiGLU hidden size is rounded up to a multiple of this"),
+                "dtype": Key((str, torch.dtype), "torch.bfloat16", _dtype_value),
+                "norm_type": Key(STR, "rmsnorm", _norm_type, doc="InternEvo's key; only 'rmsnorm' is implemented"),
+                "layer_norm_epsilon": _arg("layer_norm_epsilon", FLOAT, _positive),
+                "use_flash_attn": _arg("use_flash_attn", BOOL,
+                                       doc="use the flash-attn package on CUDA when it is installed"),
+                "checkpoint": _arg("checkpoint", (bool, float, int), _checkpoint_value, doc="activation checkpointing"),
+                "parallel_output": _arg("parallel_output", BOOL, doc="keep logits vocab-sharded for the parallel loss"),
+                "tie_word_embeddings": _arg("tie_word_embeddings", BOOL),
+                "rope_base": _arg("rope_base", FLOAT, _positive),
+                "max_position_embeddings": Key(INT, None, _positive, nullable=True, doc="None: data.seq_len"),
+                "init_std": _arg("init_std", FLOAT, _positive),
+                "dropout": _arg("dropout", FLOAT, _fraction, doc="residual dropout (outside TP regions)"),
+                "attn_dropout": _arg("attn_dropout", FLOAT, _fraction,
+                                     doc="attention-probability dropout (inside TP regions)"),
+                "bias": _arg("bias", BOOL, doc="biases on attention and MLP projections"),
+                "fp32_modules": Key((list, tuple), [], _str_list, doc="fnmatch patterns of module names kept fp32"),
+                "use_fp32_norm": Key(BOOL, False, doc="keep every norm module fp32 (InternEvo's switch)"),
+            },
+            optional=False,
+        ),
+        "parallel": Section(
+            {
+                "tensor": Section(
+                    {
+                        "size": Key(INT, 1, _positive),
+                        "mode": Key(STR, "mtp", _tensor_mode,
+                                    doc="mtp: activations replicated over TP between layers; msp (sequence "
+                                        "parallelism) is not implemented yet"),
+                    }
+                ),
+                "zero1": Section({"size": Key(INT, -1, _size_or_all)}),
+                "pipeline": Section(
+                    {"size": Key(INT, 1, _positive, doc="only 1: pipeline parallelism is not supported")}
+                ),
+            }
+        ),
+        "data": Section(
+            {
+                "seq_len": Key(INT, 2048, _positive),
+                "micro_bsz": Key(INT, 1, _positive),
+                "micro_num": Key(INT, 1, _positive, doc="micro-batches accumulated per optimizer step"),
+                "total_steps": Key(INT, 1000, _positive),
+                "type": Key(STR, "tokens", _one_of("tokens", "synthetic", "stdlib"),
+                            doc="tokens: prepared token folders; synthetic: random tokens; stdlib: Python's own source"),
+                "train_folder": Key(STR, None, nullable=True),
+                "valid_folder": Key(STR, None, nullable=True),
+                "cache_folder": Key(STR, "data_cache", doc="where type='stdlib' prepares its token files"),
+                "valid_every": Key(INT, 0, _non_negative, doc="0: validate only at the end"),
+                "valid_micro_num": Key(INT, 8, _positive),
+                "valid_micro_bsz": Key(INT, None, _positive, nullable=True,
+                                       doc="rows per validation forward; None: micro_bsz (no backward, so it "
+                                           "can be larger)"),
+                "valid_context_len": Key(INT, 0, _non_negative,
+                                         doc="validation rows after a stream's first start this many tokens "
+                                             "early; those are context, not scored (each token is still "
+                                             "scored once, with at least this much of its document before it)"),
+                "pack_sample_into_one": Key(BOOL, False, doc="True: positions do not restart per document"),
+            }
+        ),
+        "adam": Section(
+            {
+                "lr": Key(FLOAT, 1e-4, _non_negative),
+                "adam_beta1": Key(FLOAT, 0.9, _fraction),
+                "adam_beta2": Key(FLOAT, 0.95, _fraction),
+                "adam_eps": Key(FLOAT, 1e-8, _positive),
+                "weight_decay": Key(FLOAT, 0.01, _non_negative),
+                "decay_norm_and_bias": Key(BOOL, False, doc="False: norms and biases get no weight decay"),
+            }
+        ),
+        "lr_scheduler": Section(
+            {
+                "total_steps": Key(INT, None, _positive, nullable=True, doc="None: data.total_steps"),
+                "init_steps": Key(INT, 0, _non_negative),
+                "warmup_ratio": Key(FLOAT, 0.01, _fraction),
+                "eta_min": Key(FLOAT, 1e-5, _non_negative),
+                "last_epoch": Key(INT, -1),
+            }
+        ),
+        "grad_scaler": Section(
+            {
+                "fp16": Section(
+                    {
+                        "initial_scale": Key(FLOAT, 2**16, _positive),
+                        "min_scale": Key(FLOAT, 1.0, _positive),
+                        "growth_interval": Key(INT, 1000, _positive),
+                    }
+                ),
+                "growth_factor": Key(FLOAT, 2.0, lambda v: None if v > 1 else "must be > 1"),
+                "backoff_factor": Key(FLOAT, 0.5, lambda v: None if 0 < v < 1 else "must be in (0, 1)"),
+                "max_scale": Key(FLOAT, 2**24, _positive),
+                "hysteresis": Key(INT, 2, _positive),
+            }
+        ),
+        "hybrid_zero_optimizer": Section(
+            {
+                "clip_grad_norm": Key(FLOAT, 1.0, _non_negative, doc="0 disables clipping"),
+                "reduce_dtype": Key(STR, "fp32", _one_of("fp32", "model"),
+                                    doc="dtype of gradient accumulation and the DP all-reduce"),
+                "max_consecutive_skips": Key(INT, 20, _positive,
+                                             doc="stop the run when more steps than this in a row are skipped "
+                                                 "(inf/NaN); fp16 counts them once the loss scale is at its minimum"),
+            }
+        ),
+        "loss": Section({"label_smoothing": Key(FLOAT, 0.0, _fraction)}),
+        "ckpt": Section(
+            {
+                "enable_save_ckpt": Key(BOOL, False),
+                "save_ckpt_folder": Key(STR, None, nullable=True),
+                "load_ckpt_folder": Key(STR, None, nullable=True, doc="weights-only start (fine-tuning)"),
+                "auto_resume": Key(BOOL, True),
+                "checkpoint_every": Key(INT, 0, _non_negative, doc="0: only at the end"),
+                "keep_last": Key(INT, 0, _non_negative, doc="0: keep every checkpoint"),
+            }
+        ),
+        "metrics": Section(
+            {
+                "log_every": Key(INT, 1, _positive, doc="print a line every N steps (metrics.jsonl and TensorBoard get every step)"),
+                "tensorboard": Key(BOOL, True),
+                "progress_bar": Key(BOOL, True),
+                "peak_tflops": Key(FLOAT, None, _positive, nullable=True,
+                                   doc="per-device peak for MFU; None: GPU table or measured CPU peak"),
+            }
+        ),
+        "generate": Section(
+            {
+                "prompt": Key(STR, "def "),
+                "max_new_tokens": Key(INT, 0, _non_negative, doc="sample this many tokens at the end (0: none)"),
+                "temperature": Key(FLOAT, 0.8, _non_negative),
+                "top_k": Key(INT, 0, _non_negative),
+                "top_p": Key(FLOAT, 1.0, _fraction),
+            }
+        ),
+    },
+    optional=False,
+)
