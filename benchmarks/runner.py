@@ -56,7 +56,7 @@ __all__ = ["Mode", "MODES", "run_bench", "measure_gpu", "machine_info"]
 DTYPES = ("bf16", "fp16", "fp32", "tf32")
 _FULL_NAME = {"bf16": "torch.bfloat16", "fp16": "torch.float16", "fp32": "torch.float32", "tf32": "torch.tf32"}
 _ENV = "TESSERA_CPU_LOWP_MATMUL"
-_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 
 
 def _path(config: str) -> str:

@@ -1,14 +1,11 @@
-"""Shared pytest setup: CUDA-marked tests are skipped where no GPU exists; one thread per process."""
+"""Shared pytest setup: CUDA-marked tests are skipped where no GPU exists; one thread per process.
 
-import os
-import sys
+The repository root (``train.py``, ``benchmarks/``, ``tests``) is importable through pytest.ini's
+``pythonpath = .``; processes the tests spawn inherit that ``sys.path``.
+"""
 
 import pytest
 import torch
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
 
 torch.set_num_threads(1)
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 import json
 import os
 import random
@@ -40,13 +41,26 @@ import time
 import numpy as np
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from tessera.data.loader import TrainLoader
+from tessera.train.step import Trainer
 
-import train  # noqa: E402
-from tessera.checkpoint import core as checkpoint as ckpt_mod  # noqa: E402
-from tessera.train.step import Trainer  # noqa: E402
-from tessera.data.loader import TrainLoader  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _load_train_script():
+    """The repository's train.py as module ``train``: a script at the root, not part of the installed package,
+    so it is loaded from its path (no ``sys.path`` edit; torchrun puts only tests/ on this script's path)."""
+    spec = importlib.util.spec_from_file_location("train", os.path.join(ROOT, "train.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["train"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+train = _load_train_script()
+# the module whose ``write_tree`` train.py's save_checkpoint calls (patched below), wherever the
+# checkpoint package keeps it
+ckpt_mod = sys.modules[train.save_checkpoint.__module__]
 
 RANK = int(os.environ.get("RANK", "0"))
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))

@@ -4,100 +4,41 @@
                           [--config configs/demo.py] [key.sub=value ...]
     python tools/bench.py --only-gpu --out BENCHMARKS_GPU.md      # the GPU section alone (needs CUDA)
     python tools/bench.py --render results.json --out BENCHMARKS.md  # re-render a saved run (no measuring)
+    python tools/bench.py --help                                   # every flag
 
-Sections: (1) framework overhead vs a plain PyTorch step of the same model, (2) bf16/fp16/fp32/tf32,
-(3) TP=2 and DP=2 vs one process on the same cores with the communication share, (4) measured bytes
-per parameter vs the closed form, (5) TFLOP/s and MFU against a matmul peak measured in the same run,
-(6) a bf16 step on configs/1B.py dims when CUDA is available. Variants are interleaved (A B A B ...)
-and ratios are paired per round, because shared machines are noisy. ``--quick`` takes about a minute
-on 2 cores; the full run about 4-6 minutes (more on a loaded machine).
+The benchmarks live in the top-level ``benchmarks/`` folder, which is not part of the installed package,
+and their measurement functions run in spawned worker processes that import them by module path. So
+this script runs ``python -m benchmarks <flags>`` with the repository root on that process's
+``PYTHONPATH`` (replacing this process: same pid, signals and exit status), rather than editing
+``sys.path``. ``main(argv)`` runs the benchmarks in the calling process instead; that needs
+``benchmarks`` importable there, as under pytest (``pythonpath = .`` in pytest.ini).
 """
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import json
 import os
-import shlex
 import sys
 from collections.abc import Sequence
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from tessera.cli_args import positive_int  # noqa: E402  (stdlib only: torch still loads after parsing)
-
-
-def _log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="fewer rounds and a smaller batch (about a minute)")
-    ap.add_argument("--tiny", action="store_true", help="configs/tiny.py dims, seconds in all (the test mode)")
-    ap.add_argument("--out", default="BENCHMARKS.md", help="markdown file to write")
-    ap.add_argument("--json", default=None, help="also write the raw results as JSON here")
-    ap.add_argument("--threads", type=positive_int, default=None,
-                    help="torch threads of the single-process sections")
-    gpu = ap.add_mutually_exclusive_group()
-    gpu.add_argument("--only-gpu", action="store_true", help="measure only the GPU section (needs CUDA)")
-    gpu.add_argument("--no-gpu", action="store_true", help="skip the GPU section even when CUDA is available")
-    ap.add_argument("--config", default=None,
-                    help="model/optimizer config of the CPU sections (default: configs/demo.py)")
-    ap.add_argument("--note", action="append", default=[], help="a line for the file's notes (context of the run)")
-    ap.add_argument("--render", default=None, metavar="JSON",
-                    help="write the markdown from a run saved with --json, without measuring")
-    ap.add_argument("overrides", nargs="*", help="key.sub=value overrides of that config (e.g. model.hidden_size=256)")
-    args = ap.parse_args(argv)
+    """``benchmarks.cli.main`` in this process (``benchmarks`` must be importable); returns the exit status."""
+    from benchmarks.cli import main as bench_main
 
-    import torch
+    return bench_main(argv, prog="bench.py")
 
-    from benchmarks.report import gpu_only_markdown, to_markdown
-    from benchmarks.runner import MODES, measure_gpu, run_bench
-    from tessera.config import ConfigError
 
-    mode = MODES["tiny" if args.tiny else "quick" if args.quick else "full"]
-    if args.threads is not None:
-        mode = dataclasses.replace(mode, threads=args.threads)
-    if args.config is not None:
-        mode = dataclasses.replace(mode, config=args.config)
-    if args.overrides:
-        mode = dataclasses.replace(mode, overrides=(*mode.overrides, *args.overrides))
-    command = " ".join(["python", "tools/bench.py", *(shlex.quote(a) for a in argv)])
-    if args.render:
-        with open(args.render) as f:
-            result = json.load(f)
-        with open(args.out, "w") as f:
-            f.write(to_markdown(result, result["command"]) if "single" in result else
-                    gpu_only_markdown(result, result["command"]))
-        _log(f"wrote {args.out} from {args.render}")
-        return 0
-    if args.only_gpu and not torch.cuda.is_available():
-        print("error: --only-gpu needs a CUDA device", file=sys.stderr)
-        return 2
-    try:  # a bad --config or key=value override surfaces as a ConfigError when the first section loads it
-        if args.only_gpu:
-            result = {"mode": dataclasses.asdict(mode), "gpu": measure_gpu(mode, "cuda", _log)}
-            text = gpu_only_markdown(result, command)
-        else:
-            result = run_bench(mode, _log, gpu=False if args.no_gpu else None)
-            result["notes"] = list(args.note)
-            text = to_markdown(result, command)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    result["command"] = command
-    with open(args.out, "w") as f:
-        f.write(text)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-    _log(f"wrote {args.out}")
-    return 0
+def exec_as_module(argv: Sequence[str]) -> None:
+    """Replace this process with ``python -m benchmarks <argv>``, the repository root first on PYTHONPATH."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+    # -P (Python >= 3.11): do not put the working directory first on sys.path, so a folder named
+    # ``benchmarks`` in the directory the command is started from cannot shadow this repository's
+    flags = ["-P"] if sys.version_info >= (3, 11) else []
+    os.execve(sys.executable, [sys.executable, *flags, "-m", "benchmarks", *argv], env)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exec_as_module(sys.argv[1:])

@@ -20,15 +20,10 @@ masters when present), with the model config in the file's metadata.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from tessera.cli_args import positive_int  # noqa: E402
-from tessera.checkpoint.core import CheckpointError  # noqa: E402
-from tessera.checkpoint.source import resolve_step_folder  # noqa: E402
-from tessera.checkpoint.convert import consolidate, convert_checkpoint  # noqa: E402
+from tessera.cli_args import positive_int
+from tessera.checkpoint import CheckpointError, consolidate, convert_checkpoint, resolve_step_folder
 
 
 def main(argv: list[str] | None = None) -> int:

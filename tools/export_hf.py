@@ -19,15 +19,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from tessera.cli_args import positive_int  # noqa: E402
-from tessera.checkpoint.core import CheckpointError  # noqa: E402
-from tessera.data.errors import DataError  # noqa: E402
-from tessera.checkpoint.hf import export_hf  # noqa: E402
+from tessera.cli_args import positive_int
+from tessera.checkpoint import CheckpointError, export_hf
+from tessera.data.errors import DataError
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,24 +15,18 @@ sampled. The same seed gives the same text; ``--no-kv-cache`` recomputes the who
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from tessera.cli_args import (  # noqa: E402
+from tessera.cli_args import (
     nonnegative_float, nonnegative_int, positive_int, probability, random_seed,
 )
-from tessera.checkpoint.core import CheckpointError  # noqa: E402
-from tessera.data.errors import DataError  # noqa: E402
-from tessera.checkpoint.hf import parse_dtype_name  # noqa: E402
-from tessera.checkpoint.inference import load_for_inference  # noqa: E402
-from tessera.checkpoint.tokenizers import tokenizer_for_checkpoint  # noqa: E402
-from tessera.model.generation import generate_ids  # noqa: E402
-from tessera.model.kv_cache import generate_ids_cached  # noqa: E402
+from tessera.checkpoint import CheckpointError, load_for_inference, parse_dtype_name, tokenizer_for_checkpoint
+from tessera.data.errors import DataError
+from tessera.model.generation import generate_ids
+from tessera.model.kv_cache import generate_ids_cached
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,14 +20,10 @@ head_dim = hidden/heads, attention_bias == mlp_bias; anything else is an error n
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from tessera.cli_args import positive_int  # noqa: E402
-from tessera.checkpoint.core import CheckpointError  # noqa: E402
-from tessera.checkpoint.hf import import_hf  # noqa: E402
+from tessera.cli_args import positive_int
+from tessera.checkpoint import CheckpointError, import_hf
 
 
 def main(argv: list[str] | None = None) -> int:

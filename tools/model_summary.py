@@ -10,18 +10,15 @@ is checked against the closed form ``tessera.model.count_parameters`` (exit stat
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Sequence
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from tessera.cli_args import positive_int  # noqa: E402
-from tessera.config import Config, ConfigError  # noqa: E402
-from tessera.model import build_model, count_parameters, flops_per_token  # noqa: E402
-from tessera.parallel import MetaGroup, partition_dim  # noqa: E402
+from tessera.cli_args import positive_int
+from tessera.config import Config, ConfigError
+from tessera.model import build_model, count_parameters, flops_per_token
+from tessera.parallel import MetaGroup, partition_dim
 
 
 def _meta_model(model_cfg: Config, tp: int) -> torch.nn.Module:

@@ -14,17 +14,14 @@ measurement on N CPU processes (gloo) so the masters and states are really shard
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Sequence
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from tessera.cli_args import positive_int  # noqa: E402
-from tessera.config import Config, ConfigError  # noqa: E402
-from tessera.train.precision_report import precision_report  # noqa: E402
+from tessera.cli_args import positive_int
+from tessera.config import Config, ConfigError
+from tessera.train.precision_report import precision_report
 
 
 def main(argv: Sequence[str] | None = None) -> int:

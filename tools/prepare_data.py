@@ -18,12 +18,10 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from tessera.cli_args import fraction, off_or_int_at_least  # noqa: E402
-from tessera.data.errors import DataError  # noqa: E402
-from tessera.data.prepare import DEFAULT_PATTERNS, iter_documents, list_input_files, prepare_corpus  # noqa: E402
-from tessera.data.tokenizer import build_tokenizer  # noqa: E402
+from tessera.cli_args import fraction, off_or_int_at_least
+from tessera.data.errors import DataError
+from tessera.data.prepare import DEFAULT_PATTERNS, iter_documents, list_input_files, prepare_corpus
+from tessera.data.tokenizer import build_tokenizer
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

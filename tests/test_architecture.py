@@ -1,0 +1,382 @@
+"""The package's shape, checked from the source with ``ast`` (nothing is imported, torch included).
+
+- Import direction: every module under ``tessera/`` belongs to a layer (``LAYERS``, lowest first) and
+  imports only from its own layer or lower ones. Every tessera import counts: top-level and
+  function-local, ``import x``, ``from x import y``, relative imports, ``if TYPE_CHECKING:`` blocks and
+  ``importlib.import_module("tessera...")`` with a literal name. ``tessera/core/*`` only aliases the
+  contract paths of ``../shared/DESIGN.md`` and sits on top: nothing inside tessera may import it.
+- No import cycle among tessera's packages (``tessera.<name>``, leaf modules included).
+- No ``sys.path`` edits in ``tools/``, ``tests/``, ``benchmarks/`` or ``train.py``: the package is
+  installed (``pip install -e .``), pytest puts the repository root on ``sys.path`` (pytest.ini), and
+  ``tools/bench.py`` runs ``python -m benchmarks`` with the root on that process's ``PYTHONPATH``.
+- No file in the package above ``MAX_LINES`` lines; no module docstring narrating measurements.
+
+The checkers take the repository root, so the tests below also run them on small trees in tmp_path
+with a deliberate violation (a checker that never fails proves nothing).
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# lowest first: a module may import its own layer and the layers before it, never a later one
+LAYERS = ("leaf", "parallel", "model", "config", "data", "dist", "train", "checkpoint", "top")
+# tessera/<name>.py modules that import no tessera package (stdlib / torch only); "__init__" is tessera/__init__.py
+LEAF_MODULES = frozenset({"__init__", "files", "cli_args", "testing", "fake_cuda"})
+TOP = frozenset({"core"})  # aliases of the documented contract paths (may import anything; nothing imports them)
+MAX_LINES = 450
+SCRIPT_PLACES = ("tools", "tests", "benchmarks", "train.py")
+
+
+# ------------------------------------------------------------------------------------------ helpers
+def _py_files(base: Path) -> list[Path]:
+    if base.is_file():
+        return [base] if base.suffix == ".py" else []
+    return sorted(p for p in base.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def _parse(path: Path, root: Path, problems: list[str]) -> ast.Module | None:
+    try:
+        return ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    except SyntaxError as e:
+        problems.append(f"{path.relative_to(root)}:{e.lineno}: does not parse ({e.msg})")
+        return None
+
+
+def module_name(path: Path, root: Path) -> str:
+    """``tessera/model/attention.py`` -> ``tessera.model.attention``; a package's ``__init__`` -> the package."""
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _exists(root: Path, dotted: str) -> bool:
+    """Whether ``dotted`` names a module or package in the tree under ``root``."""
+    base = root.joinpath(*dotted.split("."))
+    return base.with_suffix(".py").is_file() or (base / "__init__.py").is_file()
+
+
+def tessera_imports(path: Path, root: Path, problems: list[str]) -> list[tuple[int, str]]:
+    """(line, imported module) for every tessera import in ``path``, wherever it sits in the file."""
+    tree = _parse(path, root, problems)
+    if tree is None:
+        return []
+    me = module_name(path, root)
+    package = me if path.name == "__init__.py" else me.rpartition(".")[0]
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: resolve against this module's package
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - (node.level - 1)]) if node.level - 1 < len(parts) else ""
+                base = f"{base}.{node.module}" if node.module else base
+            else:
+                base = node.module or ""
+            for alias in node.names:  # ``from pkg import submodule`` imports the submodule
+                sub = f"{base}.{alias.name}"
+                found.append((node.lineno, sub if alias.name != "*" and _exists(root, sub) else base))
+        elif (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+              and isinstance(node.args[0].value, str)
+              and (isinstance(node.func, ast.Attribute) and node.func.attr == "import_module"
+                   or isinstance(node.func, ast.Name) and node.func.id in ("import_module", "__import__"))):
+            found.append((node.lineno, node.args[0].value))
+    return [(line, name) for line, name in found if name == "tessera" or name.startswith("tessera.")]
+
+
+def layer_of(dotted: str) -> str | None:
+    """The layer of module ``tessera.<name>...``; None when ``<name>`` is in no layer."""
+    name = dotted.split(".")[1] if "." in dotted else "__init__"  # plain ``tessera`` is tessera/__init__.py
+    if name in LEAF_MODULES:
+        return "leaf"
+    if name in TOP:
+        return "top"
+    return name if name in LAYERS else None
+
+
+def package_of(dotted: str) -> str:
+    """``tessera.model.attention`` -> ``model``; ``tessera`` -> ``__init__``."""
+    return dotted.split(".")[1] if "." in dotted else "__init__"
+
+
+def import_graph(root: Path) -> tuple[list[tuple[str, int, str, str]], list[str]]:
+    """(file, line, importer module, imported module) for every tessera import under root/tessera, and
+    the files that do not parse."""
+    problems: list[str] = []
+    edges = []
+    for path in _py_files(root / "tessera"):
+        me = module_name(path, root)
+        for line, target in tessera_imports(path, root, problems):
+            edges.append((str(path.relative_to(root)), line, me, target))
+    return edges, problems
+
+
+def layering_violations(root: Path) -> list[str]:
+    """``file:line -> target (why)`` for every import that goes up a layer or touches an unlayered module."""
+    edges, problems = import_graph(root)
+    out = list(problems)
+    for path in _py_files(root / "tessera"):
+        if layer_of(module_name(path, root)) is None:
+            out.append(f"{path.relative_to(root)}: module {module_name(path, root)} is in no layer "
+                       f"(add its package to LAYERS in tests/test_architecture.py)")
+    for file, line, me, target in edges:
+        mine, theirs = layer_of(me), layer_of(target)
+        if mine is None:
+            continue  # reported above
+        if theirs is None:
+            out.append(f"{file}:{line} -> {target} (not a module in any layer)")
+        elif LAYERS.index(theirs) > LAYERS.index(mine):
+            out.append(f"{file}:{line} -> {target} ({mine} imports {theirs}, a higher layer)")
+    return sorted(set(out))
+
+
+def package_cycles(root: Path) -> list[str]:
+    """Each strongly connected set of 2+ tessera packages, with the imports that close it (Tarjan)."""
+    edges, _ = import_graph(root)
+    graph: dict[str, set[str]] = {}
+    where: dict[tuple[str, str], str] = {}
+    for file, line, me, target in edges:
+        a, b = package_of(me), package_of(target)
+        if a != b and b != "__init__":  # ``import tessera`` runs only the (leaf) package __init__
+            graph.setdefault(a, set()).add(b)
+            graph.setdefault(b, set())
+            where.setdefault((a, b), f"{file}:{line} -> {target}")
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    sccs: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            scc = []
+            while True:
+                w = stack.pop()
+                scc.append(w)
+                if w == v:
+                    break
+            if len(scc) > 1:
+                sccs.append(sorted(scc))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return [" <-> ".join(scc) + ": " + "; ".join(where[(a, b)] for a in scc for b in scc if (a, b) in where)
+            for scc in sccs]
+
+
+def sys_path_edits(root: Path, places=SCRIPT_PLACES) -> list[str]:
+    """``file:line`` of every ``sys.path`` insert/append/extend/assignment in the given places."""
+    out: list[str] = []
+    for place in places:
+        for path in _py_files(root / place):
+            tree = _parse(path, root, out)
+            if tree is None:
+                continue
+            for node in ast.walk(tree):
+                hit = None
+                if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                        and node.func.attr in ("insert", "append", "extend") and _is_sys_path(node.func.value)):
+                    hit = f"sys.path.{node.func.attr}"
+                elif isinstance(node, (ast.Assign, ast.AugAssign)):
+                    targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                    for t in targets:
+                        if _is_sys_path(t) or isinstance(t, ast.Subscript) and _is_sys_path(t.value):
+                            hit = "sys.path assignment"
+                if hit:
+                    out.append(f"{path.relative_to(root)}:{node.lineno}: {hit}")
+    return sorted(out)
+
+
+def _is_sys_path(node: ast.AST) -> bool:
+    return (isinstance(node, ast.Attribute) and node.attr == "path" and isinstance(node.value, ast.Name)
+            and node.value.id == "sys")
+
+
+def long_files(root: Path, limit: int = MAX_LINES) -> list[str]:
+    out = []
+    for path in _py_files(root / "tessera"):
+        n = len(path.read_text(encoding="utf-8").splitlines())
+        if n > limit:
+            out.append(f"{path.relative_to(root)}: {n} lines (limit {limit})")
+    return out
+
+
+# a figure with a unit ("~1-2 ms", "5-60x", "60 GFLOP/s", "12%") ...
+_FIGURE = r"\d[\d.,]*(?:\s*-\s*\d[\d.,]*)?\s*(?:x|ms|us|µs|ns|s|%|[GMT]?FLOP/s|[GMK]i?B/s|tok/s|tokens/s)(?![\w/])"
+# ... that is approximate ("~") or said to be measured on the same line
+_NARRATED = re.compile(rf"~\s*{_FIGURE}|\bmeasured\b.*{_FIGURE}|{_FIGURE}.*\bmeasured\b", re.I)
+
+
+def narrated_measurements(root: Path) -> list[str]:
+    """Module docstring lines that report measured figures (they belong in BENCHMARKS.md or docs/).
+
+    A heuristic: a line with an approximate figure with a unit (``~30 us``) or with the word "measured"
+    and a figure with a unit. Design constants ("checks every 50 ms") and formulas ("3 x forward") pass.
+    """
+    out: list[str] = []
+    for path in _py_files(root / "tessera"):
+        tree = _parse(path, root, out)
+        doc = ast.get_docstring(tree, clean=False) if tree is not None else None
+        if not doc:
+            continue
+        first = tree.body[0].lineno
+        for i, line in enumerate(doc.splitlines()):
+            if _NARRATED.search(line):
+                out.append(f"{path.relative_to(root)}:{first + i}: {line.strip()}")
+    return out
+
+
+def _fmt(items: list[str]) -> str:
+    return "\n  " + "\n  ".join(items)
+
+
+# ------------------------------------------------------------------------------------------ the repository
+def test_imports_go_one_way():
+    bad = layering_violations(ROOT)
+    assert not bad, f"imports against the layer order {' < '.join(LAYERS)}:{_fmt(bad)}"
+
+
+def test_no_import_cycle_among_packages():
+    cycles = package_cycles(ROOT)
+    assert not cycles, f"import cycles among tessera's packages:{_fmt(cycles)}"
+
+
+def test_no_sys_path_edits_in_tools_tests_benchmarks():
+    edits = sys_path_edits(ROOT)
+    assert not edits, f"sys.path edits (install the package; pytest.ini sets pythonpath):{_fmt(edits)}"
+
+
+def test_package_files_are_short():
+    assert not long_files(ROOT), f"files above {MAX_LINES} lines:{_fmt(long_files(ROOT))}"
+
+
+def test_module_docstrings_narrate_no_measurements():
+    found = narrated_measurements(ROOT)
+    assert not found, f"measurements narrated in module docstrings (move them to BENCHMARKS.md/docs):{_fmt(found)}"
+
+
+def test_every_layer_and_leaf_exists():
+    """The table names real code: a renamed package must be renamed here too, not silently unchecked."""
+    for name in LAYERS:
+        if name not in ("leaf", "top"):
+            assert (ROOT / "tessera" / name / "__init__.py").is_file(), name
+    assert (ROOT / "tessera" / "core" / "__init__.py").is_file()
+    # the leaf modules that exist (files.py is being added) really import nothing from tessera
+    present = [m for m in LEAF_MODULES if m != "__init__" and (ROOT / "tessera" / f"{m}.py").is_file()]
+    assert {"cli_args", "testing", "fake_cuda"} <= set(present)
+
+
+# ------------------------------------------------------------------------------------------ the checkers fail
+def _write(root: Path, files: dict[str, str]) -> Path:
+    for rel, text in files.items():
+        p = root / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+    return root
+
+
+def _tiny_tree(root: Path, **extra: str) -> Path:
+    files = {f"tessera/{name}/__init__.py": "" for name in LAYERS if name not in ("leaf", "top")}
+    files.update({
+        "tessera/__init__.py": '__version__ = "0"\n',
+        "tessera/cli_args.py": "import argparse\n",
+        "tessera/core/__init__.py": "",
+        "tessera/core/optimizer.py": "import sys\nimport tessera.train.opt as _m\nsys.modules[__name__] = _m\n",
+        "tessera/parallel/comm.py": "import torch\n",
+        "tessera/model/attention.py": "from tessera.parallel.comm import x\nfrom ..parallel import comm\n",
+        "tessera/train/opt.py": "from tessera.model import attention\nfrom . import step\n",
+        "tessera/train/step.py": "def f():\n    from tessera import __version__\n",
+    })
+    files.update({k.replace("__", "/") + ".py": v for k, v in extra.items()})  # tessera__model__x: tessera/model/x.py
+    return _write(root, files)
+
+
+def test_a_clean_tree_passes(tmp_path):
+    root = _tiny_tree(tmp_path)
+    assert layering_violations(root) == []
+    assert package_cycles(root) == []
+
+
+@pytest.mark.parametrize("text, target", [
+    ("import tessera.train\n", "tessera.train"),
+    ("def f():\n    from tessera.train.opt import y\n", "tessera.train.opt"),  # function-local
+    ("from ..train import opt\n", "tessera.train.opt"),  # relative
+    ("from tessera import train\n", "tessera.train"),  # a package imported by name
+    ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from tessera.dist import gpc\n", "tessera.dist"),
+    ("import importlib\nm = importlib.import_module('tessera.checkpoint')\n", "tessera.checkpoint"),
+    ("from tessera.core.optimizer import X\n", "tessera.core.optimizer"),  # the aliases are top level
+])
+def test_an_upward_import_is_reported_with_file_and_line(tmp_path, text, target):
+    root = _tiny_tree(tmp_path, tessera__model__bad=text)
+    line = text.count("\n")
+    assert layering_violations(root) == [f"tessera/model/bad.py:{line} -> {target} "
+                                         f"(model imports {layer_of(target)}, a higher layer)"]
+
+
+def test_a_leaf_module_importing_a_package_is_reported(tmp_path):
+    root = _tiny_tree(tmp_path, tessera__cli_args="from tessera.parallel import comm\n")
+    assert layering_violations(root) == ["tessera/cli_args.py:1 -> tessera.parallel.comm (leaf imports parallel, "
+                                         "a higher layer)"]
+
+
+def test_an_unlayered_module_and_a_syntax_error_are_reported(tmp_path):
+    root = _tiny_tree(tmp_path)
+    _write(root, {"tessera/newpkg/__init__.py": "", "tessera/model/broken.py": "from x import a as b as c\n"})
+    bad = layering_violations(root)
+    assert any(b.startswith("tessera/newpkg/__init__.py: module tessera.newpkg is in no layer") for b in bad), bad
+    assert any(b.startswith("tessera/model/broken.py:1: does not parse") for b in bad), bad
+
+
+def test_a_package_cycle_is_reported(tmp_path):
+    root = _tiny_tree(tmp_path, tessera__parallel__bad="def f():\n    import tessera.model.attention\n")
+    assert package_cycles(root) == ["model <-> parallel: tessera/model/attention.py:1 -> tessera.parallel.comm; "
+                                    "tessera/parallel/bad.py:2 -> tessera.model.attention"]
+
+
+def test_an_upward_import_added_to_a_copy_of_the_real_package_is_caught(tmp_path):
+    """``import tessera.train`` appended to a copy of tessera/parallel/comm.py: exactly that one new finding."""
+    shutil.copytree(ROOT / "tessera", tmp_path / "tessera", ignore=shutil.ignore_patterns("__pycache__"))
+    comm = tmp_path / "tessera" / "parallel" / "comm.py"
+    text = comm.read_text()
+    comm.write_text(text + ("" if text.endswith("\n") else "\n") + "import tessera.train\n")
+    line = len(comm.read_text().splitlines())
+    new = set(layering_violations(tmp_path)) - set(layering_violations(ROOT))
+    assert new == {f"tessera/parallel/comm.py:{line} -> tessera.train (parallel imports train, a higher layer)"}
+
+
+def test_sys_path_edits_are_found(tmp_path):
+    _write(tmp_path, {
+        "tools/a.py": "import sys, os\nsys.path.insert(0, os.getcwd())\n",
+        "tests/b.py": "import sys\n\ndef f():\n    sys.path.append('x')\n    sys.path[:0] = ['y']\n",
+        "tests/ok.py": "import sys\nprint(sys.path, 'sys.path.insert(0, x)')\n",
+    })
+    assert sys_path_edits(tmp_path) == ["tests/b.py:4: sys.path.append", "tests/b.py:5: sys.path assignment",
+                                        "tools/a.py:2: sys.path.insert"]
+
+
+def test_long_files_and_narrated_measurements_are_found(tmp_path):
+    _write(tmp_path, {
+        "tessera/parallel/big.py": "x = 1\n" * (MAX_LINES + 1),
+        "tessera/parallel/ok.py": '"""Checks every 50 ms; training = 3 x forward."""\n' + "x = 1\n" * (MAX_LINES - 1),
+        "tessera/model/slow.py": '"""Attention.\n\nThis costs ~1-2 ms per call.\nWe measured 5-60x slower bf16.\n"""\n',
+    })
+    assert long_files(tmp_path) == [f"tessera/parallel/big.py: {MAX_LINES + 1} lines (limit {MAX_LINES})"]
+    assert narrated_measurements(tmp_path) == ["tessera/model/slow.py:3: This costs ~1-2 ms per call.",
+                                               "tessera/model/slow.py:4: We measured 5-60x slower bf16."]
