@@ -9,16 +9,15 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import os
 import sys
-import time
 import traceback
 
 import torch
 import torch.distributed as dist
 
-from tessera.checkpoint.core import CheckpointError, Layout, find_resumable_checkpoint, load_checkpoint, save_checkpoint
+from tessera.checkpoint import (CheckpointError, Layout, find_resumable_checkpoint, list_checkpoints, load_checkpoint,
+                                save_checkpoint)
 from tessera.config import Config, ConfigError
 from tessera.dist import ParallelMode, gpc, launch_from_slurm, launch_from_torch
 from tessera.train.lr_scheduler import WarmupCosineLR
@@ -207,8 +206,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def _has_checkpoint(cfg: Config) -> bool:
     """A run that already saved checkpoints resumes from them instead of re-loading load_ckpt_folder."""
-    from tessera.checkpoint.core import list_checkpoints
-
     return bool(cfg.ckpt.auto_resume and cfg.ckpt.save_ckpt_folder and list_checkpoints(cfg.ckpt.save_ckpt_folder))
 
 

@@ -12,6 +12,7 @@ import os
 import pickle
 import queue
 import socket
+import subprocess
 import tempfile
 import time
 import traceback

@@ -1,7 +1,7 @@
 """HF export/import, offline layout conversion, consolidation and KV-cache generation (CPU).
 
 References are independent of the code under test: transformers' own ``LlamaForCausalLM``, the
-training-time loader ``tessera.checkpoint.core.load_checkpoint`` (its own TP resharding), the model's
+training-time loader ``tessera.checkpoint.load_checkpoint`` (its own TP resharding), the model's
 full-recompute forward and sampler, and the losses the original training run logged.
 """
 
@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from tessera.checkpoint.core import Layout, load_checkpoint, read_meta
+from tessera.checkpoint import Layout, load_checkpoint, read_meta
 from tessera.data.tokenizer import ByteTokenizer
 from tessera.model import build_model
 from tessera.testing import run_torchrun
@@ -139,7 +139,7 @@ def _random_hf_llama(folder: str, *, tied: bool, bias: bool, vocab: int = 259, s
     """A small random HF Llama (GQA, non-trivial norms, odd vocabulary) saved as safetensors + byte tokenizer;
     ``shards``: several files with a ``model.safetensors.index.json``, as large models are published."""
     transformers = pytest.importorskip("transformers")
-    from tessera.checkpoint.tokenizers import byte_tokenizer_json
+    from tessera.checkpoint import byte_tokenizer_json
 
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
@@ -201,8 +201,7 @@ def test_import_matches_hf_and_export_round_trips_bitwise(tmp_path, tied, bias):
 
 
 def test_import_rejects_what_tessera_cannot_represent(tmp_path):
-    from tessera.checkpoint.hf import import_hf
-    from tessera.checkpoint.core import CheckpointError
+    from tessera.checkpoint import CheckpointError, import_hf
 
     src = str(tmp_path / "hf")
     _random_hf_llama(src, tied=False, bias=False)
@@ -299,7 +298,7 @@ def test_convert_keeps_rng_only_for_the_same_layout_and_consolidates(run, tmp_pa
 
 # ---------------------------------------------------------------------------------------- generation
 def test_kv_cache_decoding_matches_full_recompute(run):
-    from tessera.checkpoint.inference import load_for_inference
+    from tessera.checkpoint import load_for_inference
     from tessera.model.generation import generate_ids
     from tessera.model.kv_cache import KVCache, forward_with_cache, generate_ids_cached
 

@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from tessera.checkpoint.core import Layout, _all_agree, find_resumable_checkpoint
+from tessera.checkpoint import Layout, find_resumable_checkpoint
+from tessera.checkpoint.training import _all_agree
 from tessera.train.naive_amp import NaiveAMPModel
 from tessera.train.optimizer import build_optimizer
 from tessera.train.step import Trainer

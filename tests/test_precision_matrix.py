@@ -104,7 +104,7 @@ class _Job:
     def __init__(self, rank: int, world: int, tp: int) -> None:
         import torch.distributed as dist
 
-        from tessera.checkpoint.core import Layout
+        from tessera.checkpoint import Layout
 
         singles = [dist.new_group([r]) for r in range(world)]  # every rank creates every group
         whole = dist.new_group(list(range(world)))
@@ -217,7 +217,7 @@ def _observe_generation(inner, job: _Job) -> dict:
 
 def _run_cell(job: _Job, dtype: str, marks: str, tied: bool, folder: str) -> dict:
     """Train one cell, checkpoint and resume it, generate from it; return what was observed."""
-    from tessera.checkpoint.core import load_checkpoint, save_checkpoint
+    from tessera.checkpoint import load_checkpoint, save_checkpoint
     from tessera.config import ConfigError
     from tessera.train.naive_amp import unwrap_model
     from tessera.config.precision import apply_precision

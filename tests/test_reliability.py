@@ -27,9 +27,9 @@ import pytest
 import torch
 from torch import nn
 
-from tessera.checkpoint import core as checkpoint as ckpt_mod
-from tessera.checkpoint.core import (CheckpointError, Layout, find_resumable_checkpoint, list_checkpoints,
-                                     load_checkpoint, save_checkpoint)
+from tessera.checkpoint import (CheckpointError, Layout, find_resumable_checkpoint, list_checkpoints,
+                                load_checkpoint, save_checkpoint)
+from tessera.checkpoint import tree as ckpt_tree  # its ``save_file`` is what the crash test wraps
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "tiny.py")
@@ -253,7 +253,7 @@ class _Crash:
             os._exit(17)
 
     def install(self):
-        real_replace, real_makedirs, real_open, real_save = os.replace, os.makedirs, builtins.open, ckpt_mod.save_file
+        real_replace, real_makedirs, real_open, real_save = os.replace, os.makedirs, builtins.open, ckpt_tree.save_file
 
         def replace(src, dst):
             self.tick(f"replace {src} -> {dst}")
@@ -288,7 +288,7 @@ class _Crash:
                 self.tick(f"rmdir {dirpath}")
                 os.rmdir(dirpath)
 
-        os.replace, os.makedirs, builtins.open, ckpt_mod.save_file = replace, makedirs, open_, save_file
+        os.replace, os.makedirs, builtins.open, ckpt_tree.save_file = replace, makedirs, open_, save_file
         shutil.rmtree = rmtree
 
 

@@ -144,7 +144,7 @@ def test_convert_tp_without_dst_is_a_usage_error(capsys):
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory) -> str:
     """configs/tiny.py's model (4 heads, vocab 256) saved untrained at TP=1 by the training-time saver."""
-    from tessera.checkpoint.core import Layout, save_checkpoint
+    from tessera.checkpoint import Layout, save_checkpoint
     from tessera.config import Config
     from tessera.model import build_model
 

@@ -23,7 +23,7 @@ import argparse
 import sys
 
 from tessera.cli_args import positive_int
-from tessera.checkpoint import CheckpointError, consolidate, convert_checkpoint, resolve_step_folder
+from tessera.checkpoint import CheckpointError, consolidate, convert_checkpoint, read_meta, resolve_step_folder
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,8 +44,6 @@ def main(argv: list[str] | None = None) -> int:
         if a.consolidate:
             print(f"wrote {consolidate(a.src, a.consolidate, verify=not a.no_verify)}")
         if a.dst is not None:
-            from tessera.checkpoint.core import read_meta
-
             old = read_meta(resolve_step_folder(a.src))["layout"]
             tp = int(old["tp_size"]) if a.tp is None else a.tp
             dp = int(old["dp_size"]) if a.dp is None else a.dp

@@ -20,6 +20,7 @@ Everything streams: one full tensor at a time in memory, written straight into a
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -27,17 +28,13 @@ from typing import Any, Mapping
 
 import torch
 
-from tessera.checkpoint.core import CheckpointError
-from tessera.checkpoint.source import (
-    CheckpointSource,
-    commit_folder,
-    new_meta,
-    output_step_folder,
-    param_layout,
-    shard_files,
-    write_meta,
-)
+from tessera.checkpoint.errors import CheckpointError
+from tessera.checkpoint.folders import new_step_folder, output_step_folder
+from tessera.checkpoint.meta import new_meta, shard_files, write_meta
+from tessera.checkpoint.reshard import param_layout, reshard
 from tessera.checkpoint.safetensors_io import SafetensorsWriter
+from tessera.checkpoint.source import CheckpointSource
+from tessera.config import Config
 
 __all__ = ["convert_checkpoint", "consolidate", "load_consolidated_state"]
 
@@ -55,8 +52,6 @@ def _zero1_for(config: Mapping[str, Any], dp: int) -> tuple[int, int]:
 
 
 def _new_config(config: Mapping[str, Any], tp: int, zero1: int) -> dict[str, Any]:
-    from tessera.config import Config
-
     new = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in config.items()}
     par = dict(new.get("parallel") or {})
     par["tensor"] = {**dict(par.get("tensor") or {}), "size": tp}
@@ -97,17 +92,11 @@ def _reshard_file_set(src: CheckpointSource, kind: str, tp: int, out: str) -> di
     entries = [(k, dt, s) for k, _, s, dt in plan]
     writers = [SafetensorsWriter(os.path.join(out, n), entries, metadata) for n in new_files]
     try:
-        for key, dim, shape, _ in plan:
-            if dim is None:
-                t = src.tensor(old_files[0], key)
-                for w in writers:
-                    w.write(key, t)
-                continue
-            parts = [src.tensor(f, key) for f in old_files]
-            full = torch.cat(parts, dim=dim) if len(parts) > 1 else parts[0]
-            for w, piece in zip(writers, full.chunk(tp, dim=dim)):
+        for key, dim, _, _ in plan:
+            parts = [src.tensor(f, key) for f in (old_files if dim is not None else old_files[:1])]
+            for w, piece in zip(writers, reshard(parts, dim, tp, name=key)):
                 w.write(key, piece)
-            del parts, full
+            del parts
         return {n: w.close() for n, w in zip(new_files, writers)}
     except BaseException:
         for w in writers:
@@ -133,7 +122,7 @@ def convert_checkpoint(src_path: str, dst: str, *, tp: int, dp: int | None = Non
         if os.path.abspath(final) == os.path.abspath(src.path):
             raise CheckpointError(f"refusing to convert {src.path} onto itself; choose another destination")
         same_layout = tp == src.tp_size and dp == src.dp_size
-        with commit_folder(final, overwrite=overwrite) as out:
+        with new_step_folder(final, overwrite=overwrite) as out:
             files = _reshard_file_set(src, "model", tp, out)
             if src.has_optimizer:
                 files.update(_reshard_file_set(src, "optim", tp, out))
@@ -166,8 +155,6 @@ def consolidate(src_path: str, out_file: str, *, verify: bool = True) -> str:
     The file's metadata holds the model config (``tessera_model_config``) so it is self-describing; a
     tied output head is stored once, as ``embedding.weight``.
     """
-    import json
-
     with CheckpointSource(src_path, verify=verify) as src:
         names = src.param_names
         entries = [(n, torch.float32, src.full_shape(n)) for n in names]

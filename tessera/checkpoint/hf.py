@@ -30,17 +30,18 @@ from typing import Any, Mapping
 
 import torch
 
-from tessera.checkpoint.core import CheckpointError
-from tessera.checkpoint.source import (
-    CheckpointSource,
-    commit_folder,
-    file_entry,
-    new_meta,
-    output_step_folder,
-    param_layout,
-    write_meta,
-)
+from tessera.checkpoint.errors import CheckpointError
+from tessera.checkpoint.folders import new_step_folder, output_step_folder
+from tessera.checkpoint.meta import file_entry, new_meta, shard_files, write_meta
+from tessera.checkpoint.reshard import param_layout, reshard
 from tessera.checkpoint.safetensors_io import SafetensorsReader, SafetensorsWriter, read_header
+from tessera.checkpoint.source import CheckpointSource
+from tessera.checkpoint.tokenizers import tokenizer_for_checkpoint, write_hf_tokenizer_files
+from tessera.checkpoint.tree import flat_state_metadata
+from tessera.config import Config
+from tessera.config.precision import parse_dtype
+from tessera.data.errors import DataError
+from tessera.data.tokenizer import HFTokenizer
 from tessera.model.mlp import ffn_hidden_size
 
 __all__ = ["to_hf_name", "from_hf_name", "hf_config_from_model_cfg", "model_cfg_from_hf_config", "export_hf",
@@ -76,8 +77,6 @@ def parse_dtype_name(name: str) -> torch.dtype:
 
 def run_dtype(model_cfg: Mapping[str, Any]) -> torch.dtype:
     """The storage dtype a run trained in (tf32 is fp32 storage)."""
-    from tessera.config.precision import parse_dtype
-
     return parse_dtype(model_cfg.get("dtype", "torch.float32"))[0]
 
 
@@ -219,8 +218,6 @@ def export_hf(ckpt: str, out_dir: str, *, dtype: str | torch.dtype | None = None
     HF size recorded by the import, else the model's). ``tokenizer``: ``"byte"``, a tokenizer.json,
     ``"none"`` (write no tokenizer files), or None for the run's own. Returns a summary dict.
     """
-    from tessera.checkpoint.tokenizers import tokenizer_for_checkpoint, write_hf_tokenizer_files
-
     os.makedirs(out_dir, exist_ok=True)
     for name in ("config.json", "model.safetensors"):
         if os.path.exists(os.path.join(out_dir, name)) and not overwrite:
@@ -320,8 +317,6 @@ def import_hf(hf_dir: str, dst: str, *, tp: int, dtype: str | torch.dtype | None
     ``dst``: a ``step_<N>`` folder, or a folder that gets ``step_<step>``. ``dtype``: storage dtype of the
     shards (default: each HF tensor's own). Returns the step folder, ready for ``ckpt.load_ckpt_folder``.
     """
-    from tessera.config import Config
-
     cfg_path = os.path.join(hf_dir, "config.json")
     if not os.path.isfile(cfg_path):
         raise CheckpointError(f"{cfg_path} is missing: not a Hugging Face model folder")
@@ -376,14 +371,12 @@ def import_hf(hf_dir: str, dst: str, *, tp: int, dtype: str | torch.dtype | None
                                   f"{tuple(expect)}")
         plan.append((name, hf_name, weight_files[hf_name], out_dtype or info["dtype"]))
 
-    skeleton = json.dumps({"d": [[k, {"t": "/" + k}] for k in layout.state_keys]})
-    aliases = json.dumps({"/" + k: "/" + v for k, v in layout.aliases.items()})
+    metadata = flat_state_metadata(layout.state_keys, layout.aliases)
     final = output_step_folder(dst, step)
-    with commit_folder(final, overwrite=overwrite) as out:
+    with new_step_folder(final, overwrite=overwrite) as out:
         files: dict[str, Any] = {}
-        writers = [SafetensorsWriter(os.path.join(out, f"model_tp{r}.safetensors"),
-                                     [("/" + n, dt, layout.shapes[n]) for n, _, _, dt in plan],
-                                     {"skeleton": skeleton, "aliases": aliases}) for r in range(tp)]
+        writers = [SafetensorsWriter(os.path.join(out, name), [("/" + n, dt, layout.shapes[n]) for n, _, _, dt in plan],
+                                     metadata) for name in shard_files("model", tp)]
         handles: dict[str, SafetensorsReader] = {}
         try:
             for name, hf_name, path, dt in plan:
@@ -393,12 +386,10 @@ def import_hf(hf_dir: str, dst: str, *, tp: int, dtype: str | torch.dtype | None
                 if name in _VOCAB_ROWS and t.shape[0] != layout.shapes[name][0] * tp:
                     pad = t.new_zeros(layout.shapes[name][0] * tp - t.shape[0], *t.shape[1:])
                     t = torch.cat([t, pad])
-                dim = layout.dims[name]
-                pieces = t.chunk(tp, dim=dim) if dim is not None else [t] * tp
-                for w, piece in zip(writers, pieces):
+                for w, piece in zip(writers, reshard([t], layout.dims[name], tp, name=name)):
                     w.write("/" + name, piece)
-            for r, w in enumerate(writers):
-                files[f"model_tp{r}.safetensors"] = w.close()
+            for name, w in zip(shard_files("model", tp), writers):
+                files[name] = w.close()
         except BaseException:
             for w in writers:
                 w.abort()
@@ -424,9 +415,6 @@ def import_hf(hf_dir: str, dst: str, *, tp: int, dtype: str | torch.dtype | None
 
 def _tokenizer_record(path: str, hf: Mapping[str, Any]) -> dict[str, Any] | None:
     """meta.json's tokenizer description (as token folders write it) for an imported tokenizer.json."""
-    from tessera.data.errors import DataError
-    from tessera.data.tokenizer import HFTokenizer
-
     try:
         tok = HFTokenizer(path, eod_token=_eod_token_name(path, hf))
     except DataError:

@@ -6,8 +6,9 @@ from typing import Any
 
 import torch
 
-from tessera.checkpoint.source import CheckpointSource
 from tessera.checkpoint.convert import load_consolidated_state
+from tessera.checkpoint.source import CheckpointSource
+from tessera.model import build_model
 
 __all__ = ["load_for_inference"]
 
@@ -19,8 +20,6 @@ def load_for_inference(path: str, *, dtype: torch.dtype = torch.float32, device:
     The model is built on the meta device (no random init: a 7B model would spend minutes drawing
     weights it then overwrites) and takes the full tensors, fp32 masters preferred, cast to ``dtype``.
     """
-    from tessera.model import build_model
-
     with CheckpointSource(path, verify=verify) as src:
         cfg = dict(src.model_cfg)
         state = load_consolidated_state(src, dtype)

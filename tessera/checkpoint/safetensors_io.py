@@ -20,6 +20,8 @@ from typing import Any, Iterable
 
 import torch
 
+from tessera.files import publish_file
+
 __all__ = ["DTYPE_NAMES", "SafetensorsReader", "SafetensorsWriter", "read_header", "tensor_bytes"]
 
 # safetensors dtype names <-> torch dtypes (what tessera and HF checkpoints use)
@@ -174,10 +176,8 @@ class SafetensorsWriter:
             missing = [n for n, _, _ in self._order[self._next:]]
             self.abort()
             raise ValueError(f"{self.path}: closed before writing {missing[:5]}")
-        self._file.flush()
-        os.fsync(self._file.fileno())
         self._file.close()
-        os.replace(self._tmp, self.path)
+        publish_file(self._tmp, self.path)
         return {"size": os.path.getsize(self.path), "sha256": self._hash.hexdigest()}
 
     def abort(self) -> None:

@@ -18,7 +18,9 @@ import os
 from typing import Any
 
 from tessera.data.errors import DataError
-from tessera.data.tokenizer import ByteTokenizer, HFTokenizer, build_tokenizer, load_tokenizer
+from tessera.data.token_file import find_shards
+from tessera.data.tokenizer import (ByteTokenizer, HFTokenizer, _gpt2_unicode_to_byte, build_tokenizer,
+                                    load_tokenizer)
 
 __all__ = ["tokenizer_for_checkpoint", "byte_tokenizer_json", "write_hf_tokenizer_files", "BYTE_EOD_TOKEN"]
 
@@ -42,8 +44,6 @@ def tokenizer_for_checkpoint(path: str, meta: dict[str, Any], override: str | No
     if kind == "tokens":
         folder = data.get("train_folder")
         try:
-            from tessera.data.token_file import find_shards
-
             shard = find_shards(folder)[0]
             with open(os.path.join(shard, "meta.json"), encoding="utf-8") as f:
                 return load_tokenizer(json.load(f), shard), f"data.train_folder={folder}"
@@ -59,8 +59,6 @@ def byte_tokenizer_json(eod_token: str = BYTE_EOD_TOKEN) -> str:
         from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     except ImportError:
         raise DataError("writing a tokenizer.json needs the 'tokenizers' package: pip install tessera[hf]") from None
-    from tessera.data.tokenizer import _gpt2_unicode_to_byte
-
     vocab = {char: byte for char, byte in _gpt2_unicode_to_byte().items()}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     # no regex split and no prefix space: the text's bytes map one to one onto tokens

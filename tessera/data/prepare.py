@@ -19,6 +19,7 @@ from typing import Any, Iterable, Iterator, Sequence
 from tessera.data.errors import DataError
 from tessera.data.token_file import META_FILE, TokenFileWriter
 from tessera.data.tokenizer import ByteTokenizer, HFTokenizer
+from tessera.files import commit_folder
 
 DEFAULT_PATTERNS = ("*.txt", "*.md", "*.jsonl")
 
@@ -175,16 +176,10 @@ def _write_splits(documents: Iterable[Document], folder: str, tokenizer: ByteTok
 
 
 def _publish(tmp: str, output: str, exist_ok: bool, overwrite: bool) -> None:
-    """Rename the finished temporary folder into place."""
-    old = None
-    if os.path.exists(output) and overwrite:
-        old = f"{output}.old-{uuid.uuid4().hex[:8]}"
-        os.rename(output, old)
+    """Commit the finished temporary folder as ``output`` (an old one is replaced only with ``overwrite``)."""
     try:
-        os.rename(tmp, output)
+        commit_folder(tmp, output, replace=overwrite)
     except OSError:
         if exist_ok and os.path.isfile(os.path.join(output, "train", META_FILE)):
             return  # a concurrent preparer finished first; theirs is equivalent
         raise DataError(f"cannot move prepared data into {output}: it exists and is not a complete token folder")
-    if old:
-        shutil.rmtree(old, ignore_errors=True)

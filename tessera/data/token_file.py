@@ -26,8 +26,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from tessera import __version__
 from tessera.data.errors import DataError
 from tessera.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from tessera.files import atomic_write_text, sha256_file
 
 FORMAT = "tessera-tokens"
 FORMAT_VERSION = 1
@@ -41,12 +43,6 @@ _CHUNK = 1 << 24  # tokens per chunk when scanning a file (64 MiB of uint32)
 def dtype_for_vocab(vocab_size: int) -> np.dtype:
     """The smallest unsigned dtype that holds every id of a vocabulary."""
     return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
-
-
-def _sha256(path: str) -> str:
-    from tessera.checkpoint.core import sha256_file
-
-    return sha256_file(path)
 
 
 class TokenFileWriter:
@@ -110,12 +106,10 @@ class TokenFileWriter:
         if isinstance(self.tokenizer, HFTokenizer):
             shutil.copyfile(self.tokenizer.path, os.path.join(self.folder, "tokenizer.json"))
             tok_desc.update(file="tokenizer.json", source_path=os.path.abspath(self.tokenizer.path),
-                            sha256=_sha256(self.tokenizer.path))
+                            sha256=sha256_file(self.tokenizer.path))
         if self._sources is not None:
             with open(os.path.join(self.folder, SOURCES_FILE), "w", encoding="utf-8") as f:
                 json.dump(self._sources, f, indent=0)
-        from tessera import __version__
-
         num_tokens = self._offsets[-1]
         meta = {
             "format": FORMAT,
@@ -131,17 +125,13 @@ class TokenFileWriter:
             "max_token_id": self._max_id,
             "files": {
                 TOKENS_FILE: {"size": num_tokens * self.dtype.itemsize, "sha256": self._hash.hexdigest()},
-                INDEX_FILE: {"size": (self.num_documents + 1) * 8, "sha256": _sha256(index_path)},
+                INDEX_FILE: {"size": (self.num_documents + 1) * 8, "sha256": sha256_file(index_path)},
             },
             "created_by": f"tessera {__version__} ({self.created_by})",
             "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         }
         meta.update(extra or {})
-        tmp = os.path.join(self.folder, META_FILE + ".tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(meta, f, indent=2)
-            f.write("\n")
-        os.replace(tmp, os.path.join(self.folder, META_FILE))
+        atomic_write_text(os.path.join(self.folder, META_FILE), json.dumps(meta, indent=2) + "\n")
         return meta
 
 
@@ -210,7 +200,7 @@ class TokenShard:
         """Full sha256 check against meta.json (slow on big files: not done at open)."""
         for name, path in ((TOKENS_FILE, self.tokens_path), (INDEX_FILE, self.index_path)):
             want = self.meta["files"][name].get("sha256")
-            if want and _sha256(path) != want:
+            if want and sha256_file(path) != want:
                 raise DataError(f"{path}: sha256 does not match meta.json")
 
     def document(self, i: int) -> np.ndarray:

@@ -28,7 +28,6 @@ from typing import Any, Callable, ContextManager, Protocol
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from tessera.parallel import lowp
 

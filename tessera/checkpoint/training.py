@@ -1,0 +1,223 @@
+"""Checkpoints during training: every rank saves its part, loads its part (resharded when the TP size
+changed), and all ranks agree on which checkpoint to resume from.
+
+Every file is written through ``write_tree`` into ``.step_<N>.partial``; rank 0 writes meta.json last
+and publishes the folder with the atomic folder commit. Auto-resume tries complete checkpoints newest
+first, verifying each file's size and hash before trusting it; the ranks agree after every attempt
+(on the device of the group's backend: NCCL refuses CPU tensors), so one damaged file on one rank
+makes all ranks fall back together.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from dataclasses import asdict
+from typing import Any, Callable, Mapping
+
+import torch
+import torch.distributed as dist
+
+from tessera.checkpoint.errors import CheckpointError
+from tessera.checkpoint.folders import PARTIAL, clean_partial_checkpoints, list_checkpoints, step_folder
+from tessera.checkpoint.meta import (Layout, new_meta, read_meta, rng_name, shard_files, shard_name, verify_files,
+                                     write_meta)
+from tessera.checkpoint.reshard import model_param_dims, reshard_tree
+from tessera.checkpoint.tree import read_tree, write_tree
+from tessera.files import commit_folder, discard_folder, hidden_sibling
+from tessera.parallel.comm import reduce_scalars
+
+__all__ = ["save_checkpoint", "load_checkpoint", "find_resumable_checkpoint"]
+
+logger = logging.getLogger("tessera")
+
+
+# ---------------------------------------------------------------------------------------- collectives
+def _dist() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _barrier() -> None:
+    if _dist():
+        dist.barrier()
+
+
+def _gather_to_rank0(obj: Any, layout: Layout) -> list[Any] | None:
+    if not _dist() or layout.world_size == 1:
+        return [obj]
+    out = [None] * layout.world_size if layout.global_rank == 0 else None
+    dist.gather_object(obj, out, dst=0)
+    return out
+
+
+def _all_agree(ok: bool) -> bool:
+    """True only when ``ok`` holds on every rank (so all ranks take the same branch)."""
+    if not _dist():
+        return ok
+    # on the device the default group's backend serves: NCCL refuses a CPU flag
+    return bool(reduce_scalars([1 if ok else 0], None, op=dist.ReduceOp.MIN, dtype=torch.int32)[0])
+
+
+def _gather_errors(error: str | None, layout: Layout) -> list[str]:
+    """Every rank's error message (rank-tagged), so rank 0 can report what another rank found."""
+    if not _dist() or layout.world_size == 1:
+        return [error] if error else []
+    errors: list[Any] = [None] * layout.world_size
+    dist.all_gather_object(errors, error)
+    return [f"rank {r}: {e}" for r, e in enumerate(errors) if e]
+
+
+# ---------------------------------------------------------------------------------------- save
+def save_checkpoint(
+    folder: str,
+    step: int,
+    *,
+    model: torch.nn.Module,
+    optimizer: Any | None,
+    trainer_state: Mapping[str, Any],
+    config: Mapping[str, Any] | None,
+    rng_states: Mapping[str, Any] | None,
+    layout: Layout,
+    keep_last: int = 0,
+    before_commit: Callable[[str], None] | None = None,
+) -> str:
+    """Save step ``step`` atomically; every rank must call this. Returns the final folder.
+
+    ``model`` is the unwrapped module (parameter names without wrapper prefixes); ``optimizer`` has
+    ``state_dict()`` (a collective under ZeRO: every rank calls it). ``before_commit`` is a test hook
+    run on rank 0 just before the rename that publishes the checkpoint.
+    """
+    final = step_folder(folder, step)
+    partial = hidden_sibling(final, PARTIAL)
+    if layout.global_rank == 0:
+        os.makedirs(folder, exist_ok=True)
+        shutil.rmtree(partial, ignore_errors=True)
+        os.makedirs(partial)
+    _barrier()
+
+    files: dict[str, Any] = {}
+    writes_shards = layout.dp_rank == 0
+    if writes_shards:
+        name = shard_name("model", layout.tp_rank)
+        files[name] = write_tree(os.path.join(partial, name), dict(model.state_dict()))
+    optim_state = optimizer.state_dict() if optimizer is not None else None  # collective under ZeRO
+    if writes_shards and optim_state is not None:
+        name = shard_name("optim", layout.tp_rank)
+        files[name] = write_tree(os.path.join(partial, name), optim_state)
+    if rng_states is not None:
+        name = rng_name(layout.global_rank)
+        files[name] = write_tree(os.path.join(partial, name), rng_states)
+
+    gathered = _gather_to_rank0(files, layout)
+    if layout.global_rank == 0:
+        all_files: dict[str, Any] = {}
+        for part in gathered:
+            all_files.update(part)
+        write_meta(partial, new_meta(step=step, layout=asdict(layout), has_optimizer=optimizer is not None,
+                                     trainer_state=trainer_state, config=config, files=all_files))
+        if before_commit is not None:
+            before_commit(partial)
+        commit_folder(partial, final)
+        if keep_last > 0:
+            for old in list_checkpoints(folder)[:-keep_last]:
+                discard_folder(old)
+    _barrier()
+    return final
+
+
+# ---------------------------------------------------------------------------------------- load
+def _load_state(path: str, kind: str, old_tp: int, layout: Layout, params: Mapping[str, Any]) -> Any:
+    """Read ``kind`` (model/optim) for this TP rank, resharded if the TP size changed."""
+    if old_tp == layout.tp_size:
+        return read_tree(os.path.join(path, shard_name(kind, layout.tp_rank)))
+    trees = [read_tree(os.path.join(path, name)) for name in shard_files(kind, old_tp)]
+    return reshard_tree(trees, params, layout.tp_rank, layout.tp_size)
+
+
+def load_checkpoint(
+    path: str,
+    *,
+    model: torch.nn.Module,
+    optimizer: Any | None,
+    layout: Layout,
+    load_optimizer: bool = True,
+    verify: bool = True,
+) -> dict[str, Any]:
+    """Load ``path`` into ``model`` (and ``optimizer``); returns meta.json (with ``trainer_state``).
+
+    Every rank must call this. A damaged or missing file raises ``CheckpointError`` naming it.
+    RNG states are returned under ``meta["rng_states"]`` when the layout is unchanged (else None).
+    """
+    meta = read_meta(path)
+    old = meta["layout"]
+    old_tp = int(old["tp_size"])
+    if layout.tp_size != old_tp:
+        logger.info("resharding %s from TP=%d to TP=%d", path, old_tp, layout.tp_size)
+    need = shard_files("model", old_tp) if old_tp != layout.tp_size else [shard_name("model", layout.tp_rank)]
+    want_optim = load_optimizer and optimizer is not None and meta.get("has_optimizer")
+    if want_optim:
+        need += [n.replace("model_", "optim_") for n in need]
+    same_layout = old_tp == layout.tp_size and int(old["dp_size"]) == layout.dp_size
+    rng_file = rng_name(layout.global_rank)
+    if same_layout and rng_file in meta["files"]:
+        need.append(rng_file)
+    if verify:
+        verify_files(path, need, meta)
+
+    params = model_param_dims(model)
+    _load_model_state(model, _load_state(path, "model", old_tp, layout, params), path)
+    if want_optim:
+        optimizer.load_state_dict(_load_state(path, "optim", old_tp, layout, params))
+    meta["rng_states"] = read_tree(os.path.join(path, rng_file)) if rng_file in need else None
+    return meta
+
+
+def _load_model_state(model: torch.nn.Module, state: Mapping[str, torch.Tensor], path: str) -> None:
+    own = model.state_dict()
+    missing = [k for k in own if k not in state]
+    unexpected = [k for k in state if k not in own]
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{path}: model does not match the checkpoint; missing {missing[:5]}, unexpected {unexpected[:5]} "
+            "(was it saved from a different model config?)")
+    for k, t in own.items():
+        if tuple(state[k].shape) != tuple(t.shape):
+            raise CheckpointError(f"{path}: {k} has shape {tuple(state[k].shape)} in the checkpoint, "
+                                  f"the model expects {tuple(t.shape)}")
+    with torch.no_grad():
+        for k, t in own.items():
+            t.copy_(state[k])
+
+
+# ---------------------------------------------------------------------------------------- resume
+def find_resumable_checkpoint(folder: str, layout: Layout, *, load: Callable[[str], Any]) -> tuple[str | None, Any]:
+    """Try complete checkpoints newest first; all ranks agree on each; a damaged one is skipped.
+
+    ``load(path)`` performs the actual load and raises ``CheckpointError`` when a file is damaged. The
+    ranks agree after every attempt, so a file damaged on one rank's side makes all ranks fall back,
+    and every rank logs which file on which rank was damaged. Interrupted saves are tidied up (rank 0,
+    with a warning) first. Returns ``(None, None)`` when the folder holds no checkpoint; raises
+    ``CheckpointError`` when it holds some but none is usable (rather than silently starting over).
+    """
+    if layout.global_rank == 0:
+        clean_partial_checkpoints(folder)
+    _barrier()
+    candidates = list_checkpoints(folder)
+    failures = []
+    for path in reversed(candidates):
+        error = None
+        result = None
+        try:
+            result = load(path)
+        except CheckpointError as e:
+            error = str(e)
+        if _all_agree(error is None):
+            return path, result
+        why = "; ".join(_gather_errors(error, layout))
+        logger.warning("checkpoint %s is unusable (%s); falling back to the previous one", path, why)
+        failures.append(f"{path}: {why}")
+    if failures:
+        raise CheckpointError(f"no usable checkpoint in {folder}; tried, newest first: " + " | ".join(failures)
+                              + ". Move them away (or set ckpt.auto_resume=False) to start from scratch.")
+    return None, None

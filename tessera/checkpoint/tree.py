@@ -1,0 +1,88 @@
+"""Nested state (dicts, lists, tensors, primitives) <-> one safetensors file, never unpickled.
+
+The tensors are stored under their path in the tree (``/master/norm.weight``); the non-tensor
+structure is a JSON "skeleton" in the file's metadata. Tensors sharing storage (tied weights) are
+stored once; the file's ``aliases`` metadata maps the other paths to the stored one. A parameter
+``name`` of a model state dict is therefore ``/name`` in a model shard, and ``/master/name`` and
+``/state/name/<key>`` in an optimizer shard.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from tessera.checkpoint.errors import CheckpointError
+from tessera.checkpoint.meta import file_entry
+from tessera.files import atomic_write
+
+__all__ = ["write_tree", "read_tree", "flat_state_metadata"]
+
+
+def _encode(obj: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
+    """Nested dict/list/tensor/primitive -> JSON skeleton; tensors collected under their path."""
+    if isinstance(obj, torch.Tensor):
+        tensors[path] = obj.detach().cpu().contiguous()
+        return {"t": path}
+    if isinstance(obj, Mapping):
+        return {"d": [[k, _encode(v, f"{path}/{k}", tensors)] for k, v in obj.items()]}
+    if isinstance(obj, (list, tuple)):
+        return {"l": [_encode(v, f"{path}/{i}", tensors) for i, v in enumerate(obj)], "tuple": isinstance(obj, tuple)}
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return {"v": obj}
+    if isinstance(obj, torch.dtype):
+        return {"dtype": str(obj)}
+    raise CheckpointError(f"cannot save a value of type {type(obj).__name__} at {path!r} in a checkpoint")
+
+
+def _decode(node: Any, get: Callable[[str], torch.Tensor]) -> Any:
+    if "t" in node:
+        return get(node["t"])
+    if "d" in node:
+        return {k: _decode(v, get) for k, v in node["d"]}
+    if "l" in node:
+        items = [_decode(v, get) for v in node["l"]]
+        return tuple(items) if node.get("tuple") else items
+    if "dtype" in node:
+        return getattr(torch, node["dtype"].split(".")[-1])
+    return node["v"]
+
+
+def write_tree(path: str, obj: Any) -> dict[str, Any]:
+    """Write ``obj`` to ``path`` atomically; returns its meta.json entry (size and sha256)."""
+    tensors: dict[str, torch.Tensor] = {}
+    skeleton = _encode(obj, "", tensors)
+    # safetensors refuses tensors that share memory (tied weights): store each storage once
+    seen: dict[tuple[int, int, tuple[int, ...]], str] = {}
+    aliases: dict[str, str] = {}
+    unique: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape)) if t.numel() else None
+        if key is not None and key in seen:
+            aliases[name] = seen[key]
+            continue
+        if key is not None:
+            seen[key] = name
+        unique[name] = t.clone() if any(t.untyped_storage().data_ptr() == u.untyped_storage().data_ptr()
+                                        for u in unique.values() if u.numel()) else t
+    metadata = {"skeleton": json.dumps(skeleton), "aliases": json.dumps(aliases)}
+    atomic_write(path, lambda tmp: save_file(unique, tmp, metadata=metadata))
+    return file_entry(path)
+
+
+def flat_state_metadata(keys: Sequence[str], aliases: Mapping[str, str]) -> dict[str, str]:
+    """The metadata ``write_tree`` gives a flat state dict ``{key: tensor}`` (tensors under ``/key``;
+    ``aliases``: key -> the key whose tensor it shares), for writers that stream the tensors themselves."""
+    return {"skeleton": json.dumps({"d": [[k, {"t": "/" + k}] for k in keys]}),
+            "aliases": json.dumps({"/" + k: "/" + v for k, v in aliases.items()})}
+
+
+def read_tree(path: str) -> Any:
+    with safe_open(path, framework="pt") as f:
+        meta = f.metadata() or {}
+        aliases = json.loads(meta.get("aliases", "{}"))
+        return _decode(json.loads(meta["skeleton"]), lambda name: f.get_tensor(aliases.get(name, name)))
