@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from typing import Any, Iterator, Mapping
+from typing import Any, Mapping
 
 import torch
 
@@ -145,7 +145,3 @@ class CheckpointSource:
         if dim is None:
             return self.tensor(files[0], key)
         return reshard([self.tensor(f, key) for f in files], dim, 1, name=name)[0]
-
-    def iter_full(self, *, prefer_master: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-        for name in self.param_names:
-            yield name, self.full(name, prefer_master=prefer_master)

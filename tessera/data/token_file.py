@@ -203,10 +203,6 @@ class TokenShard:
             if want and sha256_file(path) != want:
                 raise DataError(f"{path}: sha256 does not match meta.json")
 
-    def document(self, i: int) -> np.ndarray:
-        """Token ids of document ``i`` without its EOD."""
-        return np.asarray(self.tokens[int(self.offsets[i]):int(self.offsets[i + 1]) - 1])
-
     def read(self, start: int, stop: int) -> np.ndarray:
         """Tokens ``[start, stop)`` (clipped to the file) as int64."""
         return np.asarray(self.tokens[start:min(stop, self.num_tokens)], dtype=np.int64)

@@ -60,9 +60,3 @@ def generate_ids(model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: 
         ids.append(int(sample_next(logits.cpu(), generator, temperature, top_k, top_p)[0]))
     model.train(was_training)
     return ids
-
-
-def generate_text(model: torch.nn.Module, tokenizer: Any, prompt: str, max_new_tokens: int, **kwargs: Any) -> str:
-    """Decode a sample continuing ``prompt`` (tokens the tokenizer cannot produce are masked out)."""
-    ids = generate_ids(model, tokenizer.encode(prompt), max_new_tokens, vocab_size=tokenizer.vocab_size, **kwargs)
-    return tokenizer.decode(ids)

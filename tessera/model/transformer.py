@@ -20,6 +20,7 @@ of (seed, parameter name) only.
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any, Callable, ContextManager
 
@@ -36,6 +37,8 @@ from tessera.model.rotary import positions_from_cu_seqlens, rotary_cos_sin
 from tessera.parallel.comm import group_size
 from tessera.parallel.defaults import launch_defaults
 from tessera.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+
+logger = logging.getLogger("tessera")
 
 __all__ = ["DecoderLayer", "Transformer", "build_model", "check_tensor_parallel_sizes", "logits_are_vocab_sharded"]
 
@@ -199,8 +202,10 @@ def build_model(
     ``device="meta"`` to get TP shard shapes without any process group or allocation.
     """
     job = launch_defaults()
-    if tp_group is None:
+    if tp_group is None and job.tp_group is not None:
         tp_group = job.tp_group
+        logger.info("build_model: no tp_group given; using the launched job's tensor-parallel group (%d ranks)",
+                    group_size(tp_group))
     if seed is None:
         seed = job.seed if job.seed is not None else 1024
     if device is None:

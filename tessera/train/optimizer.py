@@ -52,6 +52,7 @@ __all__ = [
 ]
 
 _LOW = (torch.float16, torch.bfloat16)
+_SCALE_HISTORY = 1024  # loss scales of the last steps kept in ``scale_history``
 
 
 class TooManySkippedSteps(RuntimeError):
@@ -287,6 +288,7 @@ class HybridZeroOptimizer(torch.optim.Optimizer):
             raise NotImplementedError("HybridZeroOptimizer.step does not take a closure")
         scale = self.scaler.scale
         self.scale_history.append(scale)
+        del self.scale_history[:-_SCALE_HISTORY]  # the recent window only: it is read by tests and reports
         self.num_steps += 1
         self._grads_clean = False  # reduced / unscaled in place below; _after_step zeroes them
         for buf in self._grad_buffers.values():
