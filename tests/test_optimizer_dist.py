@@ -318,3 +318,59 @@ def test_overflow_on_one_rank_skips_everywhere_with_hysteresis(dp2):
         assert r["skipped"] == 2
     for a, b in zip(r0["params"], r1["params"]):
         assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------- DP traffic of one step (issue 19)
+def _ring_bytes(kind: str, nbytes: int, world: int) -> float:
+    """Bytes one rank sends for a ring collective over ``nbytes`` of data (the textbook closed form)."""
+    share = (world - 1) / world
+    return {"all_reduce": 2 * share, "reduce_scatter": share, "all_gather": share}[kind] * nbytes
+
+
+def _traffic_worker(rank, world, zero):
+    """Bytes each collective of one optimizer step moves, counted at the torch.distributed calls."""
+    whole = dist.group.WORLD
+    singles = [dist.new_group([r]) for r in range(world)]
+    model = _make("fp32")
+    opt = _make_opt(model, dp_group=whole, zero1_group=whole if zero == 2 else singles[rank], global_group=whole)
+    x, y = _batches(1)[0]
+    opt.backward((model(x.chunk(world)[rank]) - y.chunk(world)[rank]).pow(2).mean())
+    sent = {"all_reduce": 0.0, "reduce_scatter": 0.0, "all_gather": 0.0}
+    originals = {name: getattr(dist, name) for name in ("all_reduce", "reduce_scatter_single", "all_gather")}
+
+    def counting(name, kind, size_of):
+        def call(*args, **kwargs):
+            group = kwargs.get("group")
+            if dist.get_world_size(group) > 1:
+                sent[kind] += _ring_bytes(kind, size_of(*args), dist.get_world_size(group))
+            return originals[name](*args, **kwargs)
+        return call
+
+    dist.all_reduce = counting("all_reduce", "all_reduce", lambda t, *a: t.numel() * t.element_size())
+    dist.reduce_scatter_single = counting("reduce_scatter_single", "reduce_scatter",
+                                          lambda out, inp, *a: inp.numel() * inp.element_size())
+    dist.all_gather = counting("all_gather", "all_gather",
+                               lambda outs, t, *a: sum(o.numel() * o.element_size() for o in outs))
+    try:
+        assert opt.step()[0]
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+    grad_bytes = sum(buf.numel() * buf.element_size() for buf in opt._grad_buffers.values())
+    return sent, grad_bytes
+
+
+@pytest.mark.skipif(not hasattr(dist, "reduce_scatter_single"), reason="torch without reduce_scatter_single")
+def test_zero_over_the_dp_group_moves_what_one_ddp_all_reduce_moves():
+    """DP=2: with ZeRO over the DP group the gradients are reduce-scattered into the shards, so a step
+    sends (reduce-scatter + all-gather) bytes = one DDP all-reduce of the gradients, not 1.5x; without
+    ZeRO it is that all-reduce. Small agreement flags (overflow, norm) are a few bytes on top."""
+    (zero2, grad_bytes), _ = run_distributed(_traffic_worker, 2, 2)
+    (zero1, grad_bytes1), _ = run_distributed(_traffic_worker, 2, 1)
+    ddp = _ring_bytes("all_reduce", grad_bytes1, 2)
+    flags = 64  # the overflow flag and the norm: one scalar each, over 2 ranks
+    assert zero1["reduce_scatter"] == 0 and ddp <= zero1["all_reduce"] <= ddp + flags
+    dp_bytes = zero2["reduce_scatter"] + zero2["all_gather"]
+    # fp32 parameters: the all-gather moves as many bytes as the reduce-scatter (padded buffers)
+    assert dp_bytes == pytest.approx(_ring_bytes("all_reduce", grad_bytes, 2))
+    assert zero2["all_reduce"] <= flags

@@ -22,6 +22,11 @@ from tessera.parallel.comm import all_reduce as comm_all_reduce
 __all__ = ["GroupComm", "Bucket", "param_name_map"]
 
 
+def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Any) -> None:
+    # torch 2.13 renamed reduce_scatter_tensor (now deprecated) to reduce_scatter_single
+    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(output, input, group=group)
+
+
 @dataclass
 class GroupComm:
     """A process group with its size and this process's rank (size 1 = no communication)."""
@@ -46,6 +51,14 @@ class GroupComm:
         if self.size > 1:  # through tessera's comm so a fast node-local route (shared memory) applies
             comm_all_reduce(t, self.group, op or dist.ReduceOp.SUM)
         return t
+
+    def reduce_scatter_flat(self, flat: torch.Tensor) -> None:
+        """Sum ``flat`` over the group into this rank's 1/size chunk of it, in place (the other chunks
+        are left unreduced): a DDP all-reduce's traffic split in half, the other half being the
+        parameters' all-gather after the step."""
+        if self.size == 1:
+            return
+        _reduce_scatter(flat.chunk(self.size)[self.rank], flat, group=self.group)
 
     def all_gather_flat(self, flat: torch.Tensor) -> None:
         """Every rank holds its own 1/size slice of ``flat``; afterwards every rank holds all of it."""
@@ -94,6 +107,16 @@ class Bucket:
                 self.master = self.param_flat[self.lo : self.hi].detach()
             else:
                 self.master = self.param_flat[self.lo : self.hi].detach().float()
+
+    def shard_segments(self, counted: list[bool]) -> list[tuple[int, int]]:
+        """``[start, end)`` ranges of ``grad_flat`` inside this rank's shard that belong to a counted
+        parameter (the pieces of each parameter this rank updates; padding is never counted)."""
+        out = []
+        for off, n, keep in zip(self.offsets, self.numels, counted):
+            a, z = max(off, self.lo), min(off + n, self.hi)
+            if keep and a < z:
+                out.append((a, z))
+        return out
 
     @staticmethod
     def shard_size(numel: int, d: int) -> int:

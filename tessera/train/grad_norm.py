@@ -28,9 +28,10 @@ def param_norms(views: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack([torch.linalg.vector_norm(v, dtype=torch.float32) for v in views])
 
 
-def any_rank_non_finite(norms: torch.Tensor, world: GroupComm | None, tp: GroupComm, dp: GroupComm) -> bool:
-    """True on every rank when any rank has an inf/NaN norm (the flag stays on the norms' device)."""
-    flag = (~torch.isfinite(norms).all()).to(torch.float32).reshape(1)
+def any_rank_non_finite(values: torch.Tensor, world: GroupComm | None, tp: GroupComm, dp: GroupComm) -> bool:
+    """True on every rank when any rank has an inf/NaN in ``values`` (norms or maxima of the gradients;
+    the flag stays on their device)."""
+    flag = (~torch.isfinite(values).all()).to(torch.float32).reshape(1)
     if world is not None:
         world.all_reduce(flag, dist.ReduceOp.MAX)
     else:  # TP then DP reaches every rank of a tp x dp layout
@@ -39,11 +40,17 @@ def any_rank_non_finite(norms: torch.Tensor, world: GroupComm | None, tp: GroupC
     return to_host(flag)[0] > 0
 
 
-def global_norm(norms: torch.Tensor, count_mask: torch.Tensor, tp: GroupComm) -> float:
-    """sqrt of the TP-summed squares of the counted norms (still loss-scaled and DP-summed)."""
+def global_norm(norms: torch.Tensor, count_mask: torch.Tensor | None, *groups: GroupComm) -> float:
+    """sqrt of the squares of the counted norms summed over ``groups`` (still loss-scaled, DP-summed).
+
+    With whole main grads on every DP rank the sum runs over TP only; with reduce-scattered shards
+    each ZeRO rank holds a different part, so it runs over the ZeRO group as well.
+    """
     # a 0/1 weight rather than a boolean index: no data-dependent shape, so no device sync
-    sq = torch.stack([(norms.double().square() * count_mask).sum()])
-    tp.all_reduce(sq)
+    squares = norms.double().square()
+    sq = torch.stack([(squares * count_mask if count_mask is not None else squares).sum()])
+    for group in groups:
+        group.all_reduce(sq)
     return math.sqrt(to_host(sq)[0])
 
 

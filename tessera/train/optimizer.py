@@ -1,25 +1,21 @@
 """HybridZeroOptimizer: fp32 master weights, fp32 gradient accumulation, ZeRO-1, global clipping.
 
-Layout. The parameters of every inner param group are split by storage dtype (low precision vs fp32)
-into *buckets*. A bucket owns three flat buffers, each padded to a multiple of the ZERO1 size ``d``:
-
-- ``param_flat`` (model dtype): the parameters' ``.data`` are rebound to views of it, so the updated
-  shards can be all-gathered in place and the model keeps its Parameter objects;
-- ``grad_flat`` (fp32 by default): ``register_post_accumulate_grad_hook`` adds each micro-batch's
-  ``.grad`` into it and frees the ``.grad``, so accumulation and the DP all-reduce run in fp32;
-- ``master`` (fp32, ``1/d`` of the bucket): the slice this ZERO1 rank updates. For an fp32 bucket
-  the master *is* a view of ``param_flat`` (fp32 parameters are their own masters, no copy).
+Layout (``grad_buffer``): the parameters of every inner param group are split by storage dtype into
+buckets of flat buffers padded to a multiple of the ZERO1 size ``d``: the parameters' storage, the
+fp32 main grads (filled by post-accumulate-grad hooks, so accumulation and the DP reduction run in
+fp32) and the fp32 master slice this ZERO1 rank updates (fp32 parameters are their own masters).
 
 The inner torch optimizer is rebuilt on the master slices only, so it only ever sees fp32 tensors, and
 its states are ``1/d`` of the bucket. Persistent bytes per low-precision parameter:
 ``2 (bf16 weight) + 4 (fp32 main grad) + (4 master + 8 Adam) / d``.
 
 Per optimizer step (every rank of the job calls it; norms and clipping are in ``grad_norm``):
-1. all-reduce the main grads over DP (sum; the 1/dp average is folded into the unscale factor);
-2. per-parameter fp32 norms; inf/NaN anywhere -> every rank agrees (all-reduce over the global
-   group) and skips the update (params, masters and states untouched), the scaler backs off;
-3. global norm: squares summed over the TP group, each TP-replicated parameter counted once (on TP
-   rank 0 only; the tags come from ``tessera.parallel.attrs``);
+1. reduce the main grads over DP (sum; the 1/dp average is folded into the unscale factor): when ZeRO
+   spans the DP group, reduce-scatter each bucket straight into the owning rank's shard; else all-reduce;
+2. inf/NaN anywhere -> every rank agrees (one flag over the global group) and skips the update
+   (params, masters and states untouched), the scaler backs off;
+3. one global norm: each TP-replicated parameter counted on TP rank 0 only (tags from
+   ``tessera.parallel.attrs``), squares summed over TP (and over ZeRO when the grads are shards);
 4. unscale, clip to ``clip_grad_norm`` (every dtype, 0 disables), inner step on the master slices,
    copy masters into ``param_flat`` (rounded to the model dtype) and all-gather over ZERO1.
 """
@@ -180,6 +176,14 @@ class HybridZeroOptimizer(torch.optim.Optimizer):
             [is_tensor_parallel(p) or self._tp.rank == 0 for b in self._buckets for p in b.params],
             dtype=torch.float64, device=device,
         )
+        # ZeRO over the whole DP group: reduce-scatter the main grads straight into each rank's shard
+        # (a DDP all-reduce's traffic in all, with the all-gather); a ZeRO group smaller than DP, or
+        # none, keeps the all-reduce
+        self._reduce_scatter = 1 < self._zero1.size == self._dp.size
+        counted = {id(p): is_tensor_parallel(p) or self._tp.rank == 0 for p in params}
+        self._shards = [b.grad_flat[b.lo : b.hi] for b in self._buckets]
+        self._shard_views = [b.grad_flat[a:z] for b in self._buckets
+                             for a, z in b.shard_segments([counted[id(p)] for p in b.params])]
         self.skipped_steps = 0
         self.num_steps = 0
         self.consecutive_skips = 0
@@ -291,18 +295,27 @@ class HybridZeroOptimizer(torch.optim.Optimizer):
         del self.scale_history[:-_SCALE_HISTORY]  # the recent window only: it is read by tests and reports
         self.num_steps += 1
         self._grads_clean = False  # reduced / unscaled in place below; _after_step zeroes them
-        for buf in self._grad_buffers.values():
-            self._dp.all_reduce(buf)
-
-        all_norms = param_norms([v for b in self._buckets for v in b.grad_views])
-        found_inf = any_rank_non_finite(all_norms, self._global, self._tp, self._dp)
+        if self._reduce_scatter:
+            for b in self._buckets:
+                self._zero1.reduce_scatter_flat(b.grad_flat)
+            maxima = torch.stack([s.abs().amax() for s in self._shards])
+            found_inf = any_rank_non_finite(maxima, self._global, self._tp, self._dp)
+        else:
+            for buf in self._grad_buffers.values():
+                self._dp.all_reduce(buf)
+            all_norms = param_norms([v for b in self._buckets for v in b.grad_views])
+            found_inf = any_rank_non_finite(all_norms, self._global, self._tp, self._dp)
 
         if found_inf:
             self._after_step(success=False)
             self.last_grad_norm = float("inf")
             return False, float("inf")
 
-        grad_norm = global_norm(all_norms, self._count_mask, self._tp) / (scale * self._dp.size)
+        if self._reduce_scatter:
+            shard_norms = param_norms(self._shard_views) if self._shard_views else maxima.new_zeros(0)
+            grad_norm = global_norm(shard_norms, None, self._tp, self._zero1) / (scale * self._dp.size)
+        else:
+            grad_norm = global_norm(all_norms, self._count_mask, self._tp) / (scale * self._dp.size)
         factor = (1.0 / (scale * self._dp.size)) * clip_factor(grad_norm, self.clip_grad_norm)
         for b in self._buckets:
             g = b.grad_flat[b.lo : b.hi]
