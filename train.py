@@ -1,6 +1,6 @@
 """Train a tessera decoder: ``torchrun --nproc_per_node=N train.py --config configs/7B.py [key.sub=value ...]``.
 
-Read top to bottom: config -> launch (groups, seeds, precision) -> data -> model -> precision wrapper
+Read top to bottom: config -> launch (groups, seeds, precision) -> will it fit -> data -> model -> precision wrapper
 -> optimizer and LR schedule -> resume -> loop (step, log, validate, checkpoint, stop) -> final
 validation, checkpoint and sample.
 """
@@ -21,6 +21,7 @@ from tessera.checkpoint import (CheckpointError, Layout, find_resumable_checkpoi
 from tessera.config import Config, ConfigError
 from tessera.dist import ParallelMode, gpc, launch_from_slurm, launch_from_torch
 from tessera.train.lr_scheduler import WarmupCosineLR
+from tessera.train.memory_check import check_memory
 from tessera.train.metrics import MetricsWriter, gpu_peak_tflops, measure_matmul_tflops, peak_memory_gib, setup_logging
 from tessera.train.naive_amp import naive_amp_from_config, unwrap_model
 from tessera.train.optimizer import TooManySkippedSteps, build_optimizer
@@ -47,6 +48,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--host", default=None, help="slurm: rendezvous host (default: first node of the job)")
     p.add_argument("--port", type=int, default=29500, help="slurm: rendezvous port")
     p.add_argument("--stop-file", default=None, help="touch this file to save a checkpoint and stop")
+    p.add_argument("--skip-memory-check", action="store_true",
+                   help="start even when the persistent training state exceeds the memory available")
     p.add_argument("overrides", nargs="*", help="key.sub=value pairs (Python literals) overriding the config")
     return p.parse_args(argv)
 
@@ -86,26 +89,32 @@ def main(argv: list[str] | None = None) -> int:
     logger.info("launched: world %d = tp %d x dp %d, zero1 %d, dtype %s, device %s", layout.world_size,
                 layout.tp_size, layout.dp_size, layout.zero1_size, precision.name, device)
 
-    # 3. data
+    # 3. will it fit: the persistent state of this layout (counted on the meta device) vs this rank's memory
+    if not args.skip_memory_check:
+        problem = check_memory(cfg, layout.world_size, layout.tp_size, layout.zero1_size, device)
+        if problem:
+            raise TrainingStopped(problem)
+
+    # 4. data
     data = build_data(cfg.data, vocab_size=cfg.model.vocab_size, max_seq_len=cfg.model.max_position_embeddings,
                       dp_rank=layout.dp_rank, dp_size=layout.dp_size, seed=seed, barrier=dist.barrier,
                       is_main=layout.global_rank == 0, progress=is_rank0)
     logger.info("data: %s", data.info)
 
-    # 4. model (fp32, TP-sharded), optional weights-only start, then the precision wrapper
+    # 5. model (fp32, TP-sharded), optional weights-only start, then the precision wrapper
     model = build_model(cfg.model, tp_group=tp_group, seed=seed, device=device)
     if cfg.ckpt.load_ckpt_folder and not _has_checkpoint(cfg):
         load_checkpoint(cfg.ckpt.load_ckpt_folder, model=model, optimizer=None, layout=layout, load_optimizer=False)
         logger.info("initialized weights from %s", cfg.ckpt.load_ckpt_folder)
     model = naive_amp_from_config(model, cfg.model)
 
-    # 5. optimizer (fp32 masters, ZeRO-1) and LR schedule
+    # 6. optimizer (fp32 masters, ZeRO-1) and LR schedule
     optimizer = build_optimizer(model, cfg)
     scheduler = WarmupCosineLR.from_config(optimizer.param_groups, cfg.adam, cfg.lr_scheduler)
     trainer = Trainer(model, optimizer, tp_group=tp_group, dp_group=dp_group, device=device,
                       label_smoothing=cfg.loss.label_smoothing, dp_size=layout.dp_size)
 
-    # 6. resume from the newest complete checkpoint (damaged ones are skipped with a warning)
+    # 7. resume from the newest complete checkpoint (damaged ones are skipped with a warning)
     step, consumed_tokens, last_ckpt = 0, 0, None
     if cfg.ckpt.auto_resume and cfg.ckpt.save_ckpt_folder:
         def _load(path: str):
@@ -128,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
                                "another ckpt.save_ckpt_folder or ckpt.auto_resume=False)",
                                last_ckpt, cfg.data.total_steps)
 
-    # 7. metrics
+    # 8. metrics
     peak, peak_source = peak_tflops_per_device(cfg, precision.name, device)
     flops_tok = flops_per_token(cfg.model, cfg.data.seq_len)
     log_dir = os.path.join(cfg.log_folder, cfg.job_name)
@@ -153,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         if data.valid is not None:
             metrics.log_valid(at_step, trainer.evaluate(data.valid))
 
-    # 8. the loop
+    # 9. the loop
     stop = StopRequest(stop_file=args.stop_file)
     stop.install()
     saving = cfg.ckpt.enable_save_ckpt
@@ -186,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
             stop.consume()  # every rank has seen it: remove the stop file so a relaunch trains on
             break
 
-    # 9. the end: validation, checkpoint, a sample
+    # 10. the end: validation, checkpoint, a sample
     if step >= cfg.data.total_steps:
         validate(step)
         if saving:

@@ -1,0 +1,103 @@
+"""Refuse a run whose persistent training state cannot fit, before anything is allocated.
+
+The persistent state of a rank — weights, main grads, fp32 masters and Adam states, with ZeRO-1
+sharding — has a closed form (``precision_report.closed_form_bytes``) over this rank's parameters,
+which are counted exactly by building the model on the meta device with the run's TP size and fp32
+marks. Activations come on top and are not estimated here, so a refusal is never wrong: a config
+that passes may still run out of memory in its activations, one that fails certainly would. The
+local ranks share a CPU's available memory; on CUDA each rank has its device's free memory.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+
+from tessera.config import check_model_sizes, parallel_sizes
+from tessera.config.precision import resolve_precision
+from tessera.model import build_model
+from tessera.parallel import MetaGroup
+from tessera.parallel.comm import reduce_scalars
+from tessera.train.naive_amp import NaiveAMPModel
+from tessera.train.precision_report import closed_form_bytes
+
+__all__ = ["StatePlan", "plan_persistent_state", "available_bytes", "check_memory"]
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class StatePlan:
+    tp: int
+    zero1: int
+    params_per_rank: int
+    bytes_per_rank: float  # weights + main grads + masters + optimizer states
+
+
+def plan_persistent_state(cfg: Mapping[str, Any], world_size: int, tp: int, zero1: int) -> StatePlan:
+    """Persistent bytes of TP rank 0 (the largest: it also holds its share of replicated norms)."""
+    _, _, zero1 = parallel_sizes(world_size, tp, zero1)
+    model_cfg = dict(cfg["model"])
+    with torch.device("meta"):
+        model = build_model(model_cfg, tp_group=MetaGroup(tp), seed=0, device="meta", tensor_rng=None)
+    amp = NaiveAMPModel(model, dtype=model_cfg.get("dtype", "bf16"), sync_buffer=False,
+                        fp32_modules=model_cfg.get("fp32_modules") or (),
+                        use_fp32_norm=bool(model_cfg.get("use_fp32_norm", False)))
+    params = {id(p): p for p in amp.parameters()}.values()
+    low = sum(p.numel() for p in params if p.dtype != torch.float32)
+    fp32 = sum(p.numel() for p in params if p.dtype == torch.float32)
+    reduce_dtype = (cfg.get("hybrid_zero_optimizer") or {}).get("reduce_dtype", "fp32")
+    per_param = closed_form_bytes(resolve_precision(model_cfg.get("dtype", "bf16")), zero1, low, fp32, reduce_dtype)
+    return StatePlan(tp, zero1, low + fp32, per_param["total"] * (low + fp32))
+
+
+def available_bytes(device: torch.device) -> tuple[float, str]:
+    """Memory this rank may use: the GPU's free memory, or the host's available memory shared by the
+    ranks of this node."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return float(free), f"free on {torch.cuda.get_device_name(device)}"
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    with open("/proc/meminfo") as f:
+        info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if ":" in line}
+    avail = info.get("MemAvailable", info.get("MemFree", 0))
+    return avail / local, f"available host memory / {local} local rank(s)"
+
+
+def _layouts_that_fit(cfg: Mapping[str, Any], world_size: int, limit: float) -> list[StatePlan]:
+    fits = []
+    for tp in (t for t in range(1, world_size + 1) if world_size % t == 0):
+        try:
+            check_model_sizes(cfg["model"], tp)
+        except ValueError:  # ConfigError included: heads / vocab / FFN do not split over tp
+            continue
+        dp = world_size // tp
+        for zero1 in sorted({1, dp}):
+            plan = plan_persistent_state(cfg, world_size, tp, zero1)
+            if plan.bytes_per_rank <= limit:
+                fits.append(plan)
+    return fits
+
+
+def check_memory(cfg: Mapping[str, Any], world_size: int, tp: int, zero1: int, device: torch.device) -> str | None:
+    """None when the persistent state fits on every rank, else the message to stop with (same on all
+    ranks: the verdict is agreed over the default group, on the device its backend serves)."""
+    plan = plan_persistent_state(cfg, world_size, tp, zero1)
+    avail, where = available_bytes(device)
+    too_big = plan.bytes_per_rank > avail
+    if dist.is_initialized():  # every rank stops together, or none does
+        too_big = bool(reduce_scalars([int(too_big)], None, op=dist.ReduceOp.MAX, dtype=torch.int32)[0])
+    if not too_big:
+        return None
+    options = _layouts_that_fit(cfg, world_size, avail)
+    hint = ("; layouts of these ranks that would fit: " + ", ".join(
+        f"parallel.tensor.size={p.tp} parallel.zero1.size={p.zero1} ({p.bytes_per_rank / GIB:.1f} GiB)"
+        for p in options) if options else "; no TP x ZeRO-1 layout of these ranks fits: use more ranks or memory")
+    return (f"the persistent training state needs {plan.bytes_per_rank / GIB:.1f} GiB per rank "
+            f"({plan.params_per_rank:,} parameters on this rank, tp={tp}, zero1={plan.zero1}, weights + main grads + "
+            f"masters + Adam states, activations not counted) but only {avail / GIB:.1f} GiB is available "
+            f"({where}){hint}. train.py --skip-memory-check starts anyway.")
