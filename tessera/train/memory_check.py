@@ -11,6 +11,7 @@ local ranks share a CPU's available memory; on CUDA each rank has its device's f
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -61,9 +62,13 @@ def available_bytes(device: torch.device) -> tuple[float, str]:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return float(free), f"free on {torch.cuda.get_device_name(device)}"
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    with open("/proc/meminfo") as f:
-        info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if ":" in line}
+    per_node = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_NODE", "1")
+    local = int(re.match(r"\d+", per_node).group(0)) if re.match(r"\d+", per_node) else 1  # slurm: "8(x2)"
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if ":" in line}
+    except OSError:  # not Linux: nothing to compare with
+        return float("inf"), "unknown (no /proc/meminfo)"
     avail = info.get("MemAvailable", info.get("MemFree", 0))
     return avail / local, f"available host memory / {local} local rank(s)"
 
