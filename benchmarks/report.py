@@ -407,7 +407,9 @@ def notes(res: dict[str, Any]) -> list[str]:
         "- Communication share counts every moment a rank spends inside a collective, including waiting for the "
         "other rank to arrive; the smaller of the two ranks' figures is the closer estimate of the transfers "
         "themselves. TP moves activations every layer (forward and backward all-reduces); DP moves the gradients "
-        "once per step (one fp32 all-reduce) and all-gathers the updated bf16 parameters (ZeRO-1).",
+        "once per step: with ZeRO-1 over the DP group a reduce-scatter of the fp32 grads into each rank's shard "
+        "and an all-gather of the updated bf16 parameters (one DDP all-reduce's bytes in all), else one fp32 "
+        "all-reduce.",
         "- First-step losses: every variant starts from the same initial weights (the plain model loads "
         "tessera's initial state dict) and the same batch, so equal first-step losses show that both compute "
         "the same model.",

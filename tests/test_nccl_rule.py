@@ -102,3 +102,15 @@ def test_optimizer_step_and_validation_on_a_cuda_only_group(cuda_only_job, dtype
         trainer = Trainer(model, optimizer, tp_group=tp, dp_group=dp, device=CUDA, dp_size=2)
         out = trainer.evaluate([_batch()])  # fake tensors have no values: only that it ran matters
         assert {"loss", "tokens", "bits_per_token"} <= set(out)
+
+
+def test_memory_check_agreement_on_a_cuda_only_group(cuda_only_job, monkeypatch):
+    """The pre-launch memory verdict is agreed over the default group on the device it serves."""
+    from tessera.config import Config
+    from tessera.train import memory_check
+
+    monkeypatch.setattr(memory_check, "available_bytes", lambda device: (float(2**50), "test"))
+    cfg = Config.from_dict({"model": MODEL, "parallel": {"tensor": {"size": 2}},
+                            "data": {"type": "synthetic", "seq_len": 16, "micro_bsz": 1, "total_steps": 1}})
+    with fake_cuda_mode():
+        assert memory_check.check_memory(cfg, 4, 2, 2, CUDA) is None
