@@ -92,8 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     # 3. will it fit: the persistent state of this layout (counted on the meta device) vs this rank's memory
     if not args.skip_memory_check:
         problem = check_memory(cfg, layout.world_size, layout.tp_size, layout.zero1_size, device)
-        if problem:
-            raise TrainingStopped(problem)
+        if problem:  # every rank agreed: each says so before any exits (torchrun stops the rest at the first exit)
+            _exit_together(problem)
 
     # 4. data
     data = build_data(cfg.data, vocab_size=cfg.model.vocab_size, max_seq_len=cfg.model.max_position_embeddings,
@@ -216,6 +216,14 @@ def main(argv: list[str] | None = None) -> int:
 def _has_checkpoint(cfg: Config) -> bool:
     """A run that already saved checkpoints resumes from them instead of re-loading load_ckpt_folder."""
     return bool(cfg.ckpt.auto_resume and cfg.ckpt.save_ckpt_folder and list_checkpoints(cfg.ckpt.save_ckpt_folder))
+
+
+def _exit_together(message: str) -> None:
+    """Report on this rank, wait until every rank has (they all reached the same verdict), then exit 1."""
+    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "?"))
+    print(f"[rank {rank}] error: {message}", file=sys.stderr, flush=True)
+    dist.barrier()
+    os._exit(1)
 
 
 def run() -> None:

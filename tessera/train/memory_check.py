@@ -94,11 +94,11 @@ def check_memory(cfg: Mapping[str, Any], world_size: int, tp: int, zero1: int, d
     plan = plan_persistent_state(cfg, world_size, tp, zero1)
     avail, where = available_bytes(device)
     too_big = plan.bytes_per_rank > avail
+    options = _layouts_that_fit(cfg, world_size, avail) if too_big else []  # before agreeing: ranks stay in step
     if dist.is_initialized():  # every rank stops together, or none does
         too_big = bool(reduce_scalars([int(too_big)], None, op=dist.ReduceOp.MAX, dtype=torch.int32)[0])
     if not too_big:
         return None
-    options = _layouts_that_fit(cfg, world_size, avail)
     hint = ("; layouts of these ranks that would fit: " + ", ".join(
         f"parallel.tensor.size={p.tp} parallel.zero1.size={p.zero1} ({p.bytes_per_rank / GIB:.1f} GiB)"
         for p in options) if options else "; no TP x ZeRO-1 layout of these ranks fits: use more ranks or memory")
