@@ -374,3 +374,58 @@ def test_zero_over_the_dp_group_moves_what_one_ddp_all_reduce_moves():
     # fp32 parameters: the all-gather moves as many bytes as the reduce-scatter (padded buffers)
     assert dp_bytes == pytest.approx(_ring_bytes("all_reduce", grad_bytes, 2))
     assert zero2["all_reduce"] <= flags
+
+
+# ---------------------------------------------------------------- DP reduction overlapped with backward
+def _overlap_worker(rank, world):
+    """DP=2, buckets of a few parameters: the reductions start inside the last backward, and the result
+    equals the same step with the reduction after backward, and one process on the whole batch."""
+    whole = dist.group.WORLD
+    singles = [dist.new_group([r]) for r in range(world)]
+    batches = _batches(3)
+    out = {}
+    for zero in (2, 1):
+        for overlap in (True, False):
+            model = _make("bf16")
+            inner = torch.optim.AdamW(build_param_groups(model, 0.1), lr=0.05, betas=(0.9, 0.95), weight_decay=0.1)
+            opt = HybridZeroOptimizer(inner, clip_grad_norm=0.5, param_names=model, dp_group=whole,
+                                      zero1_group=whole if zero == 2 else singles[rank], global_group=whole,
+                                      zero_cfg={"overlap_sync_grad": overlap, "reduce_bucket_size": 40})
+            hooks_seen = []  # gradients accumulated when each bucket's reduction was launched
+            start = opt._start_reduction
+            opt._start_reduction = lambda b, start=start: (hooks_seen.append(sum(opt._missing)), start(b))[1]
+            for x, y in batches:
+                x, y = x.chunk(world)[rank], y.chunk(world)[rank]
+                for i, (xm, ym) in enumerate(zip(x.chunk(2), y.chunk(2))):  # two micro-batches
+                    opt.backward((model(xm).float() - ym).pow(2).mean(), overlap_reduction=i == 1)
+                launched = len(opt._launched)
+                assert opt.step()[0]
+            out[zero, overlap] = {"params": _params(model), "buckets": len(opt._buckets), "launched": launched,
+                                  "missing_at_first_launch": hooks_seen[0] if hooks_seen else None}
+    return out
+
+
+def test_dp_reduction_overlaps_backward_and_changes_nothing():
+    res = run_distributed(_overlap_worker, 2)
+    for r in res:
+        for zero in (2, 1):
+            on, off = r[zero, True], r[zero, False]
+            assert on["buckets"] > 3  # small buckets: several reductions per step
+            assert on["launched"] == on["buckets"] and off["launched"] == 0
+            # the first reduction started while other buckets still waited for gradients
+            assert on["missing_at_first_launch"] > 0
+            for n in on["params"]:  # a sum over two ranks is exact whatever the schedule: bitwise equal
+                assert torch.equal(on["params"][n], off["params"][n]), n
+        for n in r[2, True]["params"]:
+            assert rel(r[2, True]["params"][n], r[1, True]["params"][n]) < 1e-6, n
+    # one process on the whole batch (same micro-batch objective): the reference
+    model = _make("bf16")
+    ref = _make_opt(model)
+    for x, y in _batches(3):
+        # the DP objective: each rank's two micro-batch means, summed, averaged over the two ranks
+        opt_loss = sum((model(x.chunk(2)[r].chunk(2)[i]).float() - y.chunk(2)[r].chunk(2)[i]).pow(2).mean()
+                       for r in range(2) for i in range(2)) / 2
+        ref.backward(opt_loss)
+        assert ref.step()[0]
+    for n, p in _params(model).items():
+        assert rel(res[0][2, True]["params"][n], p) < 2e-2, n

@@ -22,9 +22,10 @@ from tessera.parallel.comm import all_reduce as comm_all_reduce
 __all__ = ["GroupComm", "Bucket", "param_name_map"]
 
 
-def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Any) -> None:
+def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Any, async_op: bool = False) -> Any:
     # torch 2.13 renamed reduce_scatter_tensor (now deprecated) to reduce_scatter_single
-    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(output, input, group=group)
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(output, input, group=group, async_op=async_op)
 
 
 @dataclass
@@ -52,13 +53,21 @@ class GroupComm:
             comm_all_reduce(t, self.group, op or dist.ReduceOp.SUM)
         return t
 
-    def reduce_scatter_flat(self, flat: torch.Tensor) -> None:
+    def reduce_scatter_flat(self, flat: torch.Tensor, async_op: bool = False) -> Any:
         """Sum ``flat`` over the group into this rank's 1/size chunk of it, in place (the other chunks
         are left unreduced): a DDP all-reduce's traffic split in half, the other half being the
-        parameters' all-gather after the step."""
+        parameters' all-gather after the step. In place is NCCL's documented in-place reduce-scatter
+        (the output is the input's ``rank``-th chunk). ``async_op``: returns the work handle."""
         if self.size == 1:
-            return
-        _reduce_scatter(flat.chunk(self.size)[self.rank], flat, group=self.group)
+            return None
+        return _reduce_scatter(flat.chunk(self.size)[self.rank], flat, group=self.group, async_op=async_op)
+
+    def all_reduce_async(self, t: torch.Tensor) -> Any:
+        """Start a sum over the group (torch.distributed's own async work; the node-local fast route of
+        ``all_reduce`` is synchronous, so it is not used here)."""
+        if self.size == 1:
+            return None
+        return dist.all_reduce(t, group=self.group, async_op=True)
 
     def all_gather_flat(self, flat: torch.Tensor) -> None:
         """Every rank holds its own 1/size slice of ``flat``; afterwards every rank holds all of it."""

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from tessera.config import ConfigError, resolve_zero1_size
+from tessera.config.schema import DEFAULT_REDUCE_BUCKET_SIZE
 from tessera.config.precision import Precision, resolve_precision
 from tessera.dist.context import ParallelMode, gpc
 from tessera.parallel.attrs import is_tensor_parallel
@@ -49,6 +50,20 @@ __all__ = [
 
 _LOW = (torch.float16, torch.bfloat16)
 _SCALE_HISTORY = 1024  # loss scales of the last steps kept in ``scale_history``
+
+
+def _split_reversed(params: list[nn.Parameter], max_numel: int) -> list[list[nn.Parameter]]:
+    """``params`` in reverse order, cut into runs of at most ``max_numel`` elements (a larger parameter
+    is a bucket of its own)."""
+    chunks: list[list[nn.Parameter]] = []
+    size = 0
+    for p in reversed(params):
+        if not chunks or size + p.numel() > max_numel:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(p)
+        size += p.numel()
+    return chunks
 
 
 class TooManySkippedSteps(RuntimeError):
@@ -103,6 +118,10 @@ class HybridZeroOptimizer(torch.optim.Optimizer):
         self.max_consecutive_skips = (
             max_consecutive_skips if max_consecutive_skips is not None else zero_cfg.get("max_consecutive_skips")
         )
+        self.overlap_sync_grad = bool(zero_cfg.get("overlap_sync_grad", True))
+        self.reduce_bucket_size = int(zero_cfg.get("reduce_bucket_size", DEFAULT_REDUCE_BUCKET_SIZE))
+        if self.reduce_bucket_size < 1:
+            raise ValueError(f"reduce_bucket_size must be >= 1 (elements), got {self.reduce_bucket_size}")
 
         # groups: explicit > gpc's > single process
         self._tp = GroupComm.of(tp_group if tp_group is not None else _default_group(ParallelMode.TENSOR), "tp_group")
@@ -134,6 +153,8 @@ class HybridZeroOptimizer(torch.optim.Optimizer):
         names = param_name_map(param_names, params)
 
         # rebuild the inner optimizer on master slices: one inner group per (group, storage dtype)
+        # buckets of at most reduce_bucket_size elements, filled in reverse parameter order (the order
+        # backward completes gradients in), so each bucket's DP reduction can start during backward
         specs: list[tuple[dict[str, Any], list[nn.Parameter], torch.dtype]] = []
         for group in optimizer.param_groups:
             hyper = {k: v for k, v in group.items() if k != "params"}
@@ -142,7 +163,7 @@ class HybridZeroOptimizer(torch.optim.Optimizer):
                 if plist:
                     low = plist[0].dtype in _LOW
                     grad_dtype = plist[0].dtype if low and self.reduce_dtype == "model" else torch.float32
-                    specs.append((hyper, plist, grad_dtype))
+                    specs += [(hyper, chunk, grad_dtype) for chunk in _split_reversed(plist, self.reduce_bucket_size)]
         # one main-grad buffer per dtype, so the DP all-reduce is one collective per dtype
         d = self._zero1.size
         sizes: dict[torch.dtype, int] = {}
@@ -170,7 +191,12 @@ class HybridZeroOptimizer(torch.optim.Optimizer):
 
         self._params = params
         self._grads_clean = True  # main-grad buffers known to be zero (zero_grad can skip the memset)
-        self._hooks = [self._register_hook(p, view) for b in self._buckets for p, view in zip(b.params, b.grad_views)]
+        self._hooks = [self._register_hook(p, view, i) for i, b in enumerate(self._buckets)
+                       for p, view in zip(b.params, b.grad_views)]
+        # DP reduction overlapped with the last backward: gradients still missing per bucket, and the
+        # work handles of the buckets already launched (None: no overlapped backward under way)
+        self._missing: list[int] | None = None
+        self._launched: dict[int, Any] = {}
         # TP-replicated parameters enter the global norm on TP rank 0 only
         self._count_mask = torch.tensor(
             [is_tensor_parallel(p) or self._tp.rank == 0 for b in self._buckets for p in b.params],
@@ -214,16 +240,24 @@ class HybridZeroOptimizer(torch.optim.Optimizer):
             )
         return p
 
-    def _register_hook(self, p: nn.Parameter, view: torch.Tensor) -> Any:
+    def _register_hook(self, p: nn.Parameter, view: torch.Tensor, bucket: int) -> Any:
         def accumulate(param: torch.Tensor) -> None:
             grad = param.grad
             if grad is None:
                 return
             if grad.is_sparse:
                 raise TypeError("HybridZeroOptimizer: sparse gradients are not supported")
+            if bucket in self._launched:
+                raise RuntimeError(
+                    "HybridZeroOptimizer: a gradient arrived for a bucket whose DP reduction already started "
+                    "(backward(..., overlap_reduction=True) must be the last backward before step())")
             view.add_(grad)
             param.grad = None
             self._grads_clean = False
+            if self._missing is not None:
+                self._missing[bucket] -= 1
+                if self._missing[bucket] == 0:
+                    self._launched[bucket] = self._start_reduction(self._buckets[bucket])
 
         return p.register_post_accumulate_grad_hook(accumulate)
 
@@ -257,12 +291,27 @@ class HybridZeroOptimizer(torch.optim.Optimizer):
     def loss_scale(self) -> float:
         return self.scaler.scale
 
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
-        """Backward of ``loss * loss_scale``; gradients land in the fp32 main-grad buffers."""
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, *, overlap_reduction: bool = False) -> None:
+        """Backward of ``loss * loss_scale``; gradients land in the fp32 main-grad buffers.
+
+        ``overlap_reduction=True`` says this is the last backward before ``step()`` (the last
+        micro-batch): each bucket's DP reduction is launched asynchronously as soon as all its
+        gradients are in, overlapping communication with the rest of backward (when
+        ``overlap_sync_grad`` and DP > 1; ``step()`` waits for them and reduces whatever did not start).
+        """
         scale = self.scaler.scale
-        (loss if scale == 1.0 else loss * scale).backward(retain_graph=retain_graph)
+        if overlap_reduction and self.overlap_sync_grad and self._dp.size > 1:
+            self._missing = [len(b.params) for b in self._buckets]
+        try:
+            (loss if scale == 1.0 else loss * scale).backward(retain_graph=retain_graph)
+        finally:
+            self._missing = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: ARG002 - main grads are always zeroed
+        for work in self._launched.values():  # reductions launched by a backward that no step() followed
+            if work is not None:
+                work.wait()
+        self._launched = {}
         if not self._grads_clean:
             for buf in self._grad_buffers.values():
                 buf.zero_()
@@ -295,14 +344,11 @@ class HybridZeroOptimizer(torch.optim.Optimizer):
         del self.scale_history[:-_SCALE_HISTORY]  # the recent window only: it is read by tests and reports
         self.num_steps += 1
         self._grads_clean = False  # reduced / unscaled in place below; _after_step zeroes them
+        self._finish_reduction()
         if self._reduce_scatter:
-            for b in self._buckets:
-                self._zero1.reduce_scatter_flat(b.grad_flat)
             maxima = torch.stack([s.abs().amax() for s in self._shards])
             found_inf = any_rank_non_finite(maxima, self._global, self._tp, self._dp)
         else:
-            for buf in self._grad_buffers.values():
-                self._dp.all_reduce(buf)
             all_norms = param_norms([v for b in self._buckets for v in b.grad_views])
             found_inf = any_rank_non_finite(all_norms, self._global, self._tp, self._dp)
 
@@ -330,6 +376,29 @@ class HybridZeroOptimizer(torch.optim.Optimizer):
         self._after_step(success=True)
         self.last_grad_norm = grad_norm
         return True, grad_norm
+
+    def _start_reduction(self, b: Bucket) -> Any:
+        """Launch one bucket's DP reduction asynchronously (reduce-scatter into the shard, or all-reduce)."""
+        if self._reduce_scatter:
+            return self._zero1.reduce_scatter_flat(b.grad_flat, async_op=True)
+        return self._dp.all_reduce_async(b.grad_flat)
+
+    def _finish_reduction(self) -> None:
+        """Wait for the buckets launched during backward; reduce the others now."""
+        launched, self._launched = self._launched, {}
+        if not launched and not self._reduce_scatter:
+            for buf in self._grad_buffers.values():  # one collective per dtype (and the fast node-local route)
+                self._dp.all_reduce(buf)
+            return
+        for i, b in enumerate(self._buckets):
+            work = launched.get(i)
+            if work is not None:
+                work.wait()
+            elif i not in launched:
+                if self._reduce_scatter:
+                    self._zero1.reduce_scatter_flat(b.grad_flat)
+                else:
+                    self._dp.all_reduce(b.grad_flat)
 
     def _after_step(self, success: bool) -> None:
         # fp16: overflows while the dynamic scale can still back off are the scaler doing its job; only

@@ -80,9 +80,11 @@ class Trainer:
         global_tokens = max(_all_reduce_sum([local_tokens], self.dp_group, self.device)[0], 1.0)
         nats = []
         tokens = 0
-        for batch in batches:
+        for i, batch in enumerate(batches):
             loss_sum = self._loss(batch, reduction="sum")
-            self.optimizer.backward(loss_sum * (self.dp_size / global_tokens))
+            # the last micro-batch's backward overlaps the DP gradient reduction, bucket by bucket
+            self.optimizer.backward(loss_sum * (self.dp_size / global_tokens),
+                                    overlap_reduction=i == len(batches) - 1)
             nats.append(loss_sum.detach().double())
             tokens += batch["input_ids"].numel()
         success, grad_norm = self.optimizer.step()
