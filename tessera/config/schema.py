@@ -85,6 +85,7 @@ def _str_list(v: Any) -> str | None:
 
 
 NORM_TYPES = ("rmsnorm",)
+DEFAULT_REDUCE_BUCKET_SIZE = 2**25  # elements (128 MiB of fp32 main grads), Megatron-sized
 TENSOR_MODES = ("mtp", "msp")  # DESIGN's values; msp is accepted by name only to say it is not there yet
 
 
@@ -240,6 +241,10 @@ SCHEMA = Section(
                 "clip_grad_norm": Key(FLOAT, 1.0, _non_negative, doc="0 disables clipping"),
                 "reduce_dtype": Key(STR, "fp32", _one_of("fp32", "model"),
                                     doc="dtype of gradient accumulation and the DP all-reduce"),
+                "overlap_sync_grad": Key(BOOL, True, doc="launch each gradient bucket's DP reduction during the "
+                                                         "last micro-batch's backward"),
+                "reduce_bucket_size": Key(INT, DEFAULT_REDUCE_BUCKET_SIZE, _positive,
+                                          doc="elements per gradient bucket (the unit of DP reduction and overlap)"),
                 "max_consecutive_skips": Key(INT, 20, _positive,
                                              doc="stop the run when more steps than this in a row are skipped "
                                                  "(inf/NaN); fp16 counts them once the loss scale is at its minimum"),
