@@ -4,6 +4,7 @@
                           [--config configs/demo.py] [key.sub=value ...]
     python tools/bench.py --only-gpu --out BENCHMARKS_GPU.md      # the GPU section alone (needs CUDA)
     python tools/bench.py --render results.json --out BENCHMARKS.md  # re-render a saved run (no measuring)
+    python tools/bench.py --section dp    # only section 7 (DP bytes and overlap), the rest of the file kept
 
 Sections: (1) framework overhead vs a plain PyTorch step of the same model, (2) bf16/fp16/fp32/tf32,
 (3) TP=2 and DP=2 vs one process on the same cores with the communication share, (4) measured bytes
@@ -29,6 +30,47 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def _marks(name: str) -> tuple[str, str]:
+    return f"<!-- section:{name} -->", f"<!-- /section:{name} -->"
+
+
+def _sections(text: str) -> dict[str, str]:
+    """The marked sections of a BENCHMARKS file: name -> text including its marks."""
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("<!-- section:"):
+            name = line[len("<!-- section:") : -len(" -->")]
+            start, end = _marks(name)
+            if end in text:
+                out[name] = text[text.index(start) : text.index(end) + len(end)]
+    return out
+
+
+def write_section(path: str, name: str, title: str, lines: list[str]) -> None:
+    """Replace section ``name`` of ``path`` (or append it), leaving the rest of the file as it is."""
+    start, end = _marks(name)
+    block = "\n".join([start, title, "", *lines, end])
+    try:
+        with open(path) as f:
+            text = f.read()
+    except FileNotFoundError:
+        text = ""
+    old = _sections(text).get(name)
+    text = text.replace(old, block) if old else text.rstrip("\n") + "\n\n" + block + "\n"
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def keep_sections(path: str, text: str) -> str:
+    """``text`` (a full run's markdown) with the marked sections of the file it replaces appended."""
+    try:
+        with open(path) as f:
+            old = _sections(f.read())
+    except FileNotFoundError:
+        return text
+    return text.rstrip("\n") + "".join("\n\n" + block for block in old.values()) + "\n"
+
+
 def main(argv: Sequence[str] | None = None, prog: str = "bench.py") -> int:
     """Parse ``argv`` (default: ``sys.argv[1:]``), measure, write the markdown; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -45,6 +87,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "bench.py") -> int:
     ap.add_argument("--config", default=None,
                     help="model/optimizer config of the CPU sections (default: configs/demo.py)")
     ap.add_argument("--note", action="append", default=[], help="a line for the file's notes (context of the run)")
+    ap.add_argument("--section", choices=["dp"], default=None,
+                    help="measure one extra section and replace only it in --out (dp: DP=2 bytes per collective "
+                         "vs the closed form, and overlap of the gradient reduction with backward on vs off)")
     ap.add_argument("--render", default=None, metavar="JSON",
                     help="write the markdown from a run saved with --json, without measuring")
     ap.add_argument("overrides", nargs="*", help="key.sub=value overrides of that config (e.g. model.hidden_size=256)")
@@ -72,6 +117,20 @@ def main(argv: Sequence[str] | None = None, prog: str = "bench.py") -> int:
                     gpu_only_markdown(result, result["command"]))
         _log(f"wrote {args.out} from {args.render}")
         return 0
+    if args.section == "dp":
+        from benchmarks.dp import dp_markdown, measure_dp
+        from benchmarks.runner import machine_info
+
+        res = measure_dp(mode)
+        info = machine_info()
+        machine = f"{info.get('cpu', 'CPU')}, {info.get('cores', '?')} cores, torch {torch.__version__}"
+        write_section(args.out, "dp", "## 7. Data parallelism: bytes per collective, and overlap with backward",
+                      dp_markdown(res, command, machine))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(res, f, indent=1)
+        _log(f"wrote the dp section of {args.out}")
+        return 0
     if args.only_gpu and not torch.cuda.is_available():
         print("error: --only-gpu needs a CUDA device", file=sys.stderr)
         return 2
@@ -87,6 +146,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "bench.py") -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     result["command"] = command
+    text = keep_sections(args.out, text)
     with open(args.out, "w") as f:
         f.write(text)
     if args.json:

@@ -15,6 +15,7 @@ import re
 import torch
 
 from benchmarks.report import SECTIONS
+from tessera.testing import run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -94,3 +95,39 @@ def test_gpu_section_code_path_on_cpu():
     text = "\n".join(section_gpu({"gpu": g}, "cmd"))
     assert SECTIONS[5] in text and "tessera / plain time ratio" in text and "bf16 speed-up" in text
     assert not re.search(r"\b(nan|inf)\b", text, re.I)
+
+
+def test_a_section_run_replaces_only_its_section_and_a_full_run_keeps_it(tmp_path):
+    from benchmarks.cli import keep_sections, write_section
+
+    out = tmp_path / "B.md"
+    out.write_text("# title\n\nbody\n")
+    write_section(str(out), "dp", "## 7. DP", ["first"])
+    write_section(str(out), "dp", "## 7. DP", ["second"])  # replaced, not appended twice
+    text = out.read_text()
+    assert text.startswith("# title\n\nbody\n") and text.count("## 7. DP") == 1
+    assert "second" in text and "first" not in text
+    full = keep_sections(str(out), "# new full run\n")  # what a full run writes keeps the section
+    assert full.startswith("# new full run\n") and "second" in full and full.count("<!-- section:dp -->") == 1
+
+
+def test_collective_byte_counter_matches_the_ring_closed_form():
+    """Two ranks: an all-reduce of n bytes sends n (2 (d-1)/d), a reduce-scatter and an all-gather n/2."""
+    res = run_distributed(_count_worker, 2)
+    n = 1000 * 4
+    assert res[0] == {"all_reduce": n, "all_reduce_calls": 1, "reduce_scatter": n / 2, "reduce_scatter_calls": 1,
+                      "all_gather": n / 2, "all_gather_calls": 1}
+
+
+def _count_worker(rank, world):
+    import torch
+    import torch.distributed as dist
+
+    from benchmarks.dp import count_collective_bytes
+
+    t = torch.ones(1000)
+    with count_collective_bytes() as sent:
+        dist.all_reduce(t)
+        (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(torch.empty(500), t)
+        dist.all_gather(list(torch.empty(1000).chunk(2)), torch.ones(500))
+    return dict(sent)

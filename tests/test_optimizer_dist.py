@@ -321,53 +321,35 @@ def test_overflow_on_one_rank_skips_everywhere_with_hysteresis(dp2):
 
 
 # ---------------------------------------------------------------- DP traffic of one step (issue 19)
-def _ring_bytes(kind: str, nbytes: int, world: int) -> float:
-    """Bytes one rank sends for a ring collective over ``nbytes`` of data (the textbook closed form)."""
-    share = (world - 1) / world
-    return {"all_reduce": 2 * share, "reduce_scatter": share, "all_gather": share}[kind] * nbytes
-
-
 def _traffic_worker(rank, world, zero):
     """Bytes each collective of one optimizer step moves, counted at the torch.distributed calls."""
+    from benchmarks.dp import count_collective_bytes
+
     whole = dist.group.WORLD
     singles = [dist.new_group([r]) for r in range(world)]
     model = _make("fp32")
     opt = _make_opt(model, dp_group=whole, zero1_group=whole if zero == 2 else singles[rank], global_group=whole)
     x, y = _batches(1)[0]
     opt.backward((model(x.chunk(world)[rank]) - y.chunk(world)[rank]).pow(2).mean())
-    sent = {"all_reduce": 0.0, "reduce_scatter": 0.0, "all_gather": 0.0}
-    originals = {name: getattr(dist, name) for name in ("all_reduce", "reduce_scatter_single", "all_gather")}
-
-    def counting(name, kind, size_of):
-        def call(*args, **kwargs):
-            group = kwargs.get("group")
-            if dist.get_world_size(group) > 1:
-                sent[kind] += _ring_bytes(kind, size_of(*args), dist.get_world_size(group))
-            return originals[name](*args, **kwargs)
-        return call
-
-    dist.all_reduce = counting("all_reduce", "all_reduce", lambda t, *a: t.numel() * t.element_size())
-    dist.reduce_scatter_single = counting("reduce_scatter_single", "reduce_scatter",
-                                          lambda out, inp, *a: inp.numel() * inp.element_size())
-    dist.all_gather = counting("all_gather", "all_gather",
-                               lambda outs, t, *a: sum(o.numel() * o.element_size() for o in outs))
-    try:
+    with count_collective_bytes() as sent:
         assert opt.step()[0]
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
     grad_bytes = sum(buf.numel() * buf.element_size() for buf in opt._grad_buffers.values())
-    return sent, grad_bytes
+    return {k: sent.get(k, 0.0) for k in ("all_reduce", "reduce_scatter", "all_gather")}, grad_bytes
 
 
 @pytest.mark.skipif(not hasattr(dist, "reduce_scatter_single"), reason="torch without reduce_scatter_single")
+def _ring_bytes(kind, nbytes, world):
+    """Bytes one rank sends for a ring collective over ``nbytes`` of data."""
+    return {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1}[kind] * (world - 1) / world * nbytes
+
+
 def test_zero_over_the_dp_group_moves_what_one_ddp_all_reduce_moves():
     """DP=2: with ZeRO over the DP group the gradients are reduce-scattered into the shards, so a step
     sends (reduce-scatter + all-gather) bytes = one DDP all-reduce of the gradients, not 1.5x; without
     ZeRO it is that all-reduce. Small agreement flags (overflow, norm) are a few bytes on top."""
     (zero2, grad_bytes), _ = run_distributed(_traffic_worker, 2, 2)
     (zero1, grad_bytes1), _ = run_distributed(_traffic_worker, 2, 1)
-    ddp = _ring_bytes("all_reduce", grad_bytes1, 2)
+    ddp = _ring_bytes("all_reduce", grad_bytes1, 2)  # the textbook ring closed form, written out here
     flags = 64  # the overflow flag and the norm: one scalar each, over 2 ranks
     assert zero1["reduce_scatter"] == 0 and ddp <= zero1["all_reduce"] <= ddp + flags
     dp_bytes = zero2["reduce_scatter"] + zero2["all_gather"]
@@ -391,14 +373,15 @@ def _overlap_worker(rank, world):
             opt = HybridZeroOptimizer(inner, clip_grad_norm=0.5, param_names=model, dp_group=whole,
                                       zero1_group=whole if zero == 2 else singles[rank], global_group=whole,
                                       zero_cfg={"overlap_sync_grad": overlap, "reduce_bucket_size": 40})
-            hooks_seen = []  # gradients accumulated when each bucket's reduction was launched
-            start = opt._start_reduction
-            opt._start_reduction = lambda b, start=start: (hooks_seen.append(sum(opt._missing)), start(b))[1]
+            hooks_seen = []  # gradients still missing (all buckets) when each bucket's reduction was launched
+            red = opt._reduction
+            start = red.start
+            red.start = lambda b, start=start: (hooks_seen.append(sum(red.missing)), start(b))[1]
             for x, y in batches:
                 x, y = x.chunk(world)[rank], y.chunk(world)[rank]
                 for i, (xm, ym) in enumerate(zip(x.chunk(2), y.chunk(2))):  # two micro-batches
                     opt.backward((model(xm).float() - ym).pow(2).mean(), overlap_reduction=i == 1)
-                launched = len(opt._launched)
+                launched = len(opt._reduction.launched)
                 assert opt.step()[0]
             out[zero, overlap] = {"params": _params(model), "buckets": len(opt._buckets), "launched": launched,
                                   "missing_at_first_launch": hooks_seen[0] if hooks_seen else None}

@@ -410,9 +410,9 @@ def _resume_with_optimizer(folder):
     return path, meta, model, opt
 
 
-@pytest.mark.parametrize("damage", ["flip:model_tp0.safetensors", "flip:optim_tp0.safetensors",
+@pytest.mark.parametrize("damage", ["flip:model_tp0.safetensors", "flip:optim_tp0_zero0.safetensors",
                                     "truncate:rng_rank0.safetensors", "truncate:model_tp0.safetensors",
-                                    "flip:meta.json", "tamper:meta.json", "delete:optim_tp0.safetensors"])
+                                    "flip:meta.json", "tamper:meta.json", "delete:optim_tp0_zero0.safetensors"])
 def test_damaged_file_is_named_and_the_previous_checkpoint_is_used(tmp_path, caplog, damage):
     folder = str(tmp_path / "ckpt")
     old_model, _ = _train_and_save(folder, 1, seed=1)
@@ -473,7 +473,7 @@ def test_loading_never_unpickles(tmp_path, monkeypatch, ref):
     opt = build_optimizer(model, cfg)
     path = os.path.join(ref["ckpt"], f"step_{N}")
     assert sorted(os.listdir(path)) == ["meta.json", "model_tp0.safetensors", "model_tp1.safetensors",
-                                        "optim_tp0.safetensors", "optim_tp1.safetensors",
+                                        "optim_tp0_zero0.safetensors", "optim_tp1_zero0.safetensors",
                                         "rng_rank0.safetensors", "rng_rank1.safetensors"]
     for mod, name in [(pickle, "load"), (pickle, "loads"), (pickle, "Unpickler"), (torch, "load"),
                       (torch.serialization, "load")]:

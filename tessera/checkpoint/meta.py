@@ -3,7 +3,11 @@
 Layout of ``<save_ckpt_folder>/step_<N>/``::
 
     model_tp<r>.safetensors   TP-rank r's model shard (written by the DP-rank-0 replica)
-    optim_tp<r>.safetensors   TP-rank r's optimizer state: fp32 masters, Adam moments, scaler
+    optim_tp<r>_zero<z>.safetensors
+                              ZeRO-rank z's shard of TP-rank r's optimizer state (masters, Adam
+                              moments, scaler; ``optim_shards``), written by the DP-rank-0 ZeRO group
+    optim_tp<r>.safetensors   (instead, in converted and older checkpoints) TP-rank r's whole
+                              optimizer state, gathered over ZeRO
     rng_rank<g>.safetensors   RNG states of global rank g
     meta.json                 step, tokens, config, layout, trainer state, file sizes + sha256
 

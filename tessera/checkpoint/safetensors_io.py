@@ -90,6 +90,21 @@ class SafetensorsReader:
         if info is None:
             raise KeyError(f"{self.path} has no tensor {name!r}")
         begin, end = info["offsets"]
+        return self._read(name, begin, end).view(info["dtype"]).reshape(info["shape"])
+
+    def get_range(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Elements ``[start, stop)`` of tensor ``name`` flattened (only those bytes are read)."""
+        info = self.tensors.get(name)
+        if info is None:
+            raise KeyError(f"{self.path} has no tensor {name!r}")
+        numel = math.prod(info["shape"])
+        if not 0 <= start <= stop <= numel:
+            raise ValueError(f"{self.path}: range [{start}, {stop}) outside {name!r} of {numel} elements")
+        size = torch.empty(0, dtype=info["dtype"]).element_size()
+        begin = info["offsets"][0]
+        return self._read(name, begin + start * size, begin + stop * size).view(info["dtype"])
+
+    def _read(self, name: str, begin: int, end: int) -> torch.Tensor:
         buf = torch.empty(end - begin, dtype=torch.uint8)
         view = memoryview(buf.numpy())
         done = 0
@@ -98,7 +113,7 @@ class SafetensorsReader:
             if n <= 0:
                 raise ValueError(f"{self.path}: unexpected end of file reading {name!r}")
             done += n
-        return buf.view(info["dtype"]).reshape(info["shape"])
+        return buf
 
     def close(self) -> None:
         if self._fd >= 0:

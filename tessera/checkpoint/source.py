@@ -19,6 +19,7 @@ import torch
 from tessera.checkpoint.errors import CheckpointError
 from tessera.checkpoint.folders import resolve_step_folder
 from tessera.checkpoint.meta import read_meta, shard_files, verify_files
+from tessera.checkpoint.optim_shards import OptimizerShards
 from tessera.checkpoint.reshard import param_layout, reshard
 from tessera.checkpoint.safetensors_io import SafetensorsReader, read_header
 
@@ -50,17 +51,29 @@ class CheckpointSource:
             raise CheckpointError(f"{self.path}/meta.json: layout lacks tp_size/dp_size: {layout}") from None
         files = self.meta.get("files", {})
         self.model_files = shard_files("model", self.tp_size)
+        # optimizer state: one gathered file per TP rank, or (training saves) one per ZeRO rank, which
+        # is presented under the gathered file's name (``OptimizerShards.gathered_view``)
         self.optim_files = shard_files("optim", self.tp_size)
+        zero_files = {name: sorted(n for n in files if n.startswith(f"optim_tp{t}_zero"))
+                      for t, name in enumerate(self.optim_files)}
+        sharded = all(zero_files.values()) and not all(n in files for n in self.optim_files)
+        stored_optim = [n for names in zero_files.values() for n in names] if sharded else self.optim_files
         missing = [n for n in self.model_files if n not in files]
         if missing:
             raise CheckpointError(f"{self.path}/meta.json does not list {missing}")
-        self.has_optimizer = bool(self.meta.get("has_optimizer")) and all(n in files for n in self.optim_files)
+        self.has_optimizer = bool(self.meta.get("has_optimizer")) and all(n in files for n in stored_optim)
         if verify:
-            verify_files(self.path, self.model_files + (self.optim_files if self.has_optimizer else []), self.meta)
+            verify_files(self.path, self.model_files + (stored_optim if self.has_optimizer else []), self.meta)
         self.layout = param_layout(self.model_cfg, self.tp_size)
         self._stack = contextlib.ExitStack()
         self._handles: dict[str, Any] = {}
         self._headers: dict[str, tuple[dict[str, dict[str, Any]], dict[str, str]]] = {}
+        self._zero_shards: dict[str, OptimizerShards] = {}
+        if sharded and self.has_optimizer:
+            for name, names in zero_files.items():
+                shards = self._stack.enter_context(OptimizerShards([os.path.join(self.path, n) for n in names]))
+                self._zero_shards[name] = shards
+                self._headers[name] = shards.gathered_view()
         self._check_model_files()
 
     # ------------------------------------------------------------------ files
@@ -94,6 +107,8 @@ class CheckpointSource:
 
     def tensor(self, name: str, key: str) -> torch.Tensor:
         """Tensor ``key`` (a path such as ``/master/norm.weight``, aliases resolved) of shard file ``name``."""
+        if name in self._zero_shards:
+            return self._zero_shards[name].gathered_tensor(key)
         if name not in self._handles:
             self._handles[name] = self._stack.enter_context(SafetensorsReader(os.path.join(self.path, name)))
         key = self.aliases(name).get(key, key)

@@ -23,6 +23,7 @@ from tessera.checkpoint.errors import CheckpointError
 from tessera.checkpoint.folders import PARTIAL, clean_partial_checkpoints, list_checkpoints, step_folder
 from tessera.checkpoint.meta import (Layout, new_meta, read_meta, rng_name, shard_files, shard_name, verify_files,
                                      write_meta)
+from tessera.checkpoint.optim_shards import OptimizerShards, optim_shard_files, optim_shard_name
 from tessera.checkpoint.reshard import model_param_dims, reshard_tree
 from tessera.checkpoint.tree import read_tree, write_tree
 from tessera.files import commit_folder, discard_folder, hidden_sibling
@@ -97,14 +98,14 @@ def save_checkpoint(
     _barrier()
 
     files: dict[str, Any] = {}
-    writes_shards = layout.dp_rank == 0
-    if writes_shards:
+    if layout.dp_rank == 0:
         name = shard_name("model", layout.tp_rank)
         files[name] = write_tree(os.path.join(partial, name), dict(model.state_dict()))
-    optim_state = optimizer.state_dict() if optimizer is not None else None  # collective under ZeRO
-    if writes_shards and optim_state is not None:
-        name = shard_name("optim", layout.tp_rank)
-        files[name] = write_tree(os.path.join(partial, name), optim_state)
+    # the ZeRO group of the DP-rank-0 replica (DP ranks 0..zero1-1) writes one optimizer file per ZeRO
+    # rank: its own shard, as views of the live buffers (nothing gathered, nothing copied on the device)
+    if optimizer is not None and layout.dp_rank < optimizer.zero1_size:
+        name = optim_shard_name(layout.tp_rank, layout.dp_rank)
+        files[name] = write_tree(os.path.join(partial, name), optimizer.shard_state_dict())
     if rng_states is not None:
         name = rng_name(layout.global_rank)
         files[name] = write_tree(os.path.join(partial, name), rng_states)
@@ -135,6 +136,36 @@ def _load_state(path: str, kind: str, old_tp: int, layout: Layout, params: Mappi
     return reshard_tree(trees, params, layout.tp_rank, layout.tp_size)
 
 
+def _optim_files(meta: Mapping[str, Any], tp_ranks: list[int]) -> tuple[str, list[list[str]]] | None:
+    """``(kind, files per TP rank)`` of the optimizer state of ``tp_ranks``: "sharded" (one file per ZeRO
+    rank, in ZeRO-rank order) or "gathered" (one file per TP rank: older and converted checkpoints);
+    None when the checkpoint has neither."""
+    listed = meta.get("files", {})
+    sharded = []
+    for t in tp_ranks:
+        zero = sorted(n for n in listed if n.startswith(f"optim_tp{t}_zero"))
+        sharded.append(optim_shard_files(t, len(zero)) if zero else [])
+    if all(sharded) and all(n in listed for names in sharded for n in names):
+        return "sharded", sharded
+    gathered = [[shard_name("optim", t)] for t in tp_ranks]
+    return ("gathered", gathered) if all(names[0] in listed for names in gathered) else None
+
+
+def _load_optimizer(path: str, kind: str, files: list[list[str]], optimizer: Any, old_tp: int, layout: Layout,
+                    params: Mapping[str, Any]) -> None:
+    if kind == "gathered":
+        optimizer.load_state_dict(_load_state(path, "optim", old_tp, layout, params))
+    elif old_tp == layout.tp_size:  # read only the element ranges this rank owns
+        with OptimizerShards([os.path.join(path, n) for n in files[0]]) as shards:
+            optimizer.load_shards(shards)
+    else:  # a new TP size: put every old TP rank's state together, then reshard (as for the model)
+        trees = []
+        for names in files:
+            with OptimizerShards([os.path.join(path, n) for n in names]) as shards:
+                trees.append(shards.gathered())
+        optimizer.load_state_dict(reshard_tree(trees, params, layout.tp_rank, layout.tp_size))
+
+
 def load_checkpoint(
     path: str,
     *,
@@ -154,10 +185,15 @@ def load_checkpoint(
     old_tp = int(old["tp_size"])
     if layout.tp_size != old_tp:
         logger.info("resharding %s from TP=%d to TP=%d", path, old_tp, layout.tp_size)
-    need = shard_files("model", old_tp) if old_tp != layout.tp_size else [shard_name("model", layout.tp_rank)]
+    tp_ranks = list(range(old_tp)) if old_tp != layout.tp_size else [layout.tp_rank]
+    need = [shard_name("model", t) for t in tp_ranks]
     want_optim = load_optimizer and optimizer is not None and meta.get("has_optimizer")
     if want_optim:
-        need += [n.replace("model_", "optim_") for n in need]
+        optim = _optim_files(meta, tp_ranks)
+        if optim is None:
+            raise CheckpointError(f"{path}: meta.json says it has an optimizer state but lists no optimizer files "
+                                  f"for tensor-parallel ranks {tp_ranks}")
+        need += [n for names in optim[1] for n in names]
     same_layout = old_tp == layout.tp_size and int(old["dp_size"]) == layout.dp_size
     rng_file = rng_name(layout.global_rank)
     if same_layout and rng_file in meta["files"]:
@@ -168,7 +204,7 @@ def load_checkpoint(
     params = model_param_dims(model)
     _load_model_state(model, _load_state(path, "model", old_tp, layout, params), path)
     if want_optim:
-        optimizer.load_state_dict(_load_state(path, "optim", old_tp, layout, params))
+        _load_optimizer(path, *optim, optimizer, old_tp, layout, params)
     meta["rng_states"] = read_tree(os.path.join(path, rng_file)) if rng_file in need else None
     return meta
 

@@ -52,6 +52,20 @@ def _decode(node: Any, get: Callable[[str], torch.Tensor]) -> Any:
     return node["v"]
 
 
+def _byte_range(t: torch.Tensor) -> tuple[int, int, int]:
+    start = t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size()
+    return t.untyped_storage().data_ptr(), start, start + t.numel() * t.element_size()
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True when the (contiguous) tensors share bytes."""
+    if not a.numel() or not b.numel():
+        return False
+    sa, a0, a1 = _byte_range(a)
+    sb, b0, b1 = _byte_range(b)
+    return sa == sb and a0 < b1 and b0 < a1
+
+
 def write_tree(path: str, obj: Any) -> dict[str, Any]:
     """Write ``obj`` to ``path`` atomically; returns its meta.json entry (size and sha256)."""
     tensors: dict[str, torch.Tensor] = {}
@@ -67,8 +81,9 @@ def write_tree(path: str, obj: Any) -> dict[str, Any]:
             continue
         if key is not None:
             seen[key] = name
-        unique[name] = t.clone() if any(t.untyped_storage().data_ptr() == u.untyped_storage().data_ptr()
-                                        for u in unique.values() if u.numel()) else t
+        # views of one flat buffer (the optimizer's parameter storage) are stored as they are; only
+        # partly overlapping tensors, which safetensors refuses, are copied
+        unique[name] = t.clone() if any(_overlap(t, u) for u in unique.values()) else t
     metadata = {"skeleton": json.dumps(skeleton), "aliases": json.dumps(aliases)}
     atomic_write(path, lambda tmp: save_file(unique, tmp, metadata=metadata))
     return file_entry(path)

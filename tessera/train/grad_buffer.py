@@ -19,7 +19,7 @@ from torch import nn
 
 from tessera.parallel.comm import all_reduce as comm_all_reduce
 
-__all__ = ["GroupComm", "Bucket", "param_name_map"]
+__all__ = ["GroupComm", "Bucket", "param_name_map", "split_reversed"]
 
 
 def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Any, async_op: bool = False) -> Any:
@@ -127,6 +127,16 @@ class Bucket:
                 out.append((a, z))
         return out
 
+    def shard_pieces(self) -> list[tuple[int, int, int]]:
+        """``(parameter index, start, stop)``: the element range of each parameter (flattened, its own
+        indexing) that lies in this rank's shard ``[lo, hi)``."""
+        out = []
+        for i, (off, n) in enumerate(zip(self.offsets, self.numels)):
+            a, z = max(off, self.lo), min(off + n, self.hi)
+            if a < z:
+                out.append((i, a - off, z - off))
+        return out
+
     @staticmethod
     def shard_size(numel: int, d: int) -> int:
         return max(1, math.ceil(numel / d))
@@ -170,3 +180,17 @@ def param_name_map(param_names: Any, params: list[nn.Parameter]) -> dict[int, st
         dup = sorted({n for n in names if names.count(n) > 1})
         raise ValueError(f"param_names: duplicate names {dup[:5]}")
     return out
+
+
+def split_reversed(params: list[nn.Parameter], max_numel: int) -> list[list[nn.Parameter]]:
+    """``params`` in reverse order, cut into runs of at most ``max_numel`` elements (a larger parameter
+    is a bucket of its own)."""
+    chunks: list[list[nn.Parameter]] = []
+    size = 0
+    for p in reversed(params):
+        if not chunks or size + p.numel() > max_numel:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(p)
+        size += p.numel()
+    return chunks

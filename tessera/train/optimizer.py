@@ -10,8 +10,9 @@ its states are ``1/d`` of the bucket. Persistent bytes per low-precision paramet
 ``2 (bf16 weight) + 4 (fp32 main grad) + (4 master + 8 Adam) / d``.
 
 Per optimizer step (every rank of the job calls it; norms and clipping are in ``grad_norm``):
-1. reduce the main grads over DP (sum; the 1/dp average is folded into the unscale factor): when ZeRO
-   spans the DP group, reduce-scatter each bucket straight into the owning rank's shard; else all-reduce;
+1. reduce the main grads over DP, bucket by bucket (sum; the 1/dp average is folded into the unscale
+   factor): when ZeRO spans the DP group, reduce-scatter straight into the owning rank's shard; else
+   all-reduce; launched during the last backward when asked (``grad_reduction``), waited on here;
 2. inf/NaN anywhere -> every rank agrees (one flag over the global group) and skips the update
    (params, masters and states untouched), the scaler backs off;
 3. one global norm: each TP-replicated parameter counted on TP rank 0 only (tags from
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
@@ -34,11 +35,14 @@ from tessera.config.schema import DEFAULT_REDUCE_BUCKET_SIZE
 from tessera.config.precision import Precision, resolve_precision
 from tessera.dist.context import ParallelMode, gpc
 from tessera.parallel.attrs import is_tensor_parallel
-from tessera.train.grad_buffer import Bucket, GroupComm, param_name_map
+from tessera.train.grad_buffer import Bucket, GroupComm, param_name_map, split_reversed
+from tessera.train.grad_reduction import GradReduction
 from tessera.train.grad_norm import any_rank_non_finite, clip_factor, global_norm, param_norms
 from tessera.train.grad_scaler import BaseGradScaler, build_grad_scaler
 from tessera.train.naive_amp import unwrap_model
-from tessera.train.optimizer_state import STATE_DICT_FORMAT, load_optimizer_state_dict, optimizer_state_dict
+from tessera.train.optimizer_state import (STATE_DICT_FORMAT, ShardSource, load_optimizer_shards,
+                                          load_optimizer_state_dict, optimizer_memory_bytes, optimizer_shard_state,
+                                          optimizer_state_dict)
 
 __all__ = [
     "HybridZeroOptimizer",
@@ -50,20 +54,6 @@ __all__ = [
 
 _LOW = (torch.float16, torch.bfloat16)
 _SCALE_HISTORY = 1024  # loss scales of the last steps kept in ``scale_history``
-
-
-def _split_reversed(params: list[nn.Parameter], max_numel: int) -> list[list[nn.Parameter]]:
-    """``params`` in reverse order, cut into runs of at most ``max_numel`` elements (a larger parameter
-    is a bucket of its own)."""
-    chunks: list[list[nn.Parameter]] = []
-    size = 0
-    for p in reversed(params):
-        if not chunks or size + p.numel() > max_numel:
-            chunks.append([])
-            size = 0
-        chunks[-1].append(p)
-        size += p.numel()
-    return chunks
 
 
 class TooManySkippedSteps(RuntimeError):
@@ -163,7 +153,7 @@ class HybridZeroOptimizer(torch.optim.Optimizer):
                 if plist:
                     low = plist[0].dtype in _LOW
                     grad_dtype = plist[0].dtype if low and self.reduce_dtype == "model" else torch.float32
-                    specs += [(hyper, chunk, grad_dtype) for chunk in _split_reversed(plist, self.reduce_bucket_size)]
+                    specs += [(hyper, chunk, grad_dtype) for chunk in split_reversed(plist, self.reduce_bucket_size)]
         # one main-grad buffer per dtype, so the DP all-reduce is one collective per dtype
         d = self._zero1.size
         sizes: dict[torch.dtype, int] = {}
@@ -193,19 +183,14 @@ class HybridZeroOptimizer(torch.optim.Optimizer):
         self._grads_clean = True  # main-grad buffers known to be zero (zero_grad can skip the memset)
         self._hooks = [self._register_hook(p, view, i) for i, b in enumerate(self._buckets)
                        for p, view in zip(b.params, b.grad_views)]
-        # DP reduction overlapped with the last backward: gradients still missing per bucket, and the
-        # work handles of the buckets already launched (None: no overlapped backward under way)
-        self._missing: list[int] | None = None
-        self._launched: dict[int, Any] = {}
         # TP-replicated parameters enter the global norm on TP rank 0 only
         self._count_mask = torch.tensor(
             [is_tensor_parallel(p) or self._tp.rank == 0 for b in self._buckets for p in b.params],
             dtype=torch.float64, device=device,
         )
-        # ZeRO over the whole DP group: reduce-scatter the main grads straight into each rank's shard
-        # (a DDP all-reduce's traffic in all, with the all-gather); a ZeRO group smaller than DP, or
-        # none, keeps the all-reduce
-        self._reduce_scatter = 1 < self._zero1.size == self._dp.size
+        # ZeRO over the whole DP group: the grads are reduce-scattered into the shards (grad_reduction)
+        self._reduction = GradReduction(self._buckets, self._grad_buffers, self._dp, self._zero1)
+        self._reduce_scatter = self._reduction.reduce_scatter
         counted = {id(p): is_tensor_parallel(p) or self._tp.rank == 0 for p in params}
         self._shards = [b.grad_flat[b.lo : b.hi] for b in self._buckets]
         self._shard_views = [b.grad_flat[a:z] for b in self._buckets
@@ -247,17 +232,11 @@ class HybridZeroOptimizer(torch.optim.Optimizer):
                 return
             if grad.is_sparse:
                 raise TypeError("HybridZeroOptimizer: sparse gradients are not supported")
-            if bucket in self._launched:
-                raise RuntimeError(
-                    "HybridZeroOptimizer: a gradient arrived for a bucket whose DP reduction already started "
-                    "(backward(..., overlap_reduction=True) must be the last backward before step())")
+            self._reduction.check_open(bucket)
             view.add_(grad)
             param.grad = None
             self._grads_clean = False
-            if self._missing is not None:
-                self._missing[bucket] -= 1
-                if self._missing[bucket] == 0:
-                    self._launched[bucket] = self._start_reduction(self._buckets[bucket])
+            self._reduction.arrived(bucket)
 
         return p.register_post_accumulate_grad_hook(accumulate)
 
@@ -301,17 +280,14 @@ class HybridZeroOptimizer(torch.optim.Optimizer):
         """
         scale = self.scaler.scale
         if overlap_reduction and self.overlap_sync_grad and self._dp.size > 1:
-            self._missing = [len(b.params) for b in self._buckets]
+            self._reduction.arm()
         try:
             (loss if scale == 1.0 else loss * scale).backward(retain_graph=retain_graph)
         finally:
-            self._missing = None
+            self._reduction.disarm()
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: ARG002 - main grads are always zeroed
-        for work in self._launched.values():  # reductions launched by a backward that no step() followed
-            if work is not None:
-                work.wait()
-        self._launched = {}
+        self._reduction.cancel()  # reductions launched by a backward that no step() followed
         if not self._grads_clean:
             for buf in self._grad_buffers.values():
                 buf.zero_()
@@ -344,7 +320,7 @@ class HybridZeroOptimizer(torch.optim.Optimizer):
         del self.scale_history[:-_SCALE_HISTORY]  # the recent window only: it is read by tests and reports
         self.num_steps += 1
         self._grads_clean = False  # reduced / unscaled in place below; _after_step zeroes them
-        self._finish_reduction()
+        self._reduction.finish()
         if self._reduce_scatter:
             maxima = torch.stack([s.abs().amax() for s in self._shards])
             found_inf = any_rank_non_finite(maxima, self._global, self._tp, self._dp)
@@ -377,29 +353,6 @@ class HybridZeroOptimizer(torch.optim.Optimizer):
         self.last_grad_norm = grad_norm
         return True, grad_norm
 
-    def _start_reduction(self, b: Bucket) -> Any:
-        """Launch one bucket's DP reduction asynchronously (reduce-scatter into the shard, or all-reduce)."""
-        if self._reduce_scatter:
-            return self._zero1.reduce_scatter_flat(b.grad_flat, async_op=True)
-        return self._dp.all_reduce_async(b.grad_flat)
-
-    def _finish_reduction(self) -> None:
-        """Wait for the buckets launched during backward; reduce the others now."""
-        launched, self._launched = self._launched, {}
-        if not launched and not self._reduce_scatter:
-            for buf in self._grad_buffers.values():  # one collective per dtype (and the fast node-local route)
-                self._dp.all_reduce(buf)
-            return
-        for i, b in enumerate(self._buckets):
-            work = launched.get(i)
-            if work is not None:
-                work.wait()
-            elif i not in launched:
-                if self._reduce_scatter:
-                    self._zero1.reduce_scatter_flat(b.grad_flat)
-                else:
-                    self._dp.all_reduce(b.grad_flat)
-
     def _after_step(self, success: bool) -> None:
         # fp16: overflows while the dynamic scale can still back off are the scaler doing its job; only
         # skips at its minimum count towards max_consecutive_skips. A constant scale is always "at the
@@ -431,37 +384,18 @@ class HybridZeroOptimizer(torch.optim.Optimizer):
         """Load a ``state_dict()`` saved under any DP/ZeRO layout with the same TP-local shapes."""
         load_optimizer_state_dict(self, state_dict)
 
+    def shard_state_dict(self) -> dict[str, Any]:
+        """This ZERO1 rank's shard only (no collective, no copy): ``optimizer_state.optimizer_shard_state``."""
+        return optimizer_shard_state(self)
+
+    def load_shards(self, source: ShardSource) -> None:
+        """Load from saved shards of any DP/ZeRO layout, reading only this rank's element ranges."""
+        load_optimizer_shards(self, source)
+
     # ------------------------------------------------------------------ introspection
     def memory_bytes(self) -> dict[str, int]:
-        """Bytes of the tensors this process holds, by role, each storage counted once.
-
-        weights: the parameters' storage; main_grads: main-grad buffers plus any live ``.grad``;
-        masters: fp32 master slices that are not the parameters themselves; optimizer_states: the
-        inner optimizer's state tensors. ``num_params``: parameters on this rank (TP-local).
-        """
-        seen: set[tuple[int, str]] = set()
-
-        def nbytes(tensors: Iterable[torch.Tensor]) -> int:
-            total = 0
-            for t in tensors:
-                st = t.untyped_storage()
-                key = (st.data_ptr(), str(t.device))
-                if key in seen or st.nbytes() == 0:
-                    continue
-                seen.add(key)
-                total += st.nbytes()
-            return total
-
-        out = {
-            "weights": nbytes(self._params),
-            "main_grads": nbytes([*self._grad_buffers.values()] + [p.grad for p in self._params if p.grad is not None]),
-            "masters": nbytes([b.master for b in self._buckets]),
-            "optimizer_states": nbytes(
-                v for s in self.optim.state.values() for v in s.values() if isinstance(v, torch.Tensor)
-            ),
-        }
-        out["num_params"] = sum(p.numel() for p in self._params)
-        return out
+        """Bytes of the tensors this process holds, by role: ``optimizer_state.optimizer_memory_bytes``."""
+        return optimizer_memory_bytes(self)
 
     @property
     def zero1_size(self) -> int:

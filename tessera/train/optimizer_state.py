@@ -1,21 +1,39 @@
-"""HybridZeroOptimizer's state dict: layout-independent on save, resliced for this rank on load.
+"""HybridZeroOptimizer's state in two forms, both loadable into any DP / ZeRO layout.
 
-Saved: full TP-local tensors keyed by parameter name (masters and Adam moments gathered over ZERO1),
-so a checkpoint loads into any DP / ZeRO size; the checkpoint package reshards TP on top of that.
-``self`` below is the HybridZeroOptimizer (these are its ``state_dict`` / ``load_state_dict``).
+- ``optimizer_state_dict``: full TP-local tensors keyed by parameter name (masters and Adam moments
+  gathered over ZERO1); a collective, and a full copy of the state on every rank.
+- ``optimizer_shard_state``: only this ZERO1 rank's shard, as the flat per-bucket slices it updates,
+  with the names, shapes and offsets that say which elements of which parameter each slice holds.
+  No collective, no copy: what training checkpoints write, one file per ZeRO rank. It is loaded back
+  through ``load_optimizer_shards`` from any source that can read element ranges of a parameter.
+
+``self`` below is the HybridZeroOptimizer.
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping, Protocol
 
 import torch
 
 from tessera.parallel.attrs import partition_dim
 
-__all__ = ["STATE_DICT_FORMAT", "optimizer_state_dict", "load_optimizer_state_dict"]
+__all__ = ["STATE_DICT_FORMAT", "SHARD_FORMAT", "ShardSource", "optimizer_state_dict", "load_optimizer_state_dict",
+           "optimizer_shard_state", "load_optimizer_shards", "optimizer_memory_bytes"]
 
 STATE_DICT_FORMAT = "tessera.hybrid_zero_optimizer/1"
+SHARD_FORMAT = "tessera.hybrid_zero_optimizer.shard/1"
+
+
+class ShardSource(Protocol):
+    """Saved optimizer state read by parameter name and element range (``checkpoint.optim_shards``)."""
+
+    def shape(self, name: str) -> tuple[int, ...] | None: ...
+    def read(self, name: str, key: str, start: int, stop: int) -> torch.Tensor: ...
+    def state_keys(self, name: str) -> tuple[list[str], dict[str, Any]]: ...
+    def group(self, name: str) -> dict[str, Any]: ...
+    @property
+    def header(self) -> dict[str, Any]: ...
 
 
 def optimizer_state_dict(self: Any) -> dict[str, Any]:
@@ -118,3 +136,112 @@ def load_optimizer_state_dict(self: Any, state_dict: Mapping[str, Any]) -> None:
     self.skipped_steps = int(state_dict.get("skipped_steps", 0))
     self.num_steps = int(state_dict.get("num_steps", 0))
     self.consecutive_skips = 0
+
+
+def optimizer_shard_state(self: Any) -> dict[str, Any]:
+    """This ZERO1 rank's part of the state: views of the live buffers (no collective, no copy).
+
+    Layout::
+
+        {"format": SHARD_FORMAT, "dtype": ..., "zero1_size": d, "zero1_rank": z, "scaler": {...},
+         "skipped_steps": int, "num_steps": int, "partition_dim": {name: int | None},
+         "buckets": [{"group": {<hyperparameters>}, "names": [...], "shapes": [[...]], "offsets": [...],
+                      "lo": int, "hi": int,              # this shard = elements [lo, hi) of the bucket
+                      "master": fp32 (hi - lo,), "state": {"exp_avg": (hi - lo,), ..., "step": 0-dim}}]}
+    """
+    buckets = []
+    for b, group in zip(self._buckets, self.optim.param_groups):
+        buckets.append({
+            "group": {k: v for k, v in group.items() if k != "params"},
+            "names": list(b.names), "shapes": [list(p.shape) for p in b.params], "offsets": list(b.offsets),
+            "lo": b.lo, "hi": b.hi, "master": b.master.detach(),
+            "state": {k: (v.detach() if isinstance(v, torch.Tensor) else v)
+                      for k, v in self.optim.state.get(b.master, {}).items()},
+        })
+    return {
+        "format": SHARD_FORMAT, "dtype": self.precision.name, "zero1_size": self._zero1.size,
+        "zero1_rank": self._zero1.rank, "scaler": self.scaler.state_dict(), "skipped_steps": self.skipped_steps,
+        "num_steps": self.num_steps,
+        "partition_dim": {n: partition_dim(p) for b in self._buckets for n, p in zip(b.names, b.params)},
+        "buckets": buckets,
+    }
+
+
+@torch.no_grad()
+def load_optimizer_shards(self: Any, source: ShardSource) -> None:
+    """Fill this rank's masters and states from ``source``, reading only the element ranges this ZERO1
+    rank owns, then rebuild the parameters (masters rounded to the model dtype, all-gathered over ZERO1).
+    A collective over ZERO1 (every rank calls it)."""
+    header = source.header
+    if header.get("format") != SHARD_FORMAT:
+        raise ValueError(f"not a HybridZeroOptimizer shard (format {header.get('format')!r}, expected {SHARD_FORMAT!r})")
+    for b, group in zip(self._buckets, self.optim.param_groups):
+        for n, p in zip(b.names, b.params):
+            saved = source.shape(n)
+            if saved is None:
+                raise KeyError(f"optimizer checkpoint has no master weight for {n!r}")
+            if tuple(saved) != tuple(p.shape):
+                raise ValueError(f"optimizer checkpoint: {n!r} has shape {tuple(saved)}, this rank's parameter is "
+                                 f"{tuple(p.shape)} (reshard the tensor-parallel slices first)")
+        pieces = b.shard_pieces()  # (parameter index, start, stop): param-local ranges this rank owns
+        for i, a, z in pieces:
+            at = b.offsets[i] + a - b.lo
+            b.master[at : at + z - a].copy_(source.read(b.names[i], "master", a, z))
+        if not b.own_masters:
+            b.param_flat[b.lo : b.hi].copy_(b.master)
+        self._zero1.all_gather_flat(b.param_flat)
+        sharded, replicated = source.state_keys(b.names[0])
+        self.optim.state.pop(b.master, None)
+        if sharded or replicated:
+            new_state: dict[str, Any] = {}
+            for key in sharded:
+                flat = torch.zeros(b.shard, dtype=b.master.dtype, device=b.master.device)
+                for i, a, z in pieces:
+                    at = b.offsets[i] + a - b.lo
+                    flat[at : at + z - a].copy_(source.read(b.names[i], key, a, z))
+                new_state[key] = flat
+            for key, value in replicated.items():
+                if isinstance(value, torch.Tensor):
+                    # torch keeps "step" on the CPU unless the group is capturable / fused
+                    on_device = key != "step" or group.get("capturable") or group.get("fused")
+                    value = value.detach().clone().to(b.master.device if on_device else value.device)
+                new_state[key] = value
+            self.optim.state[b.master] = new_state
+        for k, v in source.group(b.names[0]).items():
+            group[k] = v
+    self.scaler.load_state_dict(header["scaler"])
+    self.skipped_steps = int(header.get("skipped_steps", 0))
+    self.num_steps = int(header.get("num_steps", 0))
+    self.consecutive_skips = 0
+
+
+def optimizer_memory_bytes(self: Any) -> dict[str, int]:
+    """Bytes of the tensors this process holds, by role, each storage counted once.
+
+    weights: the parameters' storage; main_grads: main-grad buffers plus any live ``.grad``;
+    masters: fp32 master slices that are not the parameters themselves; optimizer_states: the
+    inner optimizer's state tensors. ``num_params``: parameters on this rank (TP-local).
+    """
+    seen: set[tuple[int, str]] = set()
+
+    def nbytes(tensors: Iterable[torch.Tensor]) -> int:
+        total = 0
+        for t in tensors:
+            st = t.untyped_storage()
+            key = (st.data_ptr(), str(t.device))
+            if key in seen or st.nbytes() == 0:
+                continue
+            seen.add(key)
+            total += st.nbytes()
+        return total
+
+    out = {
+        "weights": nbytes(self._params),
+        "main_grads": nbytes([*self._grad_buffers.values()] + [p.grad for p in self._params if p.grad is not None]),
+        "masters": nbytes([b.master for b in self._buckets]),
+        "optimizer_states": nbytes(
+            v for s in self.optim.state.values() for v in s.values() if isinstance(v, torch.Tensor)
+        ),
+    }
+    out["num_params"] = sum(p.numel() for p in self._params)
+    return out
