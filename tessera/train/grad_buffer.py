@@ -2,8 +2,9 @@
 
 A bucket owns the parameters' storage (``param_flat``, model dtype: the parameters' ``.data`` are views
 of it, so the updated shards are all-gathered in place), a slice of the main-gradient buffer
-(``grad_flat``, fp32 by default, filled by the post-accumulate-grad hooks) and the fp32 master slice
-this ZERO1 rank updates (a view of ``param_flat`` for fp32 parameters, which are their own masters).
+(``grad_flat``, fp32 by default, filled by the post-accumulate-grad hooks) and the master slice this
+ZERO1 rank updates: fp32, or a view of ``param_flat`` for fp32 parameters (their own masters) and for
+bf16 parameters under bf16 masters (which share the weights' storage).
 Every buffer is padded to a multiple of the ZERO1 size so each rank's shard has the same length.
 """
 
@@ -88,11 +89,13 @@ class GroupComm:
 class Bucket:
     """Parameters of one inner param group and one storage dtype, in flat padded buffers."""
 
-    def __init__(self, params: list[nn.Parameter], names: list[str], grad_flat: torch.Tensor, zero1: GroupComm) -> None:
+    def __init__(self, params: list[nn.Parameter], names: list[str], grad_flat: torch.Tensor, zero1: GroupComm,
+                 master_dtype: torch.dtype = torch.float32) -> None:
         self.params = params
         self.names = names
         self.dtype = params[0].dtype
-        self.own_masters = self.dtype == torch.float32
+        # fp32 parameters, and parameters kept in the master dtype (bf16 masters), are their own masters
+        self.own_masters = self.dtype in (torch.float32, master_dtype)
         self.numels = [p.numel() for p in params]
         self.offsets = [0]
         for n in self.numels[:-1]:

@@ -24,7 +24,6 @@ Per optimizer step (every rank of the job calls it; norms and clipping are in ``
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Any, Callable, Mapping
 
 import torch
@@ -32,11 +31,11 @@ from torch import nn
 
 from tessera.config import ConfigError, resolve_zero1_size
 from tessera.config.schema import DEFAULT_REDUCE_BUCKET_SIZE
-from tessera.config.precision import Precision, resolve_precision
 from tessera.dist.context import ParallelMode, gpc
 from tessera.parallel.attrs import is_tensor_parallel
 from tessera.train.grad_buffer import Bucket, GroupComm, param_name_map, split_reversed
 from tessera.train.grad_reduction import GradReduction
+from tessera.train.optimizer_precision import MasterPolicy, resolve_optimizer_dtype
 from tessera.train.grad_norm import any_rank_non_finite, clip_factor, global_norm, param_norms
 from tessera.train.grad_scaler import BaseGradScaler, build_grad_scaler
 from tessera.train.naive_amp import unwrap_model
@@ -89,6 +88,7 @@ class HybridZeroOptimizer(torch.optim.Optimizer):
         param_names: Any = None,
         grad_scaler: BaseGradScaler | None = None,
         max_consecutive_skips: int | None = None,
+        seed: int = 0,
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, HybridZeroOptimizer):
             raise TypeError(f"HybridZeroOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -138,7 +138,8 @@ class HybridZeroOptimizer(torch.optim.Optimizer):
                 raise TypeError(f"HybridZeroOptimizer: parameter of dtype {p.dtype}; expected fp32, fp16 or bf16")
             if p.is_sparse:
                 raise TypeError("HybridZeroOptimizer: sparse parameters are not supported")
-        self.precision = self._resolve_dtype(dtype, params)
+        self.precision = resolve_optimizer_dtype(dtype, params)
+        self.policy = MasterPolicy.from_config(zero_cfg, self.precision, optimizer, seed)
         self.scaler = grad_scaler if grad_scaler is not None else build_grad_scaler(grad_scal_cfg, self.precision)
         names = param_name_map(param_names, params)
 
@@ -171,7 +172,7 @@ class HybridZeroOptimizer(torch.optim.Optimizer):
             n = Bucket.shard_size(sum(p.numel() for p in plist), d) * d
             view = self._grad_buffers[gdt][used[gdt] : used[gdt] + n]
             used[gdt] += n
-            bucket = Bucket(plist, [names[id(p)] for p in plist], view, self._zero1)
+            bucket = Bucket(plist, [names[id(p)] for p in plist], view, self._zero1, self.policy.master_dtype)
             self._buckets.append(bucket)
             new_groups.append({**hyper, "params": [bucket.master]})
         optimizer.param_groups = []
@@ -202,29 +203,6 @@ class HybridZeroOptimizer(torch.optim.Optimizer):
         self.last_grad_norm: float | None = None
 
     # ------------------------------------------------------------------ construction helpers
-    @staticmethod
-    def _resolve_dtype(dtype: Any, params: list[nn.Parameter]) -> Precision:
-        low = {p.dtype for p in params if p.dtype in _LOW}
-        if len(low) > 1:
-            raise TypeError("HybridZeroOptimizer: parameters mix float16 and bfloat16")
-        if dtype is None:
-            return resolve_precision(next(iter(low)) if low else torch.float32)
-        p = resolve_precision(dtype)
-        if p.is_low_precision and low and low != {p.dtype}:
-            raise TypeError(f"HybridZeroOptimizer: dtype={p.name} but the parameters are {next(iter(low))}")
-        if not p.is_low_precision and low:
-            raise TypeError(
-                f"HybridZeroOptimizer: dtype={p.name} but some parameters are {next(iter(low))}; "
-                "pass the model's low-precision dtype"
-            )
-        if p.is_low_precision and not low:
-            warnings.warn(
-                f"HybridZeroOptimizer: dtype={p.name} but every parameter is fp32 "
-                "(wrap the model in NaiveAMPModel before building the optimizer?)",
-                stacklevel=3,
-            )
-        return p
-
     def _register_hook(self, p: nn.Parameter, view: torch.Tensor, bucket: int) -> Any:
         def accumulate(param: torch.Tensor) -> None:
             grad = param.grad
@@ -339,13 +317,12 @@ class HybridZeroOptimizer(torch.optim.Optimizer):
         else:
             grad_norm = global_norm(all_norms, self._count_mask, self._tp) / (scale * self._dp.size)
         factor = (1.0 / (scale * self._dp.size)) * clip_factor(grad_norm, self.clip_grad_norm)
+        grads = []
         for b in self._buckets:
             g = b.grad_flat[b.lo : b.hi]
-            g = g.mul_(factor) if g.dtype == torch.float32 else g.float().mul_(factor)
-            b.master.grad = g
-        self.optim.step()
+            grads.append(g.mul_(factor) if g.dtype == torch.float32 else g.float().mul_(factor))
+        self.policy.update(self.optim, self._buckets, grads)
         for b in self._buckets:
-            b.master.grad = None
             if not b.own_masters:
                 b.param_flat[b.lo : b.hi].copy_(b.master)
             self._zero1.all_gather_flat(b.param_flat)
@@ -445,5 +422,5 @@ def build_optimizer(model: nn.Module, cfg: Mapping[str, Any], **groups: Any) -> 
     )
     return HybridZeroOptimizer(
         inner, grad_scal_cfg=cfg.get("grad_scaler"), zero_cfg=cfg.get("hybrid_zero_optimizer"),
-        dtype=cfg["model"]["dtype"], param_names=model, **groups,
+        dtype=cfg["model"]["dtype"], param_names=model, seed=int(cfg.get("seed") or 0), **groups,
     )

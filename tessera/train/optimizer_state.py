@@ -118,8 +118,8 @@ def load_optimizer_state_dict(self: Any, state_dict: Mapping[str, Any]) -> None:
                 if isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(b.params[0].shape) and (
                     value.dim() > 0 or b.params[0].dim() == 0
                 ) and key != "step":
-                    flat = b.full_from([states[n][key] for n in b.names], torch.float32)
-                    new_state[key] = flat[b.lo : b.hi].clone().to(b.master.dtype)
+                    flat = b.full_from([states[n][key] for n in b.names], value.dtype)  # as saved (fp32 / bf16)
+                    new_state[key] = flat[b.lo : b.hi].clone()
                 elif isinstance(value, torch.Tensor):
                     # torch keeps "step" on the CPU unless the group is capturable / fused
                     on_device = key != "step" or group.get("capturable") or group.get("fused")
@@ -195,11 +195,14 @@ def load_optimizer_shards(self: Any, source: ShardSource) -> None:
         if sharded or replicated:
             new_state: dict[str, Any] = {}
             for key in sharded:
-                flat = torch.zeros(b.shard, dtype=b.master.dtype, device=b.master.device)
+                flat = None
                 for i, a, z in pieces:
                     at = b.offsets[i] + a - b.lo
-                    flat[at : at + z - a].copy_(source.read(b.names[i], key, a, z))
-                new_state[key] = flat
+                    piece = source.read(b.names[i], key, a, z)
+                    if flat is None:  # the dtype it was saved in (fp32 or bf16 moments)
+                        flat = torch.zeros(b.shard, dtype=piece.dtype, device=b.master.device)
+                    flat[at : at + z - a].copy_(piece)
+                new_state[key] = flat if flat is not None else torch.zeros_like(b.master)
             for key, value in replicated.items():
                 if isinstance(value, torch.Tensor):
                     # torch keeps "step" on the CPU unless the group is capturable / fused
@@ -219,8 +222,8 @@ def optimizer_memory_bytes(self: Any) -> dict[str, int]:
     """Bytes of the tensors this process holds, by role, each storage counted once.
 
     weights: the parameters' storage; main_grads: main-grad buffers plus any live ``.grad``;
-    masters: fp32 master slices that are not the parameters themselves; optimizer_states: the
-    inner optimizer's state tensors. ``num_params``: parameters on this rank (TP-local).
+    masters: master slices that are not the parameters themselves; compensation: the Kahan buffers of
+    bf16 masters; optimizer_states: the other state tensors (Adam moments). ``num_params``: parameters on this rank (TP-local).
     """
     seen: set[tuple[int, str]] = set()
 
@@ -239,6 +242,8 @@ def optimizer_memory_bytes(self: Any) -> dict[str, int]:
         "weights": nbytes(self._params),
         "main_grads": nbytes([*self._grad_buffers.values()] + [p.grad for p in self._params if p.grad is not None]),
         "masters": nbytes([b.master for b in self._buckets]),
+        "compensation": nbytes(s["master_compensation"] for s in self.optim.state.values()
+                               if "master_compensation" in s),
         "optimizer_states": nbytes(
             v for s in self.optim.state.values() for v in s.values() if isinstance(v, torch.Tensor)
         ),

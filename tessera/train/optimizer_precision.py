@@ -1,0 +1,114 @@
+"""Which dtypes HybridZeroOptimizer keeps: the model's precision, and the master / moment policy.
+
+Defaults (fp32 masters, fp32 Adam moments) run the wrapped torch optimizer on fp32 master slices.
+``master_dtype="bf16"`` or ``optimizer_state_dtype="bf16"`` switch the update to ``lowp_adamw``: AdamW
+arithmetic in fp32 on the low-precision storage, with the ``master_compensation`` of the choice.
+bf16 masters share the bf16 weights' storage: a separate bf16 copy would hold the same values (the
+weights are the masters rounded to bf16), so it would cost 2 bytes per parameter for nothing.
+Parameters kept fp32 by an fp32 mark keep fp32 masters.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from tessera.config.precision import Precision, resolve_precision
+from tessera.train.grad_buffer import Bucket
+from tessera.train.lowp_adamw import COMPENSATIONS, adamw_step, element_noise, name_key
+
+__all__ = ["MasterPolicy", "resolve_optimizer_dtype"]
+
+_LOW = (torch.float16, torch.bfloat16)
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def resolve_optimizer_dtype(dtype: Any, params: list[nn.Parameter]) -> Precision:
+    """The model precision the optimizer works for: from ``dtype`` when given (checked against the
+    parameters), else from the parameters' low-precision dtype (fp32 when there is none)."""
+    low = {p.dtype for p in params if p.dtype in _LOW}
+    if len(low) > 1:
+        raise TypeError("HybridZeroOptimizer: parameters mix float16 and bfloat16")
+    if dtype is None:
+        return resolve_precision(next(iter(low)) if low else torch.float32)
+    p = resolve_precision(dtype)
+    if p.is_low_precision and low and low != {p.dtype}:
+        raise TypeError(f"HybridZeroOptimizer: dtype={p.name} but the parameters are {next(iter(low))}")
+    if not p.is_low_precision and low:
+        raise TypeError(
+            f"HybridZeroOptimizer: dtype={p.name} but some parameters are {next(iter(low))}; "
+            "pass the model's low-precision dtype"
+        )
+    if p.is_low_precision and not low:
+        warnings.warn(
+            f"HybridZeroOptimizer: dtype={p.name} but every parameter is fp32 "
+            "(wrap the model in NaiveAMPModel before building the optimizer?)",
+            stacklevel=4,
+        )
+    return p
+
+
+@dataclass(frozen=True)
+class MasterPolicy:
+    """``master_dtype`` / ``master_compensation`` / ``optimizer_state_dtype`` and how a step applies them."""
+
+    master_dtype: torch.dtype = torch.float32
+    compensation: str = "none"
+    state_dtype: torch.dtype = torch.float32
+    seed: int = 0
+
+    @classmethod
+    def from_config(cls, zero_cfg: Mapping[str, Any], precision: Precision, optimizer: torch.optim.Optimizer,
+                    seed: int = 0) -> "MasterPolicy":
+        def pick(key: str, default: str, allowed: tuple[str, ...]) -> str:
+            v = zero_cfg.get(key, default)
+            if v not in allowed:
+                raise ValueError(f"hybrid_zero_optimizer.{key} must be one of {list(allowed)}, got {v!r}")
+            return v
+
+        master = pick("master_dtype", "fp32", tuple(_DTYPES))
+        comp = pick("master_compensation", "none", COMPENSATIONS)
+        state = pick("optimizer_state_dtype", "fp32", tuple(_DTYPES))
+        if master == "bf16" and precision.dtype != torch.bfloat16:
+            raise ValueError(f"hybrid_zero_optimizer.master_dtype='bf16' needs model.dtype bf16, not {precision.name}")
+        if comp != "none" and master != "bf16":
+            raise ValueError(f"hybrid_zero_optimizer.master_compensation={comp!r} applies to bf16 masters only "
+                             "(set master_dtype='bf16')")
+        policy = cls(_DTYPES[master], comp, _DTYPES[state], int(seed))
+        if policy.custom and type(optimizer) is not torch.optim.AdamW:
+            raise ValueError("low-precision masters / optimizer states are implemented for torch.optim.AdamW, "
+                             f"not {type(optimizer).__name__}")
+        return policy
+
+    @property
+    def custom(self) -> bool:
+        """True when the update runs in ``lowp_adamw`` instead of the wrapped torch optimizer."""
+        return self.master_dtype != torch.float32 or self.state_dtype != torch.float32
+
+    def update(self, optim: torch.optim.Optimizer, buckets: list[Bucket], grads: list[torch.Tensor]) -> None:
+        """Apply one update to every bucket's master shard from its unscaled, clipped fp32 grad shard."""
+        if not self.custom:
+            for b, g in zip(buckets, grads):
+                b.master.grad = g
+            optim.step()
+            for b in buckets:
+                b.master.grad = None
+            return
+        for b, g, group in zip(buckets, grads, optim.param_groups):
+            state = optim.state[b.master]
+            comp = self.compensation if b.master.dtype == torch.bfloat16 else "none"
+            step = int(state["step"]) + 1 if "step" in state else 1
+            adamw_step(b.master, g, state, group, compensation=comp, state_dtype=self.state_dtype,
+                       noise=lambda b=b, step=step: self._noise(b, step))
+
+    def _noise(self, b: Bucket, step: int) -> torch.Tensor:
+        """Random bits for this rank's shard of bucket ``b``: per parameter element, layout-free."""
+        out = torch.zeros(b.shard, dtype=torch.int32, device=b.master.device)
+        for i, a, z in b.shard_pieces():
+            at = b.offsets[i] + a - b.lo
+            out[at : at + z - a] = element_noise(a, z, name_key(b.names[i]), step, self.seed, b.master.device)
+        return out
