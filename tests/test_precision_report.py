@@ -98,3 +98,20 @@ def test_tool_rejects_bad_config_key(capsys):
 
 # ZeRO-1 over 2 ranks (6 + 12/2 bytes per parameter) is measured inside the DP=2 run of
 # tests/test_optimizer_dist.py (test_precision_report_zero1_2), where the processes already exist.
+
+
+def test_policy_table_lists_every_buffer_with_measured_equal_to_the_closed_form():
+    from tessera.model import build_model
+    from tessera.train.precision_report import POLICIES, policy_table
+
+    cfg = Config.from_file(TINY)
+    text, rows = policy_table(lambda: build_model(cfg.model, tp_group=None, seed=0, device="cpu"), 1,
+                              batch=_batch(cfg.model.vocab_size))
+    assert all(name in text for name in POLICIES)
+    assert len(rows) == len(POLICIES) * 6  # five buffers and the total per policy
+    for row in rows:
+        assert row["zero1"]["measured"] == pytest.approx(row["zero1"]["closed_form"], rel=0.01, abs=1e-3), row
+    kahan = {r["buffer"]: r for r in rows if r["policy"] == "bf16 masters + Kahan + bf16 moments"}
+    # bf16 weights 2 + fp32 grads 4 + masters shared 0 + Kahan 2 + bf16 moments 4 (issue 17's example at d=1)
+    assert kahan["total"]["zero1"]["closed_form"] == pytest.approx(12)
+    assert kahan["masters"]["dtype"] == "= weights (shared)" and kahan["compensation"]["dtype"] == "bfloat16"

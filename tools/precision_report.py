@@ -3,17 +3,23 @@
     python tools/precision_report.py --config configs/tiny.py [--zero1 N] [--dtype bf16]
         [--fp32-modules "*norm*" output] [--use-fp32-norm] [--reduce-dtype fp32|model] [--json]
         [key.sub=value ...]
+    python tools/precision_report.py --config configs/tiny.py --policies [--zero1 N] [--json]
 
 Builds the config's decoder (TP=1, CPU), wraps it in NaiveAMPModel + HybridZeroOptimizer exactly as
 training does, runs one step on random tokens and prints, per module, the parameter dtype, the compute
 dtype and the fp32 marking, then the persistent bytes per parameter (weights, main grads, masters,
 optimizer states) measured from the allocated tensors next to the closed form. ``--zero1 N`` runs the
 measurement on N CPU processes (gloo) so the masters and states are really sharded N ways.
+``--policies`` instead lists, for each optimizer precision policy (fp32 / bf16 masters, Kahan or
+stochastic compensation, bf16 Adam moments), every persistent buffer with its dtype and bytes per
+parameter, measured and closed form, without ZeRO and with ZeRO over N (default 2) processes.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import json
 import sys
 from collections.abc import Sequence
 
@@ -21,19 +27,21 @@ import torch
 
 from tessera.cli_args import positive_int
 from tessera.config import Config, ConfigError
-from tessera.train.precision_report import precision_report
+from tessera.train.precision_report import policy_table, precision_report
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", required=True, help="a tessera config file")
-    ap.add_argument("--zero1", type=positive_int, default=1,
+    ap.add_argument("--zero1", type=positive_int, default=None,
                     help="ZeRO-1 size to measure (spawns that many CPU processes)")
     ap.add_argument("--dtype", default=None, help="override model.dtype (e.g. bf16, fp16, torch.tf32)")
     ap.add_argument("--fp32-modules", nargs="*", default=None, help="override model.fp32_modules patterns")
     ap.add_argument("--use-fp32-norm", action="store_true", default=None, help="set model.use_fp32_norm")
     ap.add_argument("--reduce-dtype", choices=("fp32", "model"), default=None,
                     help="override hybrid_zero_optimizer.reduce_dtype")
+    ap.add_argument("--policies", action="store_true",
+                    help="one table per optimizer precision policy (bf16 model), ZeRO 1 and --zero1 (default 2)")
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
     ap.add_argument("overrides", nargs="*", help="key.sub=value config overrides")
     args = ap.parse_args(argv)
@@ -52,12 +60,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     fp32_modules = model_cfg.fp32_modules if args.fp32_modules is None else args.fp32_modules
     use_fp32_norm = model_cfg.use_fp32_norm if args.use_fp32_norm is None else args.use_fp32_norm
     reduce_dtype = args.reduce_dtype or cfg.hybrid_zero_optimizer.reduce_dtype
-    model = build_model(model_cfg, tp_group=None, seed=cfg.seed, device="cpu")
     g = torch.Generator().manual_seed(0)
     seq = min(cfg.data.seq_len, 64)  # memory per parameter does not depend on the batch
     batch = torch.randint(0, model_cfg.vocab_size, (1, seq), generator=g)
+    if args.policies:
+        text, rows = policy_table(functools.partial(build_model, model_cfg, tp_group=None, seed=cfg.seed, device="cpu"),
+                                  args.zero1 or 2, batch=batch)
+        print(json.dumps(rows, indent=1) if args.json else text)
+        return 0
+    model = build_model(model_cfg, tp_group=None, seed=cfg.seed, device="cpu")
     try:
-        report = precision_report(model, dtype, args.zero1, batch=batch, fp32_modules=fp32_modules,
+        report = precision_report(model, dtype, args.zero1 or 1, batch=batch, fp32_modules=fp32_modules,
                                   use_fp32_norm=use_fp32_norm, reduce_dtype=reduce_dtype)
     except (ConfigError, ValueError) as e:  # a bad --dtype / --fp32-modules, or a --zero1 the job cannot run
         print(f"error: {e}", file=sys.stderr)

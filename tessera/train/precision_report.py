@@ -21,9 +21,19 @@ from tessera.testing import run_distributed
 from tessera.train.naive_amp import NaiveAMPModel, fp32_module_names, unwrap_model
 from tessera.train.optimizer import HybridZeroOptimizer, build_param_groups
 
-__all__ = ["ModuleRow", "PrecisionReport", "closed_form_bytes", "precision_report"]
+__all__ = ["ModuleRow", "PrecisionReport", "closed_form_bytes", "precision_report", "POLICIES", "policy_table"]
 
-ROLES = ("weights", "main_grads", "masters", "optimizer_states")
+ROLES = ("weights", "main_grads", "masters", "compensation", "optimizer_states")
+# the optimizer precision policies of issue 17 (hybrid_zero_optimizer keys), as the report names them
+POLICIES: dict[str, dict[str, str]] = {
+    "fp32 masters (default)": {},
+    "bf16 masters": {"master_dtype": "bf16"},
+    "bf16 masters + Kahan": {"master_dtype": "bf16", "master_compensation": "kahan"},
+    "bf16 masters + stochastic": {"master_dtype": "bf16", "master_compensation": "stochastic"},
+    "bf16 Adam moments": {"optimizer_state_dtype": "bf16"},
+    "bf16 masters + Kahan + bf16 moments": {"master_dtype": "bf16", "master_compensation": "kahan",
+                                            "optimizer_state_dtype": "bf16"},
+}
 
 
 @dataclass
@@ -74,19 +84,27 @@ class PrecisionReport:
 
 
 def closed_form_bytes(
-    dtype: Any, zero1_size: int, low_params: int, fp32_params: int, reduce_dtype: str = "fp32"
+    dtype: Any, zero1_size: int, low_params: int, fp32_params: int, reduce_dtype: str = "fp32",
+    policy: dict[str, str] | None = None,
 ) -> dict[str, float]:
-    """Bytes per parameter by role for ``low_params`` model-dtype and ``fp32_params`` fp32 parameters."""
+    """Bytes per parameter by role for ``low_params`` model-dtype and ``fp32_params`` fp32 parameters,
+    under the optimizer ``policy`` (``master_dtype``, ``master_compensation``, ``optimizer_state_dtype``)."""
     p = resolve_precision(dtype)
+    policy = policy or {}
     d = zero1_size
     low_w = torch.finfo(p.dtype).bits // 8 if p.is_low_precision else 4
     low_g = low_w if (p.is_low_precision and reduce_dtype == "model") else 4
-    low_m = 4 / d if p.is_low_precision else 0.0  # fp32 parameters are their own masters
+    bf16_masters = policy.get("master_dtype", "fp32") == "bf16"
+    # fp32 parameters are their own masters; bf16 masters share the bf16 weights' storage
+    low_m = 4 / d if p.is_low_precision and not bf16_masters else 0.0
+    comp = 2 / d if bf16_masters and policy.get("master_compensation") == "kahan" else 0.0
+    moments = 4 if policy.get("optimizer_state_dtype", "fp32") == "bf16" else 8
     per = {
         "weights": low_w * low_params + 4 * fp32_params,
         "main_grads": low_g * low_params + 4 * fp32_params,
         "masters": low_m * low_params,
-        "optimizer_states": 8 / d * (low_params + fp32_params),
+        "compensation": comp * low_params,
+        "optimizer_states": moments / d * (low_params + fp32_params),
     }
     n = max(1, low_params + fp32_params)
     out = {k: v / n for k, v in per.items()}
@@ -124,11 +142,13 @@ def _rows(amp: NaiveAMPModel) -> list[ModuleRow]:
 def _build_and_measure(
     model: nn.Module, dtype: Any, batch: Any, loss_fn: Callable[[Any], torch.Tensor] | None,
     fp32_modules: Iterable[str], use_fp32_norm: bool, reduce_dtype: str, groups: dict[str, Any],
+    policy: dict[str, str] | None = None,
 ) -> PrecisionReport:
     amp = NaiveAMPModel(model, dtype=dtype, sync_buffer=False, fp32_modules=list(fp32_modules),
                         use_fp32_norm=use_fp32_norm)
     inner = torch.optim.AdamW(build_param_groups(amp, 0.01), lr=1e-4)
-    opt = HybridZeroOptimizer(inner, dtype=dtype, reduce_dtype=reduce_dtype, param_names=amp, **groups)
+    opt = HybridZeroOptimizer(inner, zero_cfg=dict(policy or {}), dtype=dtype, reduce_dtype=reduce_dtype,
+                              param_names=amp, **groups)
     args = batch if isinstance(batch, tuple) else (batch,)
     opt.backward((loss_fn or _default_loss)(amp(*args)))
     opt.step()
@@ -144,17 +164,18 @@ def _build_and_measure(
     return PrecisionReport(
         precision="tf32" if precision.tf32 else precision.name, zero1_size=d, reduce_dtype=reduce_dtype,
         num_params=n, fp32_params=fp32, rows=_rows(amp), measured=measured,
-        closed_form=closed_form_bytes(precision, d, low, fp32, reduce_dtype),
-        closed_form_uniform=closed_form_bytes(precision, d, low + fp32, 0, reduce_dtype)
-        if precision.is_low_precision else closed_form_bytes(precision, d, 0, low + fp32, reduce_dtype),
+        closed_form=closed_form_bytes(precision, d, low, fp32, reduce_dtype, policy),
+        closed_form_uniform=closed_form_bytes(precision, d, low + fp32, 0, reduce_dtype, policy)
+        if precision.is_low_precision else closed_form_bytes(precision, d, 0, low + fp32, reduce_dtype, policy),
     )
 
 
 def _report_worker(rank: int, world: int, model: nn.Module, dtype: Any, batch: Any, loss_fn: Any,
-                   fp32_modules: list[str], use_fp32_norm: bool, reduce_dtype: str) -> PrecisionReport:
+                   fp32_modules: list[str], use_fp32_norm: bool, reduce_dtype: str,
+                   policy: dict[str, str] | None = None) -> PrecisionReport:
     group = dist.group.WORLD
     return _build_and_measure(model, dtype, batch, loss_fn, fp32_modules, use_fp32_norm, reduce_dtype,
-                              {"dp_group": group, "zero1_group": group, "global_group": group})
+                              {"dp_group": group, "zero1_group": group, "global_group": group}, policy)
 
 
 def precision_report(
@@ -167,10 +188,13 @@ def precision_report(
     fp32_modules: Iterable[str] = (),
     use_fp32_norm: bool = False,
     reduce_dtype: str = "fp32",
+    policy: dict[str, str] | None = None,
     timeout: float = 300.0,
 ) -> PrecisionReport:
     """Wrap ``model`` (an unwrapped fp32 module; it is cast in place), run one optimizer step on
     ``batch`` and report dtypes per module and measured vs closed-form bytes per parameter.
+    ``policy``: the optimizer's precision keys (``master_dtype``, ``master_compensation``,
+    ``optimizer_state_dtype``; see ``POLICIES``).
 
     ``zero1_size > 1`` needs that many data-parallel processes: inside a job whose default group has
     exactly that size the default group is used; otherwise the report runs on ``zero1_size`` spawned CPU
@@ -182,12 +206,51 @@ def precision_report(
         raise ValueError(f"zero1_size must be >= 1, got {zero1_size}")
     fp32_modules = list(fp32_modules)
     if zero1_size == 1:
-        return _build_and_measure(model, dtype, batch, loss_fn, fp32_modules, use_fp32_norm, reduce_dtype, {})
+        return _build_and_measure(model, dtype, batch, loss_fn, fp32_modules, use_fp32_norm, reduce_dtype, {},
+                                  policy)
     if dist.is_available() and dist.is_initialized():
         if dist.get_world_size() != zero1_size:
             raise ValueError(f"precision_report: zero1_size={zero1_size} but the default process group has "
                              f"{dist.get_world_size()} ranks")
         return _report_worker(dist.get_rank(), zero1_size, model, dtype, batch, loss_fn, fp32_modules,
-                              use_fp32_norm, reduce_dtype)
+                              use_fp32_norm, reduce_dtype, policy)
     return run_distributed(_report_worker, zero1_size, model, dtype, batch, loss_fn, fp32_modules,
-                           use_fp32_norm, reduce_dtype, timeout=timeout)[0]
+                           use_fp32_norm, reduce_dtype, policy, timeout=timeout)[0]
+
+
+_BUFFERS = (  # role -> (what it is, its dtype under a policy)
+    ("weights", "weights", lambda pol, model: model),
+    ("main_grads", "main grads", lambda pol, model: "float32"),
+    ("masters", "masters", lambda pol, model: "= weights (shared)" if pol.get("master_dtype") == "bf16" else "float32"),
+    ("compensation", "Kahan compensation", lambda pol, model: "bfloat16"
+     if pol.get("master_compensation") == "kahan" else "-"),
+    ("optimizer_states", "Adam moments", lambda pol, model: "bfloat16"
+     if pol.get("optimizer_state_dtype") == "bf16" else "float32"),
+)
+
+
+def policy_table(model_factory: Callable[[], nn.Module], zero1_size: int, *, batch: Any,
+                 policies: dict[str, dict[str, str]] | None = None) -> tuple[str, list[dict[str, Any]]]:
+    """Every persistent buffer of each optimizer precision policy (bf16 model): dtype and bytes per
+    parameter, measured and closed form, without ZeRO and with ZeRO over ``zero1_size`` ranks.
+
+    ``model_factory()`` builds a fresh unwrapped fp32 model (each measurement casts one). Returns the
+    table as text and the rows as dicts (for JSON)."""
+    rows: list[dict[str, Any]] = []
+    lines = []
+    for name, pol in (policies or POLICIES).items():
+        reports = {d: precision_report(model_factory(), "bf16", d, batch=batch, policy=pol)
+                   for d in sorted({1, zero1_size})}
+        lines += ["", f"{name}  {pol or '(defaults)'}",
+                  f"  {'buffer':<20}{'dtype':<20}" + "".join(f"{f'ZeRO {d}: measured':>20}{'closed form':>13}"
+                                                            for d in reports)]
+        for role, label, dtype_of in (*_BUFFERS, ("total", "total", lambda pol, model: "")):
+            cells = "".join(f"{r.measured.get(role, 0):>20.3f}{r.closed_form.get(role, 0):>13.3f}"
+                            for r in reports.values())
+            lines.append(f"  {label:<20}{dtype_of(pol, 'bfloat16'):<20}{cells}")
+            rows.append({"policy": name, "keys": pol, "buffer": role, "dtype": dtype_of(pol, "bfloat16"),
+                         **{f"zero{d}": {"measured": r.measured.get(role, 0), "closed_form": r.closed_form.get(role, 0)}
+                            for d, r in reports.items()}})
+    head = ("persistent training memory per parameter by optimizer precision policy (bf16 model, fp32 main "
+            "grads); measured from the allocated tensors after one step, closed form beside it")
+    return "\n".join([head, *lines]), rows
