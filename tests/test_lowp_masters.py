@@ -243,3 +243,18 @@ def test_zero_1_and_2_give_the_same_weights_for_every_policy():
             assert torch.equal(a, b), policy
         for a, b in zip(res[0][policy, 2], res[1][policy, 2]):
             assert torch.equal(a, b), policy
+
+
+def test_config_checks_name_the_keys():
+    from tessera.config import Config, ConfigError
+
+    tiny = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "tiny.py")
+    with pytest.raises(ConfigError, match="master_dtype='bf16' needs model.dtype bfloat16"):
+        Config.from_file(tiny, ["hybrid_zero_optimizer.master_dtype='bf16'", "model.dtype='torch.float16'"])
+    with pytest.raises(ConfigError, match="master_compensation='kahan' applies to bf16 masters only"):
+        Config.from_file(tiny, ["hybrid_zero_optimizer.master_compensation='kahan'", "model.dtype='bf16'"])
+    with pytest.raises(ConfigError, match="optimizer_state_dtype"):
+        Config.from_file(tiny, ["hybrid_zero_optimizer.optimizer_state_dtype='fp16'"])
+    cfg = Config.from_file(tiny, ["hybrid_zero_optimizer.master_dtype='bf16'", "model.dtype='bf16'",
+                                  "hybrid_zero_optimizer.master_compensation='stochastic'"])
+    assert cfg.hybrid_zero_optimizer.master_compensation == "stochastic"

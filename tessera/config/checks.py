@@ -12,7 +12,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from tessera.config.errors import ConfigError, where
+from tessera.config.precision import resolve_precision
 from tessera.config.schema import SCHEMA
 from tessera.model.args import ModelArgs, ModelSizeError, check_tensor_parallel_sizes
 
@@ -75,9 +78,23 @@ def check_config(cfg: dict[str, Any], source: str | None = None) -> None:
     if not gs["fp16"]["min_scale"] <= gs["fp16"]["initial_scale"] <= gs["max_scale"]:
         raise ConfigError(f"grad_scaler.fp16.initial_scale={gs['fp16']['initial_scale']} is outside "
                           f"[min_scale, max_scale]{w}")
+    check_optimizer_precision(cfg, source)
     ck = cfg["ckpt"]
     if ck["enable_save_ckpt"] and not ck["save_ckpt_folder"]:
         raise ConfigError(f"ckpt.save_ckpt_folder is required when ckpt.enable_save_ckpt=True{w}")
+
+
+def check_optimizer_precision(cfg: dict[str, Any], source: str | None = None) -> None:
+    """bf16 masters only under a bf16 model; a compensation only for bf16 masters."""
+    w = where(source)
+    opt = cfg["hybrid_zero_optimizer"]
+    model_dtype = resolve_precision(cfg["model"]["dtype"])
+    if opt["master_dtype"] == "bf16" and model_dtype.dtype != torch.bfloat16:
+        raise ConfigError(f"hybrid_zero_optimizer.master_dtype='bf16' needs model.dtype bfloat16, not "
+                          f"{model_dtype.name}: the masters share the bf16 weights' storage{w}")
+    if opt["master_compensation"] != "none" and opt["master_dtype"] != "bf16":
+        raise ConfigError(f"hybrid_zero_optimizer.master_compensation={opt['master_compensation']!r} applies to "
+                          f"bf16 masters only; set hybrid_zero_optimizer.master_dtype='bf16'{w}")
 
 
 # ------------------------------------------------------------------------------ layout (needs the world size)

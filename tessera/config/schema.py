@@ -241,6 +241,12 @@ SCHEMA = Section(
                 "clip_grad_norm": Key(FLOAT, 1.0, _non_negative, doc="0 disables clipping"),
                 "reduce_dtype": Key(STR, "fp32", _one_of("fp32", "model"),
                                     doc="dtype of gradient accumulation and the DP all-reduce"),
+                "master_dtype": Key(STR, "fp32", _one_of("fp32", "bf16"),
+                                    doc="bf16: masters share the bf16 weights' storage (model.dtype bf16 only)"),
+                "master_compensation": Key(STR, "none", _one_of("none", "kahan", "stochastic"),
+                                           doc="bf16 masters: a bf16 Kahan buffer, or unbiased stochastic rounding"),
+                "optimizer_state_dtype": Key(STR, "fp32", _one_of("fp32", "bf16"),
+                                             doc="storage of the Adam moments (the update computes in fp32)"),
                 "overlap_sync_grad": Key(BOOL, True, doc="launch each gradient bucket's DP reduction during the "
                                                          "last micro-batch's backward"),
                 "reduce_bucket_size": Key(INT, DEFAULT_REDUCE_BUCKET_SIZE, _positive,
