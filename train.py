@@ -102,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     logger.info("data: %s", data.info)
 
     # 5. model (fp32, TP-sharded), optional weights-only start, then the precision wrapper
-    model = build_model(cfg.model, tp_group=tp_group, seed=seed, device=device)
+    model = build_model(cfg.model, tp_group=tp_group, seed=seed, device=device,
+                        tensor_mode=cfg.parallel.tensor.mode)
     if cfg.ckpt.load_ckpt_folder and not _has_checkpoint(cfg):
         load_checkpoint(cfg.ckpt.load_ckpt_folder, model=model, optimizer=None, layout=layout, load_optimizer=False)
         logger.info("initialized weights from %s", cfg.ckpt.load_ckpt_folder)

@@ -323,11 +323,10 @@ def test_norm_type_accepts_only_rmsnorm():
     Config.from_file("configs/7B.py")  # InternEvo's key, set in the 7B config
 
 
-def test_tensor_mode_mtp_only_msp_not_implemented_yet():
+def test_tensor_modes_mtp_and_msp():
     assert Config.from_dict(BASE).parallel.tensor.mode == "mtp"
     assert Config.from_dict(with_changes(parallel=dict(tensor=dict(size=2, mode="mtp")))).parallel.tensor.mode == "mtp"
-    expect_error(with_changes(parallel=dict(tensor=dict(size=2, mode="msp"))), "parallel.tensor.mode", "msp",
-                 "not implemented yet")
+    assert Config.from_dict(with_changes(parallel=dict(tensor=dict(size=2, mode="msp")))).parallel.tensor.mode == "msp"
     expect_error(with_changes(parallel=dict(tensor=dict(size=2, mode="sp"))), "parallel.tensor.mode", "'mtp'", "'msp'")
 
 

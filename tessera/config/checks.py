@@ -62,6 +62,10 @@ def check_config(cfg: dict[str, Any], source: str | None = None) -> None:
     if m["num_kv_attention_heads"] is None:
         m["num_kv_attention_heads"] = m["num_attention_heads"]
     check_model_sizes(m, par["tensor"]["size"], source)
+    if par["tensor"]["mode"] == "msp" and data["seq_len"] % par["tensor"]["size"]:
+        raise ConfigError(f"data.seq_len={data['seq_len']} is not divisible by parallel.tensor.size="
+                          f"{par['tensor']['size']}: parallel.tensor.mode='msp' splits the sequence evenly over "
+                          f"the tensor-parallel ranks{w}")
     if m["max_position_embeddings"] is None:
         m["max_position_embeddings"] = data["seq_len"]
     elif data["seq_len"] > m["max_position_embeddings"]:

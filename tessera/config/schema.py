@@ -69,7 +69,9 @@ def _size_or_all(v: Any) -> str | None:
 def _checkpoint_value(v: Any) -> str | None:
     if isinstance(v, bool):
         return None
-    return None if 0 <= v <= 1 else "must be a bool or a fraction of layers in [0, 1]"
+    if isinstance(v, str):
+        return None if v == "selective" else "must be a bool, a fraction of layers in [0, 1] or 'selective'"
+    return None if 0 <= v <= 1 else "must be a bool, a fraction of layers in [0, 1] or 'selective'"
 
 
 def _dtype_value(v: Any) -> str | None:
@@ -86,7 +88,7 @@ def _str_list(v: Any) -> str | None:
 
 NORM_TYPES = ("rmsnorm",)
 DEFAULT_REDUCE_BUCKET_SIZE = 2**25  # elements (128 MiB of fp32 main grads), Megatron-sized
-TENSOR_MODES = ("mtp", "msp")  # DESIGN's values; msp is accepted by name only to say it is not there yet
+TENSOR_MODES = ("mtp", "msp")  # DESIGN's values: replicated activations / sequence parallelism
 
 
 def _norm_type(v: Any) -> str | None:
@@ -94,9 +96,7 @@ def _norm_type(v: Any) -> str | None:
 
 
 def _tensor_mode(v: Any) -> str | None:
-    if v == "msp":
-        return "'msp' (sequence parallelism) is not implemented yet; use 'mtp'"
-    return None if v in TENSOR_MODES else f"must be one of {list(TENSOR_MODES)} ('msp' is not implemented yet)"
+    return None if v in TENSOR_MODES else f"must be one of {list(TENSOR_MODES)}"
 
 
 _MODEL_ARG_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelArgs)}
@@ -148,7 +148,10 @@ SCHEMA = Section(
                 "layer_norm_epsilon": _arg("layer_norm_epsilon", FLOAT, _positive),
                 "use_flash_attn": _arg("use_flash_attn", BOOL,
                                        doc="use the flash-attn package on CUDA when it is installed"),
-                "checkpoint": _arg("checkpoint", (bool, float, int), _checkpoint_value, doc="activation checkpointing"),
+                "checkpoint": _arg("checkpoint", (bool, float, int, str), _checkpoint_value,
+                                   doc="activation checkpointing: True/False, a fraction of layers (full "
+                                       "recomputation), or 'selective' (keep GEMM outputs, recompute the "
+                                       "attention core and elementwise ops)"),
                 "parallel_output": _arg("parallel_output", BOOL, doc="keep logits vocab-sharded for the parallel loss"),
                 "tie_word_embeddings": _arg("tie_word_embeddings", BOOL),
                 "rope_base": _arg("rope_base", FLOAT, _positive),
@@ -169,8 +172,9 @@ SCHEMA = Section(
                     {
                         "size": Key(INT, 1, _positive),
                         "mode": Key(STR, "mtp", _tensor_mode,
-                                    doc="mtp: activations replicated over TP between layers; msp (sequence "
-                                        "parallelism) is not implemented yet"),
+                                    doc="mtp: activations replicated over TP between layers; msp: sequence "
+                                        "parallelism (norm/residual/dropout activations split along the "
+                                        "sequence over TP; data.seq_len must divide by the TP size)"),
                     }
                 ),
                 "zero1": Section({"size": Key(INT, -1, _size_or_all)}),

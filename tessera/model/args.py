@@ -33,7 +33,7 @@ class ModelArgs:
     multiple_of: int = 256
     layer_norm_epsilon: float = 1e-5
     use_flash_attn: bool = True
-    checkpoint: bool | float = False
+    checkpoint: bool | float | str = False  # True / fraction of layers: full; "selective" (tessera.model.recompute)
     parallel_output: bool = True
     tie_word_embeddings: bool = False
     rope_base: float = 10000.0
@@ -45,6 +45,8 @@ class ModelArgs:
     def __post_init__(self) -> None:
         if self.num_kv_attention_heads is None:
             self.num_kv_attention_heads = self.num_attention_heads
+        if isinstance(self.checkpoint, str) and self.checkpoint != "selective":
+            raise ValueError(f"checkpoint={self.checkpoint!r}: must be a bool, a fraction of layers or 'selective'")
 
     @classmethod
     def from_config(cls, model_cfg: Any) -> "ModelArgs":
@@ -73,8 +75,17 @@ class ModelArgs:
         return ffn_hidden_size(self.hidden_size, self.mlp_ratio, self.multiple_of)
 
     @property
+    def selective_checkpoint(self) -> bool:
+        """``checkpoint="selective"``: every layer keeps its GEMM outputs and recomputes the rest."""
+        return isinstance(self.checkpoint, str)
+
+    @property
     def num_checkpoint_layers(self) -> int:
-        """Layers run under activation checkpointing: all for True, none for False, else round(fraction*L)."""
+        """Layers under full checkpointing: all for True, none for False or "selective", else round(fraction*L)."""
+        if isinstance(self.checkpoint, str):
+            if self.checkpoint != "selective":
+                raise ValueError(f"checkpoint={self.checkpoint!r}: a bool, a fraction of layers or 'selective'")
+            return 0
         if isinstance(self.checkpoint, bool):
             return self.num_layers if self.checkpoint else 0
         return int(round(float(self.checkpoint) * self.num_layers))

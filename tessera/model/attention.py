@@ -32,9 +32,10 @@ import torch.nn as nn
 from tessera.parallel import lowp
 
 from tessera.model.args import check_sizes
+from tessera.model.recompute import keep_gemm_outputs
 from tessera.model.rotary import apply_rotary, document_ids
-from tessera.parallel.comm import copy_to_region, group_size, to_host
-from tessera.parallel.layers import ColumnParallelLinear, RowParallelLinear, divide
+from tessera.parallel.comm import group_size, to_host
+from tessera.parallel.layers import ColumnParallelLinear, RowParallelLinear, column_parallel_linears, divide
 
 __all__ = ["Attention", "AttentionPlan", "KVCacheLayer", "plan_attention", "check_cu_seqlens", "RNGReplay",
            "attend", "attend_cached", "select_backend"]
@@ -274,12 +275,16 @@ class Attention(nn.Module):
         plan: AttentionPlan,
         rng_replay: RNGReplay | None = None,
         cache: KVCacheLayer | None = None,
+        sequence_parallel: bool = False,
     ) -> torch.Tensor:
-        b, s, _ = x.shape
-        x = copy_to_region(x, self.process_group)  # one gradient all-reduce for q, k and v together
-        q = self.wq(x, input_is_copied=True).view(b, s, self.num_heads_per_rank, self.head_dim)
-        k = self.wk(x, input_is_copied=True).view(b, s, self.num_kv_heads_per_rank, self.head_dim)
-        v = self.wv(x, input_is_copied=True).view(b, s, self.num_kv_heads_per_rank, self.head_dim)
+        """``sequence_parallel``: ``x`` is this rank's sequence chunk (msp); the projections gather the full
+        sequence, attention runs on it, and ``wo`` reduce-scatters back into chunks."""
+        with keep_gemm_outputs():  # entering the TP region once for q, k and v (one gradient collective)
+            q, k, v = column_parallel_linears(x, [self.wq, self.wk, self.wv], sequence_parallel=sequence_parallel)
+        b, s = q.shape[:2]  # the full sequence, also under sequence parallelism
+        q = q.view(b, s, self.num_heads_per_rank, self.head_dim)
+        k = k.view(b, s, self.num_kv_heads_per_rank, self.head_dim)
+        v = v.view(b, s, self.num_kv_heads_per_rank, self.head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         p = self.attn_dropout if self.training else 0.0
         if cache is not None:
@@ -294,4 +299,4 @@ class Attention(nn.Module):
                     out = attend(q, k, v, plan, p)
                 else:
                     out = rng_replay.run(lambda: attend(q, k, v, plan, p), q.device)
-        return self.wo(out.reshape(b, s, self.num_heads_per_rank * self.head_dim))
+        return self.wo(out.reshape(b, s, self.num_heads_per_rank * self.head_dim), sequence_parallel=sequence_parallel)

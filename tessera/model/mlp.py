@@ -8,8 +8,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tessera.parallel.comm import copy_to_region
-from tessera.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from tessera.model.recompute import keep_gemm_outputs
+from tessera.parallel.layers import ColumnParallelLinear, RowParallelLinear, column_parallel_linears
 
 __all__ = ["FeedForward", "ffn_hidden_size"]
 
@@ -43,8 +43,8 @@ class FeedForward(nn.Module):
         out_std = init_std if out_init_std is None else out_init_std
         self.w2 = RowParallelLinear(ffn_hidden, hidden_size, bias, init_std=out_std, **kw)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = copy_to_region(x, self.process_group)  # one gradient all-reduce for w1 and w3 together
-        gate = self.w1(x, input_is_copied=True)
-        up = self.w3(x, input_is_copied=True)
-        return self.w2(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, sequence_parallel: bool = False) -> torch.Tensor:
+        """``sequence_parallel``: ``x`` is this rank's sequence chunk (msp), and so is the output."""
+        with keep_gemm_outputs():  # entering the TP region once for w1 and w3 (one gradient collective)
+            gate, up = column_parallel_linears(x, [self.w1, self.w3], sequence_parallel=sequence_parallel)
+        return self.w2(F.silu(gate) * up, sequence_parallel=sequence_parallel)

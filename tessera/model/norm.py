@@ -2,15 +2,20 @@
 
 The mean of squares is computed in fp32 (fp64 for fp64 inputs) whatever the input dtype (bf16/fp16 sums of squares lose
 precision and can overflow); the result is scaled by the weight in fp32 and cast back to the input
-dtype once. The weight is TP-replicated.
+dtype once. The weight is TP-replicated. Under sequence parallelism (msp) a norm sees only this rank's
+sequence chunk, so its weight gradient is partial: ``forward(x, sequence_parallel=True)`` sums it over
+the TP group inside autograd (``process_group``), and the optimizer sees the full gradient as in mtp.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn as nn
 
 from tessera.parallel.attrs import set_tensor_parallel_attrs
+from tessera.parallel.sequence import reduce_grad_over_group
 
 __all__ = ["RMSNorm"]
 
@@ -18,9 +23,10 @@ __all__ = ["RMSNorm"]
 class RMSNorm(nn.Module):
     """``y = x / sqrt(mean(x^2) + eps) * weight`` over the last dim."""
 
-    def __init__(self, dim: int, eps: float = 1e-5, *, device: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None) -> None:
+    def __init__(self, dim: int, eps: float = 1e-5, *, process_group: Any = None,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__()
+        self.process_group = process_group  # the TP group: sums the weight gradient under sequence parallelism
         self.dim = dim
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(dim, device=device, dtype=dtype))
@@ -33,11 +39,15 @@ class RMSNorm(nn.Module):
             with torch.no_grad():
                 self.weight.fill_(1.0)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, sequence_parallel: bool = False) -> torch.Tensor:
+        """``sequence_parallel=True``: ``x`` is a sequence chunk; the weight gradient is summed over TP."""
         compute = torch.promote_types(x.dtype, torch.float32)  # fp32, or fp64 for fp64 inputs
         xc = x.to(compute)
         y = xc * torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * self.weight.to(compute)).to(x.dtype)
+        weight = self.weight.to(compute)
+        if sequence_parallel:
+            weight = reduce_grad_over_group(weight, self.process_group)  # in fp32: summed before the cast back
+        return (y * weight).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.dim}, eps={self.eps}"

@@ -27,27 +27,35 @@ from typing import Any, Callable, ContextManager
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from tessera.model.args import ModelArgs, check_tensor_parallel_sizes
 from tessera.model.attention import Attention, AttentionPlan, KVCacheLayer, RNGReplay, check_cu_seqlens, plan_attention
 from tessera.model.mlp import FeedForward
 from tessera.model.norm import RMSNorm
+from tessera.model.recompute import full_checkpoint, selective_checkpoint
 from tessera.model.rotary import positions_from_cu_seqlens, rotary_cos_sin
 from tessera.parallel.comm import group_size
+from tessera.parallel.sequence import sequence_dropout
 from tessera.parallel.defaults import launch_defaults
 from tessera.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
 logger = logging.getLogger("tessera")
 
-__all__ = ["DecoderLayer", "Transformer", "build_model", "check_tensor_parallel_sizes", "logits_are_vocab_sharded"]
+__all__ = ["DecoderLayer", "Transformer", "build_model", "check_tensor_parallel_sizes", "logits_are_vocab_sharded",
+           "TENSOR_MODES"]
 
 TensorRNG = Callable[[], ContextManager[Any]]
 _INIT_MODULES = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, RMSNorm)
+TENSOR_MODES = ("mtp", "msp")
 
 
 class DecoderLayer(nn.Module):
-    """``h = x + drop(attention(attention_norm(x)))``; ``out = h + drop(feed_forward(ffn_norm(h)))``."""
+    """``h = x + drop(attention(attention_norm(x)))``; ``out = h + drop(feed_forward(ffn_norm(h)))``.
+
+    With ``sequence_parallel`` (msp) ``x``, ``h`` and ``out`` are this rank's sequence chunks; the
+    attention and MLP gather the full sequence themselves. ``selective``: each half runs under the
+    selective checkpoint of ``tessera.model.recompute``.
+    """
 
     def __init__(
         self,
@@ -60,13 +68,15 @@ class DecoderLayer(nn.Module):
         super().__init__()
         out_std = args.init_std / math.sqrt(2 * args.num_layers)
         self.dropout = args.dropout
-        self.attention_norm = RMSNorm(args.hidden_size, args.layer_norm_epsilon, device=device)
+        self.process_group = process_group
+        norm = dict(process_group=process_group, device=device)
+        self.attention_norm = RMSNorm(args.hidden_size, args.layer_norm_epsilon, **norm)
         self.attention = Attention(
             args.hidden_size, args.num_attention_heads, args.num_kv_attention_heads, process_group,
             bias=args.bias, attn_dropout=args.attn_dropout, init_std=args.init_std, out_init_std=out_std,
             tensor_rng=tensor_rng, device=device,
         )
-        self.ffn_norm = RMSNorm(args.hidden_size, args.layer_norm_epsilon, device=device)
+        self.ffn_norm = RMSNorm(args.hidden_size, args.layer_norm_epsilon, **norm)
         self.feed_forward = FeedForward(
             args.hidden_size, args.ffn_hidden_size, process_group,
             bias=args.bias, init_std=args.init_std, out_init_std=out_std, device=device,
@@ -80,13 +90,29 @@ class DecoderLayer(nn.Module):
         plan: AttentionPlan,
         rng_replay: RNGReplay | None = None,
         cache: KVCacheLayer | None = None,
+        sequence_parallel: bool = False,
+        selective: bool = False,
     ) -> torch.Tensor:
-        h = x + self._drop(self.attention(self.attention_norm(x), cos, sin, plan, rng_replay, cache))
-        return h + self._drop(self.feed_forward(self.ffn_norm(h)))
+        if selective:
+            h = selective_checkpoint(self._attention_block, x, cos, sin, plan, RNGReplay(), None, sequence_parallel)
+            return selective_checkpoint(self._mlp_block, h, sequence_parallel)
+        h = self._attention_block(x, cos, sin, plan, rng_replay, cache, sequence_parallel)
+        return self._mlp_block(h, sequence_parallel)
 
-    def _drop(self, x: torch.Tensor) -> torch.Tensor:
-        # residual dropout draws from the ambient stream, identical on all TP ranks (replicated activations)
-        return F.dropout(x, self.dropout, training=True) if self.training and self.dropout > 0 else x
+    def _attention_block(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: AttentionPlan,
+                         rng_replay: RNGReplay | None, cache: KVCacheLayer | None, sp: bool) -> torch.Tensor:
+        normed = self.attention_norm(x, sequence_parallel=sp)
+        return x + self._drop(self.attention(normed, cos, sin, plan, rng_replay, cache, sequence_parallel=sp), sp)
+
+    def _mlp_block(self, h: torch.Tensor, sp: bool) -> torch.Tensor:
+        return h + self._drop(self.feed_forward(self.ffn_norm(h, sequence_parallel=sp), sequence_parallel=sp), sp)
+
+    def _drop(self, x: torch.Tensor, sp: bool) -> torch.Tensor:
+        # residual dropout draws from the ambient stream, identical on all TP ranks; under sequence parallelism
+        # each rank keeps its chunk of the full-sequence mask (the same mask as mtp)
+        if not (self.training and self.dropout > 0):
+            return x
+        return sequence_dropout(x, self.dropout, self.process_group) if sp else F.dropout(x, self.dropout, training=True)
 
 
 class Transformer(nn.Module):
@@ -100,6 +126,16 @@ class Transformer(nn.Module):
     ``cache`` (a ``tessera.model.kv_cache.KVCache``, inference only) continues cached sequences: the
     ids are the next positions, keys/values are appended to the cache. Generation thus runs through
     the same module calls as training, so fp32 marks and their casts apply to it alike.
+
+    ``tensor_mode="msp"`` (sequence parallelism, ``tessera.parallel.sequence``): between the row-parallel
+    outputs and the next column-parallel inputs (embedding output, norms, residual adds, dropout) each TP
+    rank holds a contiguous chunk of ``seq_len / tp`` tokens; attention, rotary and ``cu_seqlens`` act
+    inside the TP region on the full sequence, and the head gathers it, so logits, loss and gradients
+    are mtp's (parameters too: a checkpoint loads across modes). It applies to forwards that record an
+    autograd graph without a KV cache -- where it saves memory, the activations kept for backward.
+    Forwards without autograd (validation under no_grad, generation, KV-cache decoding) run the mtp
+    dataflow, the same numbers for any sequence length; a recorded forward whose length does not split
+    over tp is an error.
     """
 
     def __init__(
@@ -110,20 +146,25 @@ class Transformer(nn.Module):
         seed: int = 1024,
         device: torch.device | str | None = None,
         tensor_rng: TensorRNG | None = None,
+        tensor_mode: str = "mtp",
     ) -> None:
         super().__init__()
+        if tensor_mode not in TENSOR_MODES:
+            raise ValueError(f"tensor_mode={tensor_mode!r}: must be one of {list(TENSOR_MODES)}")
         self.args = args
         self.process_group = process_group
         self.tp_size = group_size(process_group)
         check_tensor_parallel_sizes(args, self.tp_size)  # the rules the config checks too, before any group
+        self.tensor_mode = tensor_mode
         self.num_checkpoint_layers = args.num_checkpoint_layers
+        self.selective_checkpoint = args.selective_checkpoint
         self.embedding = VocabParallelEmbedding(
             args.vocab_size, args.hidden_size, process_group, init_std=args.init_std, init_seed=None, device=device
         )
         self.layers = nn.ModuleList(
             DecoderLayer(args, process_group, tensor_rng=tensor_rng, device=device) for _ in range(args.num_layers)
         )
-        self.norm = RMSNorm(args.hidden_size, args.layer_norm_epsilon, device=device)
+        self.norm = RMSNorm(args.hidden_size, args.layer_norm_epsilon, process_group=process_group, device=device)
         self.output = ColumnParallelLinear(
             args.hidden_size, args.vocab_size, bias=False, gather_output=not args.parallel_output,
             process_group=process_group, init_std=args.init_std, init_seed=None, device=device,
@@ -157,7 +198,11 @@ class Transformer(nn.Module):
             past = cache.length
         if cu_seqlens is not None:
             cu_seqlens = check_cu_seqlens(cu_seqlens, batch, seqlen)
-        h = self.embedding(input_ids)
+        sp = self.sequence_parallel_forward(cache)
+        if sp and seqlen % self.tp_size:
+            raise ValueError(f"sequence parallelism (tensor mode 'msp') splits the sequence over the "
+                             f"{self.tp_size} tensor-parallel ranks: sequence length {seqlen} is not divisible by it")
+        h = self.embedding(input_ids, sequence_parallel=sp)
         if position_ids is None:
             if cu_seqlens is not None:
                 position_ids = positions_from_cu_seqlens(cu_seqlens.to(h.device), batch, seqlen)
@@ -168,12 +213,18 @@ class Transformer(nn.Module):
         recompute = self.training and torch.is_grad_enabled()
         for i, layer in enumerate(self.layers):
             if recompute and i < self.num_checkpoint_layers:
-                h = checkpoint(layer, h, cos, sin, plan, RNGReplay(), use_reentrant=False)
+                h = full_checkpoint(layer, h, cos, sin, plan, RNGReplay(), None, sp)
             else:
-                h = layer(h, cos, sin, plan, None, cache.layer(i) if cache is not None else None)
+                h = layer(h, cos, sin, plan, None, cache.layer(i) if cache is not None else None, sp,
+                          selective=recompute and self.selective_checkpoint)
         if cache is not None:
             cache.length = past + seqlen
-        return self.output(self.norm(h))
+        return self.output(self.norm(h, sequence_parallel=sp), sequence_parallel=sp)
+
+    def sequence_parallel_forward(self, cache: Any = None) -> bool:
+        """Whether a forward now runs sequence-parallel: msp over more than one rank, recording autograd,
+        without a KV cache (see the class docstring)."""
+        return self.tensor_mode == "msp" and self.tp_size > 1 and cache is None and torch.is_grad_enabled()
 
 
 def logits_are_vocab_sharded(model: nn.Module) -> bool:
@@ -193,13 +244,16 @@ def build_model(
     seed: int | None = None,
     device: torch.device | str | None = None,
     tensor_rng: TensorRNG | None = None,
+    tensor_mode: str | None = None,
 ) -> Transformer:
     """Build the decoder from the config's ``model`` section, fp32, sharded over ``tp_group``.
 
     Defaults come from the launched job (``tessera.parallel.defaults``, filled by ``tessera.dist``):
     ``tp_group`` = its TENSOR group, ``seed`` = its seed (else 1024), ``device`` = its device (else
-    the CPU), ``tensor_rng`` = its TENSOR RNG stream. Pass ``tessera.parallel.MetaGroup(tp)`` with
-    ``device="meta"`` to get TP shard shapes without any process group or allocation.
+    the CPU), ``tensor_rng`` = its TENSOR RNG stream, ``tensor_mode`` = its ``parallel.tensor.mode``
+    (else "mtp"; "msp" is sequence parallelism, see ``Transformer``). Pass
+    ``tessera.parallel.MetaGroup(tp)`` with ``device="meta"`` to get TP shard shapes without any process
+    group or allocation.
     """
     job = launch_defaults()
     if tp_group is None and job.tp_group is not None:
@@ -212,4 +266,7 @@ def build_model(
         device = job.device if job.device is not None else torch.device("cpu")
     if tensor_rng is None:
         tensor_rng = job.tensor_rng
-    return Transformer(ModelArgs.from_config(model_cfg), tp_group, seed=seed, device=device, tensor_rng=tensor_rng)
+    if tensor_mode is None:
+        tensor_mode = job.tensor_mode if job.tensor_mode is not None else "mtp"
+    return Transformer(ModelArgs.from_config(model_cfg), tp_group, seed=seed, device=device, tensor_rng=tensor_rng,
+                       tensor_mode=tensor_mode)

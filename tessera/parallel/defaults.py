@@ -1,8 +1,8 @@
 """Where a leaf finds the process's launch defaults without importing the launcher.
 
 ``build_model(model_cfg)`` is documented to default to the launched job's tensor-parallel group, seed,
-device and TENSOR RNG stream. ``tessera.dist`` registers a provider of those here when it is imported;
-``tessera.model`` asks for them only when the caller passed none. So the imports still run one way
+device, TENSOR RNG stream and tensor mode. ``tessera.dist`` registers a provider of those here when it
+is imported; ``tessera.model`` asks for them only when the caller passed none. So the imports still run one way
 (``dist`` -> ``parallel`` <- ``model``) and a plain single process (nothing registered, or nothing
 launched) gets no TP, seed 1024 and the CPU.
 """
@@ -23,6 +23,7 @@ class LaunchDefaults:
     seed: int | None = None
     device: torch.device | None = None
     tensor_rng: Callable[[], ContextManager[Any]] | None = None
+    tensor_mode: str | None = None  # parallel.tensor.mode: "mtp" or "msp" (sequence parallelism)
 
 
 _provider: Callable[[], LaunchDefaults] | None = None

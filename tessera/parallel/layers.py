@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.nn as nn
@@ -37,11 +37,17 @@ from tessera.parallel.comm import (
     reduce_from_region,
     scatter_to_region,
 )
+from tessera.parallel.sequence import (
+    reduce_grad_over_group,
+    reduce_scatter_to_sequence_region,
+    sequence_parallel_linears,
+)
 
 __all__ = [
     "ColumnParallelLinear",
     "RowParallelLinear",
     "VocabParallelEmbedding",
+    "column_parallel_linears",
     "divide",
     "tp_invariant_normal_",
 ]
@@ -166,12 +172,21 @@ class ColumnParallelLinear(nn.Module):
             with torch.no_grad():
                 self.bias.zero_()
 
-    def forward(self, x: torch.Tensor, *, input_is_copied: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, input_is_copied: bool = False,
+                sequence_parallel: bool = False) -> torch.Tensor:
         """``input_is_copied=True``: the caller already ran ``copy_to_region`` on ``x`` (shared by several
-        layers, e.g. wq/wk/wv, so the backward needs one all-reduce instead of one per layer)."""
-        if not input_is_copied:
-            x = copy_to_region(x, self.process_group)
-        y = linear(x, self.weight, self.bias)
+        layers, e.g. wq/wk/wv, so the backward needs one all-reduce instead of one per layer; see
+        ``column_parallel_linears``). ``sequence_parallel=True``: ``x`` is this rank's sequence chunk
+        (msp), all-gathered here (``tessera.parallel.sequence``)."""
+        if sequence_parallel and self.tp_size > 1:
+            if input_is_copied:
+                raise ValueError("input_is_copied and sequence_parallel exclude each other: a sequence-parallel "
+                                 "input is a chunk, gathered by the layer (column_parallel_linears shares it)")
+            y = sequence_parallel_linears(x, [self.weight], [self.bias], self.process_group)[0]
+        else:
+            if not input_is_copied:
+                x = copy_to_region(x, self.process_group)
+            y = linear(x, self.weight, self.bias)
         return gather_from_region(y, self.process_group) if self.gather_output else y
 
     def extra_repr(self) -> str:
@@ -232,11 +247,16 @@ class RowParallelLinear(nn.Module):
             with torch.no_grad():
                 self.bias.zero_()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, sequence_parallel: bool = False) -> torch.Tensor:
+        """``sequence_parallel=True`` (msp): reduce-scatter the partial sums into sequence chunks instead of
+        all-reducing them; the replicated bias, added to a chunk, gets its gradient summed over TP."""
         if not self.input_is_parallel:
             x = scatter_to_region(x, self.process_group)
         if self.tp_size == 1:
             return linear(x, self.weight, self.bias)
+        if sequence_parallel:
+            y = reduce_scatter_to_sequence_region(linear(x, self.weight), self.process_group)
+            return y if self.bias is None else y + reduce_grad_over_group(self.bias, self.process_group)
         y = reduce_from_region(linear(x, self.weight), self.process_group)
         return y if self.bias is None else y + self.bias
 
@@ -290,14 +310,36 @@ class VocabParallelEmbedding(nn.Module):
         tp_invariant_normal_(self.weight, std=self.init_std, seed=seed, name=_join(prefix, "weight"),
                              partition_dim=0, tp_rank=self.tp_rank)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, *, sequence_parallel: bool = False) -> torch.Tensor:
+        """``sequence_parallel=True`` (msp): the partial lookups are reduce-scattered into sequence chunks
+        (``input_ids`` ``[..., seq]`` -> ``[..., seq/tp, dim]``) instead of all-reduced."""
         if self.tp_size == 1:
             return F.embedding(input_ids, self.weight)
         outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
         local_ids = (input_ids - self.vocab_start).masked_fill(outside, 0)
         out = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        if sequence_parallel:
+            return reduce_scatter_to_sequence_region(out, self.process_group)
         return reduce_from_region(out, self.process_group)
 
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings}, {self.embedding_dim} "
                 f"(rows {self.vocab_start}..{self.vocab_end - 1} on this rank, tp={self.tp_size})")
+
+
+def column_parallel_linears(x: torch.Tensor, layers: Sequence[ColumnParallelLinear], *,
+                            sequence_parallel: bool = False) -> list[torch.Tensor]:
+    """Several column-parallel layers on one input (q/k/v, gate/up), entering the TP region once.
+
+    mtp: one ``copy_to_region``, so backward all-reduces the summed input gradient once, not once per
+    layer. msp (``x`` is this rank's sequence chunk): one all-gather forward, one reduce-scatter backward,
+    and only the chunk is kept for backward (``sequence_parallel_linears``).
+    """
+    group = layers[0].process_group
+    if any(layer.process_group is not group or layer.gather_output for layer in layers):
+        raise ValueError("column_parallel_linears: the layers must share one process group and keep their "
+                         "outputs sharded (gather_output=False)")
+    if sequence_parallel and group_size(group) > 1:
+        return sequence_parallel_linears(x, [m.weight for m in layers], [m.bias for m in layers], group)
+    x = copy_to_region(x, group)
+    return [layer(x, input_is_copied=True) for layer in layers]

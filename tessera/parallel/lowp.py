@@ -85,6 +85,32 @@ class _UpcastLinear(torch.autograd.Function):
         return gx, gw, gb
 
 
+def linear_no_autograd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The forward of :func:`linear` for code that writes its own backward (``linear_grads``)."""
+    if needs_upcast(x) and x.dtype == weight.dtype:
+        y = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+        return y.to(x.dtype)
+    return F.linear(x, weight, bias)
+
+
+def linear_grads(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, has_bias: bool,
+                 needs: tuple[bool, bool, bool]) -> tuple[torch.Tensor | None, ...]:
+    """Gradients of ``x W^T + b`` w.r.t. (x, W, b) where ``needs`` says so; low precision on such CPUs in
+    fp32 as :class:`_UpcastLinear` does, else in the tensors' own dtype (as autograd's own backward)."""
+    upcast = needs_upcast(x) and x.dtype == weight.dtype
+    g = grad.float() if upcast else grad
+    w = weight.float() if upcast else weight
+    gx = gw = gb = None
+    if needs[0]:
+        gx = (g @ w).to(x.dtype)
+    if needs[1]:
+        x2 = x.float() if upcast else x
+        gw = (g.reshape(-1, g.shape[-1]).t() @ x2.reshape(-1, x.shape[-1])).to(weight.dtype)
+    if has_bias and needs[2]:
+        gb = g.reshape(-1, g.shape[-1]).sum(0).to(weight.dtype)
+    return gx, gw, gb
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear``, with bf16/fp16 on CPUs lacking native kernels computed as described above."""
     if needs_upcast(x) and x.dtype == weight.dtype:

@@ -1,0 +1,77 @@
+"""Activation checkpointing per layer: ``model.checkpoint`` = True / a fraction of layers ("full") or
+``"selective"``.
+
+Full: a layer keeps only its input; backward runs the whole layer again (every GEMM and, under TP, its
+collectives) before differentiating it. Selective: each half of a layer (attention block, MLP block)
+runs under ``torch.utils.checkpoint`` with a selective policy
+(``create_selective_checkpoint_contexts``): the outputs of the column-parallel GEMMs -- q, k, v and
+the SwiGLU gate and up projections, marked by ``keep_gemm_outputs`` in the model code -- are kept, and
+everything else is recomputed in backward: the norms, rotary, the attention core (SDPA), the SwiGLU
+activation and product. Each block's input (the layer input x, and h = x + attention) is kept too, so
+the row-parallel GEMMs (wo, w2) and their all-reduce / reduce-scatter never run again: recomputation
+stops at their inputs (non-reentrant checkpoint's early stop).
+
+Trade-off, per layer (``tessera.model.activations`` has the closed forms, docs/sequence_parallel_bench.md
+the measurements), with T tokens, hidden h, query/KV widths q/k, SwiGLU width f, TP size t, mtp, fp32:
+
+- none keeps the norms' inputs and products, their outputs, q/k after rotary, v, the attention output,
+  the SwiGLU gate, up, silu(gate) and product: ``6 T h + T (2q + 2k)/t + 4 T f/t`` elements;
+- selective keeps x, h, q, k, v, gate, up: ``2 T h + T (q + 2k)/t + 2 T f/t`` -- 0.44x of none for a
+  LLaMA-shaped layer at t=2 -- for the cost of the elementwise ops and one more attention forward
+  (``4 T s h / t`` FLOPs per layer at sequence length s); no GEMM runs twice;
+- full keeps x only (``T h``) and recomputes the whole forward (+1/3 of a step's FLOPs), and its peak
+  holds one recomputed layer besides.
+
+Under msp the T h terms are per-rank chunks (divided by t) and the recomputation of a block re-runs
+its all-gather before the column-parallel GEMMs (only the chunk is kept). With residual dropout > 0
+the row-parallel GEMMs and their reductions run again too (the masks come after them). With the CPU
+low-precision upcast (``tessera.parallel.lowp``) the kept GEMM outputs are the fp32 GEMM results (the
+cast back is recomputed), twice the bytes of a bf16 output; GPUs keep them in the model dtype.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from typing import Any, Callable, Iterator
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+__all__ = ["keep_gemm_outputs", "selective_checkpoint", "full_checkpoint"]
+
+_STATE = threading.local()
+_aten = torch.ops.aten
+_GEMMS = frozenset({_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default})
+
+
+@contextlib.contextmanager
+def keep_gemm_outputs() -> Iterator[None]:
+    """Mark the GEMMs run inside as kept by selective checkpointing (no effect anywhere else)."""
+    previous = getattr(_STATE, "keep", False)
+    _STATE.keep = True
+    try:
+        yield
+    finally:
+        _STATE.keep = previous
+
+
+def _policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    # the same answer in the forward and in the recomputation: the same code sets the same marks
+    if op in _GEMMS and getattr(_STATE, "keep", False):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+_selective_context = functools.partial(create_selective_checkpoint_contexts, _policy)
+
+
+def selective_checkpoint(fn: Callable[..., torch.Tensor], *args: Any, **kwargs: Any) -> torch.Tensor:
+    """``fn(*args, **kwargs)`` keeping only its marked GEMM outputs (and its inputs) for backward."""
+    return checkpoint(fn, *args, use_reentrant=False, context_fn=_selective_context, **kwargs)
+
+
+def full_checkpoint(fn: Callable[..., torch.Tensor], *args: Any, **kwargs: Any) -> torch.Tensor:
+    """``fn(*args, **kwargs)`` keeping only its inputs; backward recomputes all of it."""
+    return checkpoint(fn, *args, use_reentrant=False, **kwargs)

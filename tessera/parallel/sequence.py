@@ -1,0 +1,218 @@
+"""Sequence parallelism (``parallel.tensor.mode="msp"``): the activations between a row-parallel output
+and the next column-parallel input -- norms, residual adds, dropout -- live as contiguous sequence
+chunks, one per TP rank, instead of as a full copy on every rank (Megatron's ``--sequence-parallel``).
+
+Rank ``r`` of a group of ``t`` holds tokens ``[r*S/t, (r+1)*S/t)`` of the sequence dim (dim -2 of a
+``[batch, seq, hidden]`` activation). The conjugate pairs that replace mtp's all-reduces:
+
+=================================  ==============================  ==============================
+function                           forward                         backward
+=================================  ==============================  ==============================
+gather_from_sequence_region        all-gather along the sequence   reduce-scatter (sum)
+reduce_scatter_to_sequence_region  reduce-scatter (sum)            all-gather
+sequence_parallel_linears          all-gather, then x W_i^T + b_i  re-gather, reduce-scatter dx
+reduce_grad_over_group             identity                        all-reduce (sum) of the grad
+=================================  ==============================  ==============================
+
+``sequence_parallel_linears`` keeps only this rank's chunk of the input for backward and gathers it
+again there (Megatron does the same): keeping the gathered input would make every column-parallel
+layer hold the full activation again, which is what sequence parallelism exists to avoid.
+
+A TP-replicated parameter used on a sequence chunk (norm weights, a row-parallel bias) gets a partial
+gradient on each rank; ``reduce_grad_over_group`` sums it inside autograd, so the gradient the
+optimizer sees is complete and identical on every TP rank, as in mtp -- no optimizer knowledge needed.
+
+Every collective runs on the tensor's own device and dtype (never a copy to the CPU).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from tessera.parallel.comm import (
+    MetaGroup,
+    all_reduce,
+    copy_to_region,
+    fast_all_reduce_for,
+    gather_tensor,
+    group_rank,
+    group_size,
+)
+from tessera.parallel.lowp import linear, linear_grads, linear_no_autograd
+
+__all__ = [
+    "SEQUENCE_DIM",
+    "sequence_chunk",
+    "all_gather_sequence",
+    "reduce_scatter_sequence",
+    "gather_from_sequence_region",
+    "reduce_scatter_to_sequence_region",
+    "sequence_parallel_linears",
+    "reduce_grad_over_group",
+    "sequence_dropout",
+]
+
+SEQUENCE_DIM = -2  # activations are [..., seq, features]
+
+
+def _chunk_len(length: int, size: int) -> int:
+    if length % size:
+        raise ValueError(f"sequence length {length} is not divisible by tensor-parallel size {size} "
+                         "(sequence parallelism splits the sequence evenly over the TP ranks)")
+    return length // size
+
+
+def sequence_chunk(x: torch.Tensor, group: Any, dim: int = SEQUENCE_DIM) -> torch.Tensor:
+    """This rank's contiguous chunk of ``x`` along ``dim`` (a copy, so the full tensor can be freed)."""
+    size = group_size(group)
+    if size == 1:
+        return x
+    n = _chunk_len(x.shape[dim], size)
+    return x.narrow(dim, group_rank(group) * n, n).clone(memory_format=torch.contiguous_format)
+
+
+def all_gather_sequence(x: torch.Tensor, group: Any, dim: int = SEQUENCE_DIM) -> torch.Tensor:
+    """The ranks' chunks concatenated along ``dim`` in rank order (no autograd)."""
+    return gather_tensor(x, dim % x.dim(), group)
+
+
+def reduce_scatter_sequence(x: torch.Tensor, group: Any, dim: int = SEQUENCE_DIM) -> torch.Tensor:
+    """Sum ``x`` over ``group`` and keep this rank's chunk along ``dim`` (no autograd; ``x`` is not modified)."""
+    size = group_size(group)
+    if size == 1:
+        return x
+    n = _chunk_len(x.shape[dim], size)
+    return _reduce_scatter_chunks([c.contiguous() for c in x.split(n, dim=dim)], group, dim)
+
+
+def _reduce_scatter_chunks(chunks: list[torch.Tensor], group: Any, dim: int) -> torch.Tensor:
+    """Sum over ``group`` of ``chunks[rank]``, one contiguous chunk per rank (rank order) given.
+
+    Where ``group`` has a fast all-reduce route (the node-local shared-memory one on CPU), the sum goes
+    through it and this rank's chunk is cut afterwards: one route for mtp and msp alike.
+    """
+    if isinstance(group, MetaGroup):
+        if not chunks[0].is_meta:
+            raise RuntimeError(f"a collective was called on a real tensor with {group}")
+        return chunks[group.rank].clone()
+    fast = fast_all_reduce_for(group)
+    if fast is not None and fast.supports(chunks[0], dist.ReduceOp.SUM):
+        return sequence_chunk(all_reduce(torch.cat(chunks, dim), group), group, dim)
+    out = torch.empty_like(chunks[0])
+    dist.reduce_scatter(out, chunks, group=group)
+    return out
+
+
+class _GatherFromSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Any, dim: int) -> torch.Tensor:  # type: ignore[override]
+        ctx.group, ctx.dim = group, dim
+        return all_gather_sequence(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return reduce_scatter_sequence(grad, ctx.group, ctx.dim), None, None
+
+
+class _ReduceScatterToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Any, dim: int) -> torch.Tensor:  # type: ignore[override]
+        ctx.group, ctx.dim = group, dim
+        return reduce_scatter_sequence(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return all_gather_sequence(grad.contiguous(), ctx.group, ctx.dim), None, None
+
+
+def gather_from_sequence_region(x: torch.Tensor, group: Any, dim: int = SEQUENCE_DIM) -> torch.Tensor:
+    """Enter a TP region from sequence chunks: all-gather forward, reduce-scatter of the gradient backward
+    (each rank's gradient of the full input is partial: its heads/vocab shard only)."""
+    return x if group_size(group) == 1 else _GatherFromSequence.apply(x, group, dim)
+
+
+def reduce_scatter_to_sequence_region(x: torch.Tensor, group: Any, dim: int = SEQUENCE_DIM) -> torch.Tensor:
+    """Leave a TP region by summing partial results into sequence chunks: reduce-scatter forward,
+    all-gather of the gradient backward."""
+    return x if group_size(group) == 1 else _ReduceScatterToSequence.apply(x, group, dim)
+
+
+class _SequenceParallelLinears(torch.autograd.Function):
+    """``[gather(x) W_i^T + b_i for i]``, saving the chunk ``x`` (not the gathered input) for backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Any, dim: int, count: int, *params: torch.Tensor | None):  # type: ignore[override]
+        weights, biases = params[:count], params[count:]
+        full = all_gather_sequence(x, group, dim)
+        outs = tuple(linear_no_autograd(full, w, b) for w, b in zip(weights, biases))
+        ctx.save_for_backward(x, *weights)
+        ctx.group, ctx.dim, ctx.count = group, dim, count
+        ctx.has_bias = [b is not None for b in biases]
+        return outs
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
+        x, *weights = ctx.saved_tensors
+        count, needs = ctx.count, ctx.needs_input_grad
+        full = all_gather_sequence(x, ctx.group, ctx.dim)  # gathered again: only the chunk was kept
+        grad_w: list[torch.Tensor | None] = []
+        grad_b: list[torch.Tensor | None] = []
+        for i, (g, w) in enumerate(zip(grads, weights)):  # weight grads first: then the gathered input can go
+            _, gw, gb = linear_grads(g, full, w, ctx.has_bias[i], (False, needs[4 + i], needs[4 + count + i]))
+            grad_w.append(gw)
+            grad_b.append(gb)
+        del full
+        grad_x = None
+        if needs[0]:  # the input gradient, computed chunk by chunk: the reduce-scatter's inputs, no extra copy
+            n = x.shape[ctx.dim]
+            chunks = []
+            for r in range(group_size(ctx.group)):
+                part = None
+                for g, w in zip(grads, weights):
+                    gx = linear_grads(g.narrow(ctx.dim, r * n, n), x, w, False, (True, False, False))[0]
+                    part = gx if part is None else part.add_(gx)  # fresh from the GEMM: in place
+                chunks.append(part)
+            grad_x = _reduce_scatter_chunks(chunks, ctx.group, ctx.dim)
+        return (grad_x, None, None, None, *grad_w, *grad_b)
+
+
+def sequence_parallel_linears(x: torch.Tensor, weights: Sequence[torch.Tensor],
+                              biases: Sequence[torch.Tensor | None], group: Any,
+                              dim: int = SEQUENCE_DIM) -> list[torch.Tensor]:
+    """Column-parallel linears (weights ``[out_i/t, in]``) on the sequence chunk ``x``: one all-gather
+    forward; backward re-gathers ``x``, sums the input gradients and reduce-scatters them once."""
+    if len(weights) != len(biases):
+        raise ValueError(f"{len(weights)} weights but {len(biases)} biases (use None for a layer without bias)")
+    if group_size(group) == 1:
+        return [linear(x, w, b) for w, b in zip(weights, biases)]
+    return list(_SequenceParallelLinears.apply(x, group, dim, len(weights), *weights, *biases))
+
+
+def reduce_grad_over_group(t: torch.Tensor, group: Any) -> torch.Tensor:
+    """Use a TP-replicated tensor on a sequence chunk: identity forward, its gradient summed over ``group``
+    backward (each rank's chunk contributes part of it)."""
+    return copy_to_region(t, group)
+
+
+def sequence_dropout(x: torch.Tensor, p: float, group: Any, dim: int = SEQUENCE_DIM) -> torch.Tensor:
+    """Dropout of the chunk ``x`` with the mask mtp would draw for the full sequence, cut to this chunk.
+
+    The mask is drawn from the ambient generator (identical on every TP rank, as dropout outside TP
+    regions must be) for the full shape, then this rank's chunk is kept: chunks never share a mask, and
+    on the CPU the result is bitwise mtp's ``F.dropout`` (same draws, same order). The full mask is
+    transient; only the chunk is kept for backward.
+    """
+    size = group_size(group)
+    if p == 0.0 or size == 1:
+        return F.dropout(x, p, training=True) if p > 0.0 else x
+    if p == 1.0:  # as F.dropout: nothing drawn
+        return x * torch.zeros((), dtype=x.dtype, device=x.device)
+    shape = list(x.shape)
+    shape[dim] *= size
+    noise = torch.empty(shape, dtype=x.dtype, device=x.device).bernoulli_(1 - p)
+    noise = sequence_chunk(noise, group, dim).div_(1 - p)
+    return x * noise
