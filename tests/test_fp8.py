@@ -96,3 +96,88 @@ def test_tp2_equals_tp1(recipe):
     assert close(res[0]["row"][0], y)  # row-parallel: a sum of two partial GEMMs
     assert close(torch.cat([r["row"][1] for r in res], 1), xr.grad)
     assert close(torch.cat([r["row"][2] for r in res], 1), wr.grad)
+
+
+# ------------------------------------------------------------------------------------ in the model
+SMALL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_kv_attention_heads=2, vocab_size=128,
+             mlp_ratio=2.0, multiple_of=16, dtype="torch.bfloat16", use_flash_attn=False,
+             fp32_modules=["layers.1.feed_forward"])
+
+
+def _model_cfg(tp, recipe, mode="mtp", dtype="torch.bfloat16"):
+    from tessera.config import Config
+
+    fp8 = {"enabled": recipe is not None and dtype == "torch.bfloat16", "recipe": recipe or "tensorwise"}
+    return Config.from_dict({"model": {**SMALL, "dtype": dtype, "fp8": fp8},
+                             "parallel": {"tensor": {"size": tp, "mode": mode}},
+                             "data": {"type": "synthetic", "seq_len": 32}})
+
+
+def _model_step(cfg, group, force_recipe=None):
+    """One forward/backward; ``force_recipe`` turns fp8 on by hand in an fp32 model (where fp32 partial
+    sums make TP=N and TP=1 feed the fp8 casts the same values, so their agreement can be checked tightly)."""
+    from tessera.model import build_model
+    from tessera.parallel import vocab_parallel_cross_entropy
+    from tessera.parallel.comm import gather_tensor
+    from tessera.train.naive_amp import naive_amp_from_config, unwrap_model
+
+    model = naive_amp_from_config(build_model(cfg.model, tp_group=group, seed=5, tensor_mode=cfg.parallel.tensor.mode),
+                                  cfg.model, sync_buffer=False)
+    inner = unwrap_model(model)
+    if force_recipe:
+        for name, m in inner.named_modules():
+            if hasattr(m, "fp8_recipe") and name != "output":
+                m.fp8_recipe = force_recipe
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 128, (2, 32), generator=g)
+    logits = model(ids)
+    loss = vocab_parallel_cross_entropy(logits, torch.roll(ids, -1, 1), group)
+    loss.backward()
+    grads = []
+    for name, p in sorted(inner.named_parameters()):
+        dim = getattr(p, "partition_dim", None)
+        full = gather_tensor(p.grad.float(), dim, group) if (group is not None and dim is not None) else p.grad.float()
+        grads.append(full.flatten())
+    fp8 = sorted(n for n, m in inner.named_modules() if getattr(m, "fp8_recipe", None))
+    full = gather_tensor(logits.detach().float(), -1, group) if group is not None else logits.detach().float()
+    return {"loss": loss.detach().float(), "logits": full, "grads": torch.cat(grads), "fp8": fp8}
+
+
+def _model_worker(rank, world, recipe, mode):
+    return _model_step(_model_cfg(world, None, mode, dtype="torch.float32"), dist.group.WORLD, force_recipe=recipe)
+
+
+def _rel(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+def test_fp8_skips_fp32_marked_modules_and_the_head():
+    on = _model_step(_model_cfg(1, "tensorwise"), None)
+    assert "output" not in on["fp8"] and not any(n.startswith("layers.1.feed_forward") for n in on["fp8"])
+    assert {"layers.0.attention.wq", "layers.0.feed_forward.w2", "layers.1.attention.wo"} <= set(on["fp8"])
+    off = _model_step(_model_cfg(1, None), None)
+    assert _rel(on["logits"], off["logits"]) > 1e-2  # fp8 rounding is visible
+
+
+@pytest.mark.parametrize("recipe,mode", [("tensorwise", "mtp"), ("rowwise", "mtp"), ("rowwise", "msp")])
+def test_fp8_model_at_tp2_equals_tp1(recipe, mode):
+    """fp32 activations: TP=2 and TP=1 quantize the same values with the same scales (amax agreed over TP),
+    so logits, loss and every gradient agree to fp32 rounding; fp8 itself moves them by percents."""
+    ref = _model_step(_model_cfg(1, None, dtype="torch.float32"), None, force_recipe=recipe)
+    plain = _model_step(_model_cfg(1, None, dtype="torch.float32"), None)
+    got = run_distributed(_model_worker, 2, recipe, mode)[0]
+    assert got["fp8"] == ref["fp8"] and len(ref["fp8"]) == 14
+    assert _rel(got["logits"], ref["logits"]) < 1e-4 and _rel(got["loss"], ref["loss"]) < 1e-5
+    assert _rel(got["grads"], ref["grads"]) < 1e-3
+    assert _rel(ref["logits"], plain["logits"]) > 1e-2 and _rel(ref["grads"], plain["grads"]) > 1e-2
+
+
+def test_fp8_config_needs_a_bf16_model():
+    from tessera.config import Config, ConfigError
+
+    with pytest.raises(ConfigError, match="model.fp8.enabled=True needs model.dtype bfloat16"):
+        Config.from_dict({"model": {**SMALL, "dtype": "torch.float32", "fp8": {"enabled": True}},
+                          "data": {"type": "synthetic", "seq_len": 32}})
+    with pytest.raises(ConfigError, match="model.fp8.recipe"):
+        Config.from_dict({"model": {**SMALL, "fp8": {"enabled": True, "recipe": "delayed"}},
+                          "data": {"type": "synthetic", "seq_len": 32}})

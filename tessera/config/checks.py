@@ -89,10 +89,12 @@ def check_config(cfg: dict[str, Any], source: str | None = None) -> None:
 
 
 def check_optimizer_precision(cfg: dict[str, Any], source: str | None = None) -> None:
-    """bf16 masters only under a bf16 model; a compensation only for bf16 masters."""
+    """bf16 masters and fp8 linears only under a bf16 model; a compensation only for bf16 masters."""
     w = where(source)
     opt = cfg["hybrid_zero_optimizer"]
     model_dtype = resolve_precision(cfg["model"]["dtype"])
+    if cfg["model"]["fp8"]["enabled"] and model_dtype.dtype != torch.bfloat16:
+        raise ConfigError(f"model.fp8.enabled=True needs model.dtype bfloat16, not {model_dtype.name}{w}")
     if opt["master_dtype"] == "bf16" and model_dtype.dtype != torch.bfloat16:
         raise ConfigError(f"hybrid_zero_optimizer.master_dtype='bf16' needs model.dtype bfloat16, not "
                           f"{model_dtype.name}: the masters share the bf16 weights' storage{w}")

@@ -163,6 +163,15 @@ SCHEMA = Section(
                 "bias": _arg("bias", BOOL, doc="biases on attention and MLP projections"),
                 "fp32_modules": Key((list, tuple), [], _str_list, doc="fnmatch patterns of module names kept fp32"),
                 "use_fp32_norm": Key(BOOL, False, doc="keep every norm module fp32 (InternEvo's switch)"),
+                "fp8": Section(
+                    {
+                        "enabled": Key(BOOL, False, doc="fp8 GEMMs in the parallel linears (bf16 model only)"),
+                        "recipe": Key(STR, "tensorwise", _one_of("tensorwise", "rowwise"),
+                                      doc="one scale per operand, or per row/column along the kept dims"),
+                        "exclude": Key((list, tuple), ["output"], _str_list,
+                                       doc="fnmatch patterns of linears kept out of fp8 (fp32-marked ones always are)"),
+                    }
+                ),
             },
             optional=False,
         ),

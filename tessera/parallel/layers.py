@@ -37,7 +37,9 @@ from tessera.parallel.comm import (
     reduce_from_region,
     scatter_to_region,
 )
+from tessera.parallel.fp8 import fp8_linear
 from tessera.parallel.sequence import (
+    gather_from_sequence_region,
     reduce_grad_over_group,
     reduce_scatter_to_sequence_region,
     sequence_parallel_linears,
@@ -150,6 +152,7 @@ class ColumnParallelLinear(nn.Module):
         self.out_features_per_rank = divide(out_features, self.tp_size, "out_features")
         self.gather_output = gather_output
         self.init_std = init_std
+        self.fp8_recipe: str | None = None  # set by the training setup (model.fp8): the GEMMs run in fp8
         factory = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty(self.out_features_per_rank, in_features, **factory))
         set_tensor_parallel_attrs(self.weight, 0)
@@ -182,12 +185,21 @@ class ColumnParallelLinear(nn.Module):
             if input_is_copied:
                 raise ValueError("input_is_copied and sequence_parallel exclude each other: a sequence-parallel "
                                  "input is a chunk, gathered by the layer (column_parallel_linears shares it)")
-            y = sequence_parallel_linears(x, [self.weight], [self.bias], self.process_group)[0]
+            if self.fp8_recipe is not None:  # fp8 keeps the gathered input for its backward
+                y = self._gemm(gather_from_sequence_region(x, self.process_group))
+            else:
+                y = sequence_parallel_linears(x, [self.weight], [self.bias], self.process_group)[0]
         else:
             if not input_is_copied:
                 x = copy_to_region(x, self.process_group)
-            y = linear(x, self.weight, self.bias)
+            y = self._gemm(x)
         return gather_from_region(y, self.process_group) if self.gather_output else y
+
+    def _gemm(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp8_recipe is None:
+            return linear(x, self.weight, self.bias)
+        return fp8_linear(x, self.weight, self.bias, self.fp8_recipe, group=self.process_group,
+                          w_split_out=self.tp_size > 1)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features} "
@@ -225,6 +237,7 @@ class RowParallelLinear(nn.Module):
         self.in_features_per_rank = divide(in_features, self.tp_size, "in_features")
         self.input_is_parallel = input_is_parallel
         self.init_std = init_std
+        self.fp8_recipe: str | None = None  # set by the training setup (model.fp8): the GEMM runs in fp8
         factory = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty(out_features, self.in_features_per_rank, **factory))
         set_tensor_parallel_attrs(self.weight, 1)
@@ -253,12 +266,19 @@ class RowParallelLinear(nn.Module):
         if not self.input_is_parallel:
             x = scatter_to_region(x, self.process_group)
         if self.tp_size == 1:
-            return linear(x, self.weight, self.bias)
+            return self._gemm(x, self.bias)
         if sequence_parallel:
-            y = reduce_scatter_to_sequence_region(linear(x, self.weight), self.process_group)
+            y = reduce_scatter_to_sequence_region(self._gemm(x), self.process_group)
             return y if self.bias is None else y + reduce_grad_over_group(self.bias, self.process_group)
-        y = reduce_from_region(linear(x, self.weight), self.process_group)
+        y = reduce_from_region(self._gemm(x), self.process_group)
         return y if self.bias is None else y + self.bias
+
+    def _gemm(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.fp8_recipe is None:
+            return linear(x, self.weight, bias)
+        split = self.tp_size > 1
+        return fp8_linear(x, self.weight, bias, self.fp8_recipe, group=self.process_group, x_split_in=split,
+                          w_split_in=split)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features} ({self.in_features_per_rank} per rank, tp={self.tp_size}), "
@@ -340,6 +360,9 @@ def column_parallel_linears(x: torch.Tensor, layers: Sequence[ColumnParallelLine
         raise ValueError("column_parallel_linears: the layers must share one process group and keep their "
                          "outputs sharded (gather_output=False)")
     if sequence_parallel and group_size(group) > 1:
+        if any(m.fp8_recipe is not None for m in layers):  # fp8 GEMMs keep the gathered input themselves
+            x = gather_from_sequence_region(x, group)
+            return [layer(x, input_is_copied=True) for layer in layers]
         return sequence_parallel_linears(x, [m.weight for m in layers], [m.bias for m in layers], group)
     x = copy_to_region(x, group)
     return [layer(x, input_is_copied=True) for layer in layers]

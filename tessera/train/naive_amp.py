@@ -11,6 +11,7 @@ hooks, so the surrounding low-precision code never sees an fp32 activation it di
 from __future__ import annotations
 
 import fnmatch
+import logging
 from typing import Any, Iterable, Mapping
 
 import torch
@@ -20,6 +21,8 @@ from torch import nn
 from tessera.config import ConfigError
 from tessera.dist.context import ParallelMode, gpc
 from tessera.config.precision import Precision, resolve_precision
+from tessera.parallel.fp8 import RECIPES
+from tessera.parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 _FP32_ATTR = "is_fp32_module"
 
@@ -31,8 +34,11 @@ __all__ = [
     "mark_fp32_norms",
     "fp32_module_names",
     "naive_amp_from_config",
+    "enable_fp8_linears",
     "unwrap_model",
 ]
+
+logger = logging.getLogger("tessera")
 
 
 def set_fp32_attr_to_module(module: nn.Module) -> nn.Module:
@@ -273,8 +279,8 @@ def naive_amp_from_config(
     model: nn.Module, model_cfg: Mapping[str, Any], sync_buffer: bool = True,
     parallel_mode: ParallelMode | Any = ParallelMode.DATA,
 ) -> NaiveAMPModel:
-    """Wrap ``model`` as the config's ``model`` section asks (dtype, fp32_modules, use_fp32_norm)."""
-    return NaiveAMPModel(
+    """Wrap ``model`` as the config's ``model`` section asks (dtype, fp32_modules, use_fp32_norm, fp8)."""
+    amp = NaiveAMPModel(
         model,
         output_to_fp32=True,
         parallel_mode=parallel_mode,
@@ -283,3 +289,29 @@ def naive_amp_from_config(
         fp32_modules=model_cfg.get("fp32_modules", ()) or (),
         use_fp32_norm=bool(model_cfg.get("use_fp32_norm", False)),
     )
+    fp8 = model_cfg.get("fp8") or {}
+    if fp8.get("enabled"):
+        enable_fp8_linears(amp, fp8.get("recipe", "tensorwise"), fp8.get("exclude", ("output",)))
+    return amp
+
+
+def enable_fp8_linears(amp: NaiveAMPModel, recipe: str, exclude: Iterable[str] = ("output",)) -> list[str]:
+    """Run the GEMMs of the model's parallel linears in fp8 (``tessera.parallel.fp8``), except fp32-marked
+    modules and names matching ``exclude``; returns the names converted (logged once)."""
+    if amp.precision.dtype != torch.bfloat16:
+        raise ValueError(f"fp8 linears need a bf16 model, not {amp.precision.name} (model.fp8.enabled)")
+    if recipe not in RECIPES:
+        raise ValueError(f"model.fp8.recipe must be one of {list(RECIPES)}, got {recipe!r}")
+    fp32 = fp32_module_names(amp)
+    exclude = list(exclude)
+    done = []
+    for name, module in unwrap_model(amp).named_modules():
+        if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            continue
+        if name in fp32 or any(fnmatch.fnmatchcase(name, pat) for pat in exclude):
+            continue
+        module.fp8_recipe = recipe
+        done.append(name)
+    logger.info("fp8 linears (%s scaling, e4m3 forward / e5m2 gradients, emulated: quantized operands, fp32 "
+                "GEMMs) on %d modules; kept out: fp32-marked modules and %s", recipe, len(done), exclude)
+    return done
