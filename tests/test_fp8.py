@@ -54,7 +54,11 @@ def test_forward_and_gradients_equal_the_quantize_dequantize_reference(recipe):
     assert (y.float() - exact).norm() / exact.norm() < 0.1  # 3-bit mantissas: a few percent
 
 
-def _tp_worker(rank, world, recipe):
+def _tp_worker(rank, world):
+    return {recipe: _tp_case(rank, world, recipe) for recipe in ("tensorwise", "rowwise")}
+
+
+def _tp_case(rank, world, recipe):
     x, w, b, dy = _data(seed=1)
     group = dist.group.WORLD
     out = {}
@@ -78,13 +82,18 @@ def _tp_worker(rank, world, recipe):
     return out
 
 
+@pytest.fixture(scope="module")
+def tp_linear_runs():
+    return run_distributed(_tp_worker, 2)
+
+
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
-def test_tp2_equals_tp1(recipe):
+def test_tp2_equals_tp1(recipe, tp_linear_runs):
     x, w, b, dy = _data(seed=1)
     xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
     y = fp8_linear(xr, wr, None, recipe)
     y.backward(dy)
-    res = run_distributed(_tp_worker, 2, recipe)
+    res = [r[recipe] for r in tp_linear_runs]
 
     def close(a, b):  # products of fp8 values are exact; only fp32 sums in another order, and bf16 roundings
         a, b = a.float(), b.float()
@@ -143,8 +152,17 @@ def _model_step(cfg, group, force_recipe=None):
     return {"loss": loss.detach().float(), "logits": full, "grads": torch.cat(grads), "fp8": fp8}
 
 
-def _model_worker(rank, world, recipe, mode):
-    return _model_step(_model_cfg(world, None, mode, dtype="torch.float32"), dist.group.WORLD, force_recipe=recipe)
+MODEL_CASES = [("tensorwise", "mtp"), ("rowwise", "mtp"), ("rowwise", "msp")]
+
+
+def _model_worker(rank, world):
+    return {case: _model_step(_model_cfg(world, None, case[1], dtype="torch.float32"), dist.group.WORLD,
+                              force_recipe=case[0]) for case in MODEL_CASES}
+
+
+@pytest.fixture(scope="module")
+def tp_model_runs():
+    return run_distributed(_model_worker, 2)[0]
 
 
 def _rel(a, b):
@@ -159,13 +177,13 @@ def test_fp8_skips_fp32_marked_modules_and_the_head():
     assert _rel(on["logits"], off["logits"]) > 1e-2  # fp8 rounding is visible
 
 
-@pytest.mark.parametrize("recipe,mode", [("tensorwise", "mtp"), ("rowwise", "mtp"), ("rowwise", "msp")])
-def test_fp8_model_at_tp2_equals_tp1(recipe, mode):
+@pytest.mark.parametrize("recipe,mode", MODEL_CASES)
+def test_fp8_model_at_tp2_equals_tp1(recipe, mode, tp_model_runs):
     """fp32 activations: TP=2 and TP=1 quantize the same values with the same scales (amax agreed over TP),
     so logits, loss and every gradient agree to fp32 rounding; fp8 itself moves them by percents."""
     ref = _model_step(_model_cfg(1, None, dtype="torch.float32"), None, force_recipe=recipe)
     plain = _model_step(_model_cfg(1, None, dtype="torch.float32"), None)
-    got = run_distributed(_model_worker, 2, recipe, mode)[0]
+    got = tp_model_runs[recipe, mode]
     assert got["fp8"] == ref["fp8"] and len(ref["fp8"]) == 14
     assert _rel(got["logits"], ref["logits"]) < 1e-4 and _rel(got["loss"], ref["loss"]) < 1e-5
     assert _rel(got["grads"], ref["grads"]) < 1e-3
