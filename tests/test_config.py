@@ -65,8 +65,14 @@ def test_load_file_attribute_access_defaults_and_overrides(tmp_path):
 
 
 def test_repo_configs_validate():
-    for name in ("configs/tiny.py",):
+    import glob
+
+    names = sorted(glob.glob("configs/*.py"))
+    assert {"configs/tiny.py", "configs/demo.py", "configs/7B.py", "configs/70B.py"} <= set(names)
+    for name in names:
         Config.from_file(name)
+    big = Config.from_file("configs/70B.py")
+    assert big.parallel.tensor.mode == "msp" and big.model.checkpoint == "selective"
 
 
 # ---------------------------------------------------------------- bad configs, one per case
