@@ -82,13 +82,16 @@ def save_checkpoint(
     layout: Layout,
     keep_last: int = 0,
     before_commit: Callable[[str], None] | None = None,
+    writer: Callable[[str, Any], dict[str, Any]] | None = None,
 ) -> str:
     """Save step ``step`` atomically; every rank must call this. Returns the final folder.
 
     ``model`` is the unwrapped module (parameter names without wrapper prefixes); ``optimizer`` has
     ``state_dict()`` (a collective under ZeRO: every rank calls it). ``before_commit`` is a test hook
-    run on rank 0 just before the rename that publishes the checkpoint.
+    run on rank 0 just before the rename that publishes the checkpoint. ``writer(path, tree)`` writes
+    one file and returns its meta.json entry (default ``write_tree``; the dry run plans without writing).
     """
+    write = writer or write_tree
     final = step_folder(folder, step)
     partial = hidden_sibling(final, PARTIAL)
     if layout.global_rank == 0:
@@ -100,15 +103,15 @@ def save_checkpoint(
     files: dict[str, Any] = {}
     if layout.dp_rank == 0:
         name = shard_name("model", layout.tp_rank)
-        files[name] = write_tree(os.path.join(partial, name), dict(model.state_dict()))
+        files[name] = write(os.path.join(partial, name), dict(model.state_dict()))
     # the ZeRO group of the DP-rank-0 replica (DP ranks 0..zero1-1) writes one optimizer file per ZeRO
     # rank: its own shard, as views of the live buffers (nothing gathered, nothing copied on the device)
     if optimizer is not None and layout.dp_rank < optimizer.zero1_size:
         name = optim_shard_name(layout.tp_rank, layout.dp_rank)
-        files[name] = write_tree(os.path.join(partial, name), optimizer.shard_state_dict())
+        files[name] = write(os.path.join(partial, name), optimizer.shard_state_dict())
     if rng_states is not None:
         name = rng_name(layout.global_rank)
-        files[name] = write_tree(os.path.join(partial, name), rng_states)
+        files[name] = write(os.path.join(partial, name), rng_states)
 
     gathered = _gather_to_rank0(files, layout)
     if layout.global_rank == 0:

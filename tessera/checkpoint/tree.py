@@ -20,13 +20,14 @@ from tessera.checkpoint.errors import CheckpointError
 from tessera.checkpoint.meta import file_entry
 from tessera.files import atomic_write
 
-__all__ = ["write_tree", "read_tree", "flat_state_metadata"]
+__all__ = ["write_tree", "prepare_tree", "read_tree", "flat_state_metadata"]
 
 
 def _encode(obj: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
     """Nested dict/list/tensor/primitive -> JSON skeleton; tensors collected under their path."""
     if isinstance(obj, torch.Tensor):
-        tensors[path] = obj.detach().cpu().contiguous()
+        t = obj.detach()
+        tensors[path] = (t if t.is_meta else t.cpu()).contiguous()  # meta (a dry run): nothing to copy
         return {"t": path}
     if isinstance(obj, Mapping):
         return {"d": [[k, _encode(v, f"{path}/{k}", tensors)] for k, v in obj.items()]}
@@ -53,8 +54,9 @@ def _decode(node: Any, get: Callable[[str], torch.Tensor]) -> Any:
 
 
 def _byte_range(t: torch.Tensor) -> tuple[int, int, int]:
-    start = t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size()
-    return t.untyped_storage().data_ptr(), start, start + t.numel() * t.element_size()
+    """(storage identity, first byte, end byte) of a contiguous tensor within its storage."""
+    start = t.storage_offset() * t.element_size()
+    return t.untyped_storage()._cdata, start, start + t.numel() * t.element_size()
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -66,25 +68,29 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     return sa == sb and a0 < b1 and b0 < a1
 
 
-def write_tree(path: str, obj: Any) -> dict[str, Any]:
-    """Write ``obj`` to ``path`` atomically; returns its meta.json entry (size and sha256)."""
+def prepare_tree(obj: Any) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The tensors and metadata ``write_tree`` stores for ``obj``: each storage once (tied weights are
+    aliases), views of one flat buffer as they are, only partly overlapping tensors copied (safetensors
+    refuses them). Storages are told apart by identity, so this also plans a save of meta tensors."""
     tensors: dict[str, torch.Tensor] = {}
     skeleton = _encode(obj, "", tensors)
-    # safetensors refuses tensors that share memory (tied weights): store each storage once
     seen: dict[tuple[int, int, tuple[int, ...]], str] = {}
     aliases: dict[str, str] = {}
     unique: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape)) if t.numel() else None
+        key = (t.untyped_storage()._cdata, t.storage_offset(), tuple(t.shape)) if t.numel() else None
         if key is not None and key in seen:
             aliases[name] = seen[key]
             continue
         if key is not None:
             seen[key] = name
-        # views of one flat buffer (the optimizer's parameter storage) are stored as they are; only
-        # partly overlapping tensors, which safetensors refuses, are copied
         unique[name] = t.clone() if any(_overlap(t, u) for u in unique.values()) else t
-    metadata = {"skeleton": json.dumps(skeleton), "aliases": json.dumps(aliases)}
+    return unique, {"skeleton": json.dumps(skeleton), "aliases": json.dumps(aliases)}
+
+
+def write_tree(path: str, obj: Any) -> dict[str, Any]:
+    """Write ``obj`` to ``path`` atomically; returns its meta.json entry (size and sha256)."""
+    unique, metadata = prepare_tree(obj)
     atomic_write(path, lambda tmp: save_file(unique, tmp, metadata=metadata))
     return file_entry(path)
 

@@ -140,12 +140,12 @@ def collective_device(group: Any = None) -> torch.device:
 def to_host(t: torch.Tensor) -> list[Any]:
     """``t.tolist()``: the one place device values are read back to Python.
 
-    A fake tensor (``FakeTensorMode``: dry runs of a real-size config without a GPU) has no values;
-    it reads as zeros, so control flow continues down the normal (no overflow, no stop) path.
+    A fake or meta tensor (dry runs of a real-size config without a GPU) has no values; it reads as
+    zeros, so control flow continues down the normal (no overflow, no stop) path.
     """
     from torch._subclasses.fake_tensor import is_fake
 
-    if is_fake(t):
+    if t.is_meta or is_fake(t):
         zero: Any = 0.0 if t.is_floating_point() else (False if t.dtype == torch.bool else 0)
         for n in reversed(t.shape):  # nested lists of zeros, built without torch (the fake mode is active)
             zero = [zero] * n if not isinstance(zero, list) else [list(zero) for _ in range(n)]
@@ -168,7 +168,7 @@ def reduce_scalars(values: list[float], group: Any, op: dist.ReduceOp = dist.Red
                                                               else torch.device("cpu")))
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         all_reduce(t, group if group is not None else dist.group.WORLD, op)
-    return list(values) if is_fake(t) else t.tolist()
+    return list(values) if t.is_meta or is_fake(t) else t.tolist()
 
 
 def _all_reduce_copy(x: torch.Tensor, group: Any) -> torch.Tensor:

@@ -1,10 +1,12 @@
-"""Refuse a run whose persistent training state cannot fit, before anything is allocated.
+"""Refuse a run that cannot fit, before anything is allocated.
 
-The persistent state of a rank — weights, main grads, fp32 masters and Adam states, with ZeRO-1
-sharding — has a closed form (``precision_report.closed_form_bytes``) over this rank's parameters,
-which are counted exactly by building the model on the meta device with the run's TP size and fp32
-marks. Activations come on top and are not estimated here, so a refusal is never wrong: a config
-that passes may still run out of memory in its activations, one that fails certainly would. The
+The persistent state of a rank — weights, main grads, masters and optimizer states under the
+configured optimizer precision, with ZeRO-1 sharding — has a closed form
+(``precision_report.closed_form_bytes``) over this rank's parameters, counted exactly by building the
+model on the meta device with the run's TP size and fp32 marks. The activations of one micro-batch
+at their peak have another (``tessera.model.activations``, for checkpointing none / selective / full;
+fp8 linears and fractional checkpointing are not covered and count as zero). Both are checked against
+a traced dry run by ``tools/plan.py`` and its tests. Fast enough to run on every rank at launch; the
 local ranks share a CPU's available memory; on CUDA each rank has its device's free memory.
 """
 
@@ -21,6 +23,7 @@ import torch.distributed as dist
 from tessera.config import check_model_sizes, parallel_sizes
 from tessera.config.precision import resolve_precision
 from tessera.model import build_model
+from tessera.model.activations import activation_bytes
 from tessera.parallel import MetaGroup
 from tessera.parallel.comm import reduce_scalars
 from tessera.train.naive_amp import NaiveAMPModel
@@ -37,10 +40,18 @@ class StatePlan:
     zero1: int
     params_per_rank: int
     bytes_per_rank: float  # weights + main grads + masters + optimizer states
+    activation_bytes: float = 0.0  # one micro-batch's activations at their peak (closed form; 0 if not covered)
+    checkpoint: Any = False
+
+    @property
+    def need(self) -> float:
+        return self.bytes_per_rank + self.activation_bytes
 
 
-def plan_persistent_state(cfg: Mapping[str, Any], world_size: int, tp: int, zero1: int) -> StatePlan:
-    """Persistent bytes of TP rank 0 (the largest: it also holds its share of replicated norms)."""
+def plan_persistent_state(cfg: Mapping[str, Any], world_size: int, tp: int, zero1: int,
+                          checkpoint: Any = None) -> StatePlan:
+    """Persistent bytes of TP rank 0 (the largest: it also holds its share of replicated norms), and the
+    activation peak of one micro-batch (``checkpoint``: the config's ``model.checkpoint`` by default)."""
     _, _, zero1 = parallel_sizes(world_size, tp, zero1)
     model_cfg = dict(cfg["model"])
     with torch.device("meta"):
@@ -51,9 +62,17 @@ def plan_persistent_state(cfg: Mapping[str, Any], world_size: int, tp: int, zero
     params = {id(p): p for p in amp.parameters()}.values()
     low = sum(p.numel() for p in params if p.dtype != torch.float32)
     fp32 = sum(p.numel() for p in params if p.dtype == torch.float32)
-    reduce_dtype = (cfg.get("hybrid_zero_optimizer") or {}).get("reduce_dtype", "fp32")
-    per_param = closed_form_bytes(resolve_precision(model_cfg.get("dtype", "bf16")), zero1, low, fp32, reduce_dtype)
-    return StatePlan(tp, zero1, low + fp32, per_param["total"] * (low + fp32))
+    hzo = cfg.get("hybrid_zero_optimizer") or {}
+    policy = {k: hzo[k] for k in ("master_dtype", "master_compensation", "optimizer_state_dtype") if hzo.get(k)}
+    precision = resolve_precision(model_cfg.get("dtype", "bf16"))
+    per_param = closed_form_bytes(precision, zero1, low, fp32, hzo.get("reduce_dtype", "fp32"), policy)
+    checkpoint = model_cfg.get("checkpoint", False) if checkpoint is None else checkpoint
+    data, mode = cfg.get("data") or {}, ((cfg.get("parallel") or {}).get("tensor") or {}).get("mode", "mtp")
+    act = 0.0
+    if checkpoint in (False, True, "selective") and not (model_cfg.get("fp8") or {}).get("enabled") and data:
+        act = activation_bytes(model_cfg, data["micro_bsz"], data["seq_len"], tp, mode, checkpoint,
+                               precision.dtype)["peak"]
+    return StatePlan(tp, zero1, low + fp32, per_param["total"] * (low + fp32), act, checkpoint)
 
 
 def available_bytes(device: torch.device) -> tuple[float, str]:
@@ -82,9 +101,11 @@ def _layouts_that_fit(cfg: Mapping[str, Any], world_size: int, limit: float) -> 
             continue
         dp = world_size // tp
         for zero1 in sorted({1, dp}):
-            plan = plan_persistent_state(cfg, world_size, tp, zero1)
-            if plan.bytes_per_rank <= limit:
-                fits.append(plan)
+            for checkpoint in ((False, "selective", True) if cfg["model"].get("checkpoint") is False else (None,)):
+                plan = plan_persistent_state(cfg, world_size, tp, zero1, checkpoint)
+                if plan.need <= limit:
+                    fits.append(plan)
+                    break  # the least recomputation that fits
     return fits
 
 
@@ -93,16 +114,21 @@ def check_memory(cfg: Mapping[str, Any], world_size: int, tp: int, zero1: int, d
     ranks: the verdict is agreed over the default group, on the device its backend serves)."""
     plan = plan_persistent_state(cfg, world_size, tp, zero1)
     avail, where = available_bytes(device)
-    too_big = plan.bytes_per_rank > avail
+    too_big = plan.need > avail
     options = _layouts_that_fit(cfg, world_size, avail) if too_big else []  # before agreeing: ranks stay in step
     if dist.is_initialized():  # every rank stops together, or none does
         too_big = bool(reduce_scalars([int(too_big)], None, op=dist.ReduceOp.MAX, dtype=torch.int32)[0])
     if not too_big:
         return None
     hint = ("; layouts of these ranks that would fit: " + ", ".join(
-        f"parallel.tensor.size={p.tp} parallel.zero1.size={p.zero1} ({p.bytes_per_rank / GIB:.1f} GiB)"
-        for p in options) if options else "; no TP x ZeRO-1 layout of these ranks fits: use more ranks or memory")
-    return (f"the persistent training state needs {plan.bytes_per_rank / GIB:.1f} GiB per rank "
-            f"({plan.params_per_rank:,} parameters on this rank, tp={tp}, zero1={plan.zero1}, weights + main grads + "
-            f"masters + Adam states, activations not counted) but only {avail / GIB:.1f} GiB is available "
-            f"({where}){hint}. train.py --skip-memory-check starts anyway.")
+        f"parallel.tensor.size={p.tp} parallel.zero1.size={p.zero1}"
+        + (f" model.checkpoint={p.checkpoint!r}" if p.checkpoint != cfg["model"].get("checkpoint", False) else "")
+        + f" ({p.need / GIB:.1f} GiB)" for p in options) if options
+        else "; no TP x ZeRO-1 layout of these ranks fits: use more ranks or memory")
+    act = (f" + activations {plan.activation_bytes / GIB:.1f} GiB at their peak (micro_bsz x seq_len, "
+           f"model.checkpoint={plan.checkpoint!r})" if plan.activation_bytes else " (activations not estimated)")
+    return (f"training needs {plan.need / GIB:.1f} GiB per rank: the persistent training state "
+            f"{plan.bytes_per_rank / GIB:.1f} GiB ({plan.params_per_rank:,} parameters on this rank, tp={tp}, "
+            f"zero1={plan.zero1}, weights + main grads + masters + optimizer states){act}; only "
+            f"{avail / GIB:.1f} GiB is available ({where}){hint}. tools/plan.py --search ranks layouts; "
+            "train.py --skip-memory-check starts anyway.")

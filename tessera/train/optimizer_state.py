@@ -231,7 +231,7 @@ def optimizer_memory_bytes(self: Any) -> dict[str, int]:
         total = 0
         for t in tensors:
             st = t.untyped_storage()
-            key = (st.data_ptr(), str(t.device))
+            key = (st._cdata, str(t.device))  # identity, not address: meta tensors (dry runs) have none
             if key in seen or st.nbytes() == 0:
                 continue
             seen.add(key)

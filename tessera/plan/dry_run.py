@@ -1,0 +1,218 @@
+"""One training iteration at real size without a GPU: the dry run behind ``tools/plan.py`` and
+``train.py --dry-run``.
+
+The model, optimizer and trainer are train.py's own, built on the ``meta`` device (shapes and dtypes,
+no storage) in a process group of the real world size whose backend is torch's fake one registered
+for ``meta`` only. Like NCCL for CPU tensors, that group refuses any collective on a CPU tensor
+("No backend type associated with device type cpu"), so a host tensor reaching a collective anywhere
+in the step fails the dry run. One rank of the job is simulated; the fake backend answers for the
+others.
+
+Why meta and not fake CUDA tensors: a CPU-only torch cannot record an autograd graph on fake CUDA
+tensors (the graph asks for a CUDA stream: "PyTorch is not linked with support for cuda devices"),
+so the backward could not run. Meta tensors run forward, backward and the optimizer; attention on
+meta uses a flash kernel's shape function (``tessera.parallel.lowp``), which keeps what flash_attn
+keeps on a GPU. Barriers and object collectives (``all_gather_object``...) carry only Python objects
+and torch moves them to the right device itself, so they are answered locally in a dry run.
+
+The iteration is the loop body of train.py: the configured micro-batches (synthetic tokens of the
+configured shape), forward, loss, backward with the DP reduction, the optimizer step (masters, ZeRO,
+clipping, overflow agreement), the stop agreement, then a checkpoint save up to the file writes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import os
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from tessera.checkpoint import Layout, save_checkpoint
+from tessera.checkpoint.tree import prepare_tree
+from tessera.config import Config
+from tessera.data import build_data
+from tessera.dist import ParallelMode, gpc
+from tessera.dist.launch import launch
+from tessera.model import build_model
+from tessera.plan.tracker import CollectiveTraffic, LiveBytes
+from tessera.train.naive_amp import naive_amp_from_config, unwrap_model
+from tessera.train.optimizer import build_optimizer
+from tessera.train.step import Trainer
+from tessera.train.stop import StopRequest
+
+__all__ = ["StepTrace", "trace_iteration", "dry_run", "fake_job"]
+
+logger = logging.getLogger("tessera")
+
+
+@dataclass
+class StepTrace:
+    """What one rank held during one iteration, in bytes of live tensors on the training device."""
+
+    persistent: dict[str, int]  # by role after the step (weights, main grads, masters, ...), each storage once
+    persistent_total: int  # every live tensor between steps (what each step starts from)
+    built: int  # live after building model + optimizer, before the first step
+    step_peak: int  # peak during the step (persistent + activations + the backward's working set + buffers)
+    backward_peak: int  # peak of the micro-batches' forward and backward (activations, logits, loss)
+    optimizer_peak: int  # peak of the optimizer step (its temporaries: norms, Adam's math, gathers)
+    save_peak: int  # peak during the checkpoint save (persistent + what the save adds on the device)
+    comm: dict[str, dict[str, float]] = field(default_factory=dict)  # group -> kind -> bytes per rank
+    tokens: int = 0  # tokens this rank processed in the step
+    num_params: int = 0  # parameters on this rank
+
+    @property
+    def peak(self) -> int:
+        return max(self.step_peak, self.save_peak)
+
+    @property
+    def step_extra(self) -> int:
+        """What the step adds on top of the persistent state at its peak."""
+        return self.step_peak - self.persistent_total
+
+    @property
+    def backward_extra(self) -> int:
+        """Activations, logits, loss and the backward's working set at their peak."""
+        return self.backward_peak - self.persistent_total
+
+    @property
+    def optimizer_extra(self) -> int:
+        """The optimizer step's temporaries at their peak."""
+        return self.optimizer_peak - self.persistent_total
+
+    @property
+    def save_extra(self) -> int:
+        return max(0, self.save_peak - self.persistent_total)
+
+
+def _group_names() -> dict[str, str]:
+    """Process-group name -> the parallel mode(s) it serves (TENSOR, DATA, ZERO1, GLOBAL)."""
+    names: dict[str, list[str]] = {}
+    for mode in ParallelMode:
+        if gpc.is_initialized(mode):
+            g = gpc.get_group(mode)
+            if g is not None:
+                names.setdefault(g.group_name, []).append(mode.name)
+    return {k: "+".join(v) for k, v in names.items()}
+
+
+def _synthetic_batches(cfg: Config, seed: int) -> list[dict[str, torch.Tensor]]:
+    """This rank's micro-batches of one step, from synthetic tokens in the configured shape."""
+    data_cfg = copy.deepcopy(cfg.to_dict()["data"])
+    data_cfg.update(type="synthetic", valid_every=0)
+    data = build_data(data_cfg, vocab_size=cfg.model.vocab_size, max_seq_len=cfg.model.max_position_embeddings,
+                      dp_rank=gpc.get_local_rank(ParallelMode.DATA), dp_size=gpc.get_world_size(ParallelMode.DATA),
+                      seed=seed, barrier=None, is_main=False, progress=False)
+    return data.train.next_step_batches()
+
+
+def _plan_write(path: str, tree: Any) -> dict[str, Any]:
+    """A checkpoint file planned, not written: what ``write_tree`` prepares on the device, then nothing."""
+    unique, _ = prepare_tree(tree)
+    return {"size": sum(t.numel() * t.element_size() for t in unique.values()), "sha256": "dry-run"}
+
+
+def trace_iteration(cfg: Config, seed: int, save_dir: str | None = None) -> StepTrace:
+    """Build train.py's model, optimizer and trainer on ``gpc.device`` and run one iteration of its loop,
+    counting live tensor bytes on that device. ``gpc`` must be launched. With ``save_dir`` the
+    checkpoint save runs there (files planned, not written, on meta)."""
+    device = gpc.device
+    batches = _synthetic_batches(cfg, seed)  # host tensors, made before counting (the loader's own memory)
+    tp_group, dp_group = gpc.get_group(ParallelMode.TENSOR), gpc.get_group(ParallelMode.DATA)
+    live = LiveBytes(device_type=device.type)
+    traffic = CollectiveTraffic(_group_names().get)
+    with live:
+        model = build_model(cfg.model, tp_group=tp_group, seed=seed, device=device,
+                            tensor_mode=cfg.parallel.tensor.mode)
+        model = naive_amp_from_config(model, cfg.model)
+        optimizer = build_optimizer(model, cfg)
+        trainer = Trainer(model, optimizer, tp_group=tp_group, dp_group=dp_group, device=device,
+                          label_smoothing=cfg.loss.label_smoothing, dp_size=gpc.get_world_size(ParallelMode.DATA))
+        built = live.current
+        # two iterations: the first creates the optimizer's lazily allocated states; the second is the
+        # steady state every later step repeats, and its figures are the ones reported
+        phases: dict[str, int] = {}
+        inner_step = optimizer.step
+
+        def step_in_phases(*args: Any, **kwargs: Any) -> Any:  # the step's peak, split at the optimizer
+            phases["backward"] = live.peak
+            live.reset_peak()
+            out = inner_step(*args, **kwargs)
+            phases["optimizer"] = live.peak
+            return out
+
+        optimizer.step = step_in_phases
+        for i in range(2):
+            live.reset_peak()
+            with traffic if i == 1 else contextlib.nullcontext():
+                # the first only has to create the states: one micro-batch does
+                result = trainer.train_step(batches if i == 1 else batches[:1])
+                StopRequest().should_stop()  # the stop agreement, as the loop runs it after every step
+        optimizer.step = inner_step
+        step_peak = max(live.peak, *phases.values())
+        after = live.current
+        persistent = {k: int(v) for k, v in optimizer.memory_bytes().items() if k != "num_params"}
+        save_peak = after
+        if save_dir is not None:
+            live.reset_peak()
+            save_checkpoint(save_dir, 1, model=unwrap_model(model), optimizer=optimizer,
+                            trainer_state={"step": 1, "consumed_tokens": result.tokens}, config=None,
+                            rng_states=gpc.get_rng_states(), layout=Layout.from_gpc(),
+                            writer=_plan_write if device.type == "meta" else None)
+            save_peak = live.peak
+    return StepTrace(persistent=persistent, persistent_total=after, built=built, step_peak=step_peak,
+                     backward_peak=phases["backward"], optimizer_peak=phases["optimizer"],
+                     save_peak=save_peak, comm=traffic.sent, tokens=result.tokens // max(1, gpc.data_parallel_size),
+                     num_params=sum(p.numel() for p in optimizer._params))
+
+
+@contextlib.contextmanager
+def _object_collectives_answered_locally() -> Iterator[None]:
+    """Barriers and object collectives of a simulated rank: answered from this rank's own object."""
+    saved = {n: getattr(dist, n) for n in ("barrier", "all_gather_object", "gather_object", "broadcast_object_list")}
+
+    def all_gather_object(out: list, obj: Any, group: Any = None) -> None:
+        out[:] = [obj] * len(out)
+
+    def gather_object(obj: Any, out: list | None = None, dst: int = 0, group: Any = None, **_: Any) -> None:
+        if out is not None:
+            out[:] = [obj] * len(out)
+
+    dist.barrier = lambda *a, **k: None
+    dist.all_gather_object = all_gather_object
+    dist.gather_object = gather_object
+    dist.broadcast_object_list = lambda objs, *a, **k: None
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+
+
+@contextlib.contextmanager
+def fake_job(cfg: Config, world_size: int, rank: int = 0, seed: int | None = None) -> Iterator[None]:
+    """``gpc`` launched as rank ``rank`` of a ``world_size`` job on the meta device, whose groups serve
+    meta tensors only (a CPU tensor in a collective fails as under NCCL)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("a dry run needs a process without a process group; run it in its own process")
+    with _object_collectives_answered_locally():
+        launch(cfg, rank=rank, world_size=world_size, init_method=FakeStore(), backend="meta:fake", seed=seed)
+        gpc.device = torch.device("meta")
+        try:
+            yield
+        finally:
+            gpc.destroy()
+
+
+def dry_run(cfg: Config, world_size: int, rank: int = 0, seed: int | None = None) -> StepTrace:
+    """One iteration of ``cfg`` as rank ``rank`` of ``world_size`` ranks, on meta tensors (see the module doc)."""
+    seed = cfg.seed if seed is None else seed
+    with fake_job(cfg, world_size, rank, seed), tempfile.TemporaryDirectory(prefix="tessera-dry-run-") as tmp:
+        return trace_iteration(cfg, seed, save_dir=os.path.join(tmp, "ckpt"))

@@ -1,0 +1,121 @@
+"""Plans: one layout traced by a dry run beside its closed forms, and a search over layouts.
+
+The search ranks layouts by the closed forms alone (they are checked against traced figures by the
+tests and by every ``make_plan``), so it is fast enough to sweep; ``tools/plan.py --search`` then
+traces the best layout that fits.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+from tessera.config import Config, ConfigError, check_model_sizes
+from tessera.config.precision import resolve_precision
+from tessera.plan.report import Layout, Plan, _layout, closed_form_plan, gpu_spec, step_flops_per_rank
+
+__all__ = ["make_plan", "search_layouts", "Candidate", "with_layout"]
+
+GPUS_PER_NODE = 8
+NVLINK_BYTES_S = 450e9  # per direction, H100 SXM class
+INTER_NODE_BYTES_S = 50e9  # 400 Gb/s per GPU
+
+
+def make_plan(cfg: Config, world: int, *, config_name: str = "config", gpu: str | None = None, mfu: float = 0.4,
+              headroom: float = 0.1, trace: bool = True, rank: int = 0) -> Plan:
+    """The plan of ``cfg`` on ``world`` ranks: closed forms, and (``trace``) one dry-run iteration."""
+    lay = _layout(cfg, world)
+    mem, comm, low, fp32 = closed_form_plan(cfg, lay)
+    plan = Plan(config_name, lay, low + fp32, closed_form=mem, comm_closed_form=comm,
+                flops_per_rank=step_flops_per_rank(cfg, lay), mfu=mfu, headroom=headroom)
+    if gpu:
+        plan.gpu = gpu
+        plan.gpu_memory, plan.peak_tflops = gpu_spec(gpu, resolve_precision(cfg.model.dtype).name)
+    if trace:
+        from tessera.plan.dry_run import dry_run
+
+        t = dry_run(cfg, world, rank=rank)
+        plan.traced = {**{k: float(v) for k, v in t.persistent.items()}, "persistent": float(t.persistent_total),
+                       "backward_extra": float(t.backward_extra), "optimizer_extra": float(t.optimizer_extra),
+                       "save_extra": float(t.save_extra),
+                       "total_peak": float(t.peak)}
+        plan.comm_traced = {g: sum(v for k, v in kinds.items() if not k.endswith("_calls"))
+                            for g, kinds in t.comm.items()}
+    return plan
+
+
+def with_layout(cfg: Config, **keys: Any) -> Config:
+    """``cfg`` with layout keys replaced: tp, zero1, checkpoint, micro_bsz, micro_num."""
+    d = copy.deepcopy(cfg.to_dict())
+    for key, value in keys.items():
+        section, name = {"tp": ("parallel", "tensor"), "zero1": ("parallel", "zero1"), "checkpoint": ("model", None),
+                         "micro_bsz": ("data", None), "micro_num": ("data", None)}[key]
+        if section == "parallel":
+            d["parallel"][name]["size"] = value
+        else:
+            d[section][key] = value
+    return Config.from_dict(d)
+
+
+@dataclass
+class Candidate:
+    tp: int
+    zero1: int
+    checkpoint: Any
+    micro_bsz: int
+    micro_num: int
+    peak: float
+    step_time: float
+    tokens_per_gpu_per_s: float
+
+    def overrides(self) -> str:
+        return (f"parallel.tensor.size={self.tp} parallel.zero1.size={self.zero1} "
+                f"model.checkpoint={self.checkpoint!r} data.micro_bsz={self.micro_bsz} data.micro_num={self.micro_num}")
+
+
+def _tp_comm_time(plan: Plan) -> float:
+    """The TP collectives are on the critical path (not overlapped): their bytes at the link's speed."""
+    bw = NVLINK_BYTES_S if plan.layout.tp <= GPUS_PER_NODE else INTER_NODE_BYTES_S
+    return plan.comm_closed_form.get("TENSOR", 0.0) / bw
+
+
+def search_layouts(cfg: Config, gpus: int, memory_gib: float, *, gpu: str = "h100", mfu: float = 0.4,
+                   headroom: float = 0.1) -> list[Candidate]:
+    """Layouts of ``gpus`` GPUs of ``memory_gib`` each that fit, best predicted throughput first.
+
+    The global batch (rows per step) of the config on ``gpus`` GPUs is kept: ``micro_bsz * micro_num *
+    (gpus / parallel.tensor.size)`` rows. Tried: every TP size that divides the GPUs and the model's
+    heads / KV heads / FFN / vocab, ZeRO over 1 rank or all of DP, checkpointing none / selective / full,
+    micro_bsz 1 to 16. Predicted time: FLOPs (with recomputation) at the GPU's peak x ``mfu``, plus the
+    TP collectives at NVLink speed (inter-node speed when TP spans nodes); DP traffic is taken as
+    overlapped with the backward.
+    """
+    rows = cfg.data.micro_bsz * cfg.data.micro_num * max(1, gpus // cfg.parallel.tensor.size)
+    out: list[Candidate] = []
+    for tp in [t for t in range(1, gpus + 1) if gpus % t == 0]:
+        try:
+            check_model_sizes(cfg.model, tp)
+        except (ValueError, ConfigError):
+            continue
+        dp = gpus // tp
+        if rows % dp:
+            continue
+        per_replica = rows // dp
+        if cfg.parallel.tensor.mode == "msp" and cfg.data.seq_len % tp:
+            continue
+        for zero1 in sorted({1, dp}):
+            for checkpoint in (False, "selective", True):
+                for mb in (m for m in (1, 2, 4, 8, 16) if per_replica % m == 0):
+                    c = with_layout(cfg, tp=tp, zero1=zero1, checkpoint=checkpoint, micro_bsz=mb,
+                                    micro_num=per_replica // mb)
+                    plan = make_plan(c, gpus, gpu=gpu, mfu=mfu, headroom=headroom, trace=False)
+                    peak = plan.closed_form.get("total_peak")
+                    if peak is None or peak > memory_gib * 2**30 * (1 - headroom):
+                        continue
+                    time = plan.step_time + _tp_comm_time(plan)
+                    tokens = per_replica * cfg.data.seq_len / tp / time
+                    out.append(Candidate(tp, zero1, checkpoint, mb, per_replica // mb, peak, time, tokens))
+    # best throughput; among equals the least memory
+    out.sort(key=lambda c: (-round(c.tokens_per_gpu_per_s, 6), c.peak))
+    return out

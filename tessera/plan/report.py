@@ -1,0 +1,236 @@
+"""The memory and time plan of one layout: traced figures from a dry run beside their closed forms.
+
+Closed forms: persistent state per parameter (``precision_report.closed_form_bytes``), activations of
+one micro-batch (``tessera.model.activations``), ring bytes of each collective, FLOPs per token
+(``tessera.model.flops``). Step time is the FLOPs of one rank divided by the GPU's datasheet peak at a
+stated MFU: a planning figure, not a measurement.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from tessera.config import Config
+from tessera.config.precision import resolve_precision
+from tessera.model import flops_per_token
+from tessera.model.activations import activation_bytes
+from tessera.model.args import ModelArgs
+from tessera.train.metrics import gpu_peak_tflops
+from tessera.train.precision_report import closed_form_bytes
+
+__all__ = ["GPUS", "Layout", "Plan", "closed_form_plan", "step_flops_per_rank", "gpu_spec"]
+
+GIB = 2**30
+
+# --gpu name -> (memory in GiB as sold, the name the datasheet-peak table knows)
+GPUS: dict[str, tuple[float, str]] = {
+    "h100": (80.0, "H100"), "h200": (141.0, "H200"), "h800": (80.0, "H800"), "gh200": (96.0, "GH200"),
+    "b200": (180.0, "B200"), "a100": (80.0, "A100"), "a100-40gb": (40.0, "A100"), "a800": (80.0, "A800"),
+    "l40s": (48.0, "L40S"), "h20": (96.0, "H20"),
+}
+
+ROLES = ("weights", "main_grads", "masters", "compensation", "optimizer_states")
+
+
+def gpu_spec(name: str, precision_name: str) -> tuple[float, float]:
+    """(memory bytes, peak TFLOP/s at the model's precision) of a GPU of ``GPUS``."""
+    key = name.lower()
+    if key not in GPUS:
+        raise ValueError(f"--gpu {name!r}: unknown; choose one of {', '.join(GPUS)}")
+    mem_gib, table_name = GPUS[key]
+    return mem_gib * GIB, float(gpu_peak_tflops(table_name, precision_name) or 0.0)
+
+
+@dataclass(frozen=True)
+class Layout:
+    world: int
+    tp: int
+    dp: int
+    zero1: int
+    micro_bsz: int
+    micro_num: int
+    seq_len: int
+    checkpoint: Any
+    mode: str
+
+
+def _layout(cfg: Config, world: int) -> Layout:
+    from tessera.config import parallel_sizes
+
+    tp, dp, zero1 = parallel_sizes(world, cfg.parallel.tensor.size, cfg.parallel.zero1.size)
+    return Layout(world, tp, dp, zero1, cfg.data.micro_bsz, cfg.data.micro_num, cfg.data.seq_len,
+                  cfg.model.checkpoint, cfg.parallel.tensor.mode)
+
+
+def _param_counts(cfg: Config, tp: int) -> tuple[int, int]:
+    """(model-dtype, fp32) parameters on TP rank 0, counted on a meta build with the run's fp32 marks."""
+    from tessera.model import build_model
+    from tessera.parallel import MetaGroup
+    from tessera.train.naive_amp import NaiveAMPModel
+
+    with torch.device("meta"):
+        model = build_model(dict(cfg.model), tp_group=MetaGroup(tp), seed=0, device="meta", tensor_rng=None)
+    amp = NaiveAMPModel(model, dtype=cfg.model.dtype, sync_buffer=False, fp32_modules=cfg.model.fp32_modules or (),
+                        use_fp32_norm=bool(cfg.model.use_fp32_norm))
+    params = {id(p): p for p in amp.parameters()}.values()
+    return (sum(p.numel() for p in params if p.dtype != torch.float32),
+            sum(p.numel() for p in params if p.dtype == torch.float32))
+
+
+def _policy(cfg: Config) -> dict[str, str]:
+    hzo = cfg.hybrid_zero_optimizer
+    return {k: hzo[k] for k in ("master_dtype", "master_compensation", "optimizer_state_dtype") if hzo.get(k)}
+
+
+def step_flops_per_rank(cfg: Config, lay: Layout) -> float:
+    """Training FLOPs of one rank in one step, recomputation included (full: one more forward;
+    selective: the attention core's forward again)."""
+    tokens = lay.micro_bsz * lay.micro_num * lay.seq_len  # one DP replica's tokens, split over its TP ranks
+    per_token = flops_per_token(cfg.model, lay.seq_len)
+    a = ModelArgs.from_config(cfg.model)
+    if lay.checkpoint is True:
+        per_token += per_token / 3
+    elif lay.checkpoint == "selective":
+        per_token += 2 * 2 * lay.seq_len * a.num_attention_heads * a.head_dim * a.num_layers
+    return per_token * tokens / lay.tp
+
+
+# units of (tp-1)/tp * T*h*E bytes (one all-gather or reduce-scatter of the [T, h] activations; an
+# all-reduce is two) per layer, by tensor mode and checkpointing. mtp: two all-reduces forward (after
+# attention and MLP), two backward; msp: those become all-gather / reduce-scatter pairs, and backward
+# re-gathers the two sequence chunks the column-parallel GEMMs kept. Recomputation repeats what it re-runs:
+# selective re-runs the norms (under msp with their gathers), full re-runs the layer up to its last saved
+# tensor (torch's non-reentrant checkpoint stops there, before the MLP's reduction).
+_TP_UNITS_PER_LAYER = {("mtp", False): 8, ("mtp", "selective"): 8, ("mtp", True): 10,
+                       ("msp", False): 10, ("msp", "selective"): 12, ("msp", True): 13}
+# per micro-batch outside the layers: the embedding's reduction and the head input's gradient (msp:
+# also the head's sequence gather)
+_TP_UNITS_OUTSIDE = {"mtp": 4, "msp": 5}
+
+
+def comm_closed_form(cfg: Config, lay: Layout, low_params: int, fp32_params: int) -> dict[str, float]:
+    """Bytes one rank sends per step, per group, for the large collectives (ring algorithms).
+
+    TENSOR: ``_TP_UNITS_PER_LAYER`` and ``_TP_UNITS_OUTSIDE`` per micro-batch. ZERO1: the gradients
+    reduce-scattered into the shards and the updated weights all-gathered. DATA: with ZeRO over fewer
+    ranks than DP, the shards' all-reduce over the replicas.
+    """
+    a = ModelArgs.from_config(cfg.model)
+    e = resolve_precision(cfg.model.dtype).dtype.itemsize
+    t, d = lay.tp, lay.zero1
+    T = lay.micro_bsz * lay.seq_len
+    out: dict[str, float] = {}
+    checkpoint = lay.checkpoint if lay.checkpoint in (False, True, "selective") else None
+    if t > 1 and checkpoint is not None:
+        mode = lay.mode if lay.mode in ("mtp", "msp") else "mtp"
+        units = a.num_layers * _TP_UNITS_PER_LAYER[(mode, checkpoint)] + _TP_UNITS_OUTSIDE[mode]
+        out["TENSOR"] = lay.micro_num * units * (t - 1) / t * T * a.hidden_size * e
+    low_w = e if resolve_precision(cfg.model.dtype).is_low_precision else 4
+    grad_bytes = 4 * (low_params + fp32_params)
+    if cfg.hybrid_zero_optimizer.get("reduce_dtype") == "model":
+        grad_bytes = low_w * low_params + 4 * fp32_params
+    weight_bytes = low_w * low_params + 4 * fp32_params
+    if d > 1:
+        out["ZERO1"] = (d - 1) / d * (grad_bytes + weight_bytes)
+    if lay.dp > d:  # replicas of a ZeRO group: an all-reduce of the shard over them
+        out["DATA"] = 2 * (lay.dp // d - 1) / (lay.dp // d) * grad_bytes / d
+    return out
+
+
+@dataclass
+class Plan:
+    """Per-rank memory (traced and closed form), communication and time of one layout."""
+
+    config: str
+    layout: Layout
+    params_per_rank: int
+    traced: dict[str, float] = field(default_factory=dict)
+    closed_form: dict[str, float] = field(default_factory=dict)
+    comm_traced: dict[str, float] = field(default_factory=dict)
+    comm_closed_form: dict[str, float] = field(default_factory=dict)
+    flops_per_rank: float = 0.0
+    gpu: str | None = None
+    gpu_memory: float = 0.0
+    peak_tflops: float = 0.0
+    mfu: float = 0.4
+    headroom: float = 0.1
+
+    @property
+    def step_time(self) -> float | None:
+        return self.flops_per_rank / (self.peak_tflops * 1e12 * self.mfu) if self.peak_tflops else None
+
+    @property
+    def tokens_per_gpu_per_s(self) -> float | None:
+        lay = self.layout
+        return lay.micro_bsz * lay.micro_num * lay.seq_len / lay.tp / self.step_time if self.step_time else None
+
+    @property
+    def peak(self) -> float:
+        return self.traced.get("total_peak", self.closed_form.get("total_peak", 0.0))
+
+    @property
+    def fits(self) -> bool | None:
+        return self.peak <= self.gpu_memory * (1 - self.headroom) if self.gpu_memory else None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out.update(step_time_s=self.step_time, tokens_per_gpu_per_s=self.tokens_per_gpu_per_s, fits=self.fits,
+                   peak_bytes=self.peak)
+        return out
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1, default=str)
+
+    def format(self) -> str:
+        lay = self.layout
+        g = lambda b: f"{b / GIB:9.2f}" if b is not None else "        -"  # noqa: E731
+        lines = [f"plan for {self.config}: world {lay.world} = tp {lay.tp} x dp {lay.dp}, zero1 {lay.zero1}, "
+                 f"tensor mode {lay.mode}, checkpoint {lay.checkpoint!r}, micro_bsz {lay.micro_bsz} x micro_num "
+                 f"{lay.micro_num} x seq {lay.seq_len}; {self.params_per_rank:,} parameters on this rank",
+                 "", f"{'memory per rank (GiB)':<44}{'traced':>9}{'closed form':>13}"]
+        rows = [("weights", "weights"), ("main grads", "main_grads"), ("master weights", "masters"),
+                ("master compensation (Kahan)", "compensation"), ("optimizer states (Adam moments)", "optimizer_states"),
+                ("= persistent state", "persistent"),
+                ("activations + backward working set (peak)", "backward_extra"),
+                ("  of which the loss's fp32 softmax", "loss"),
+                ("optimizer step temporaries (peak)", "optimizer_extra"),
+                ("extra during a checkpoint save", "save_extra"), ("= total peak", "total_peak")]
+        for label, key in rows:
+            if key in self.traced or key in self.closed_form:
+                lines.append(f"{label:<44}{g(self.traced.get(key))}{g(self.closed_form.get(key)):>13}")
+        lines += ["", f"{'communication per step and rank (GiB sent)':<44}{'traced':>9}{'closed form':>13}"]
+        for name in sorted(set(self.comm_traced) | set(self.comm_closed_form)):
+            lines.append(f"{name:<44}{g(self.comm_traced.get(name))}{g(self.comm_closed_form.get(name)):>13}")
+        lines += ["", f"FLOPs per step and rank: {self.flops_per_rank / 1e12:.1f} TFLOP"]
+        if self.gpu:
+            verdict = "fits" if self.fits else "does NOT fit"
+            lines.append(f"{self.gpu}: {self.gpu_memory / GIB:.0f} GiB; peak {self.peak / GIB:.1f} GiB {verdict} "
+                         f"(keeping {self.headroom:.0%} for the CUDA context and allocator fragmentation)")
+            if self.step_time:
+                lines.append(f"step time at {self.peak_tflops:.0f} TFLOP/s datasheet peak and MFU {self.mfu:.0%}: "
+                             f"{self.step_time:.2f} s ({self.tokens_per_gpu_per_s:,.0f} tokens/s per GPU)")
+        lines.append("planned, not measured: traced = live tensor bytes of one dry-run iteration on meta tensors")
+        return "\n".join(lines)
+
+
+def closed_form_plan(cfg: Config, lay: Layout) -> tuple[dict[str, float], dict[str, float], int, int]:
+    """(memory closed forms, communication closed forms, model-dtype params, fp32 params) of TP rank 0."""
+    low, fp32 = _param_counts(cfg, lay.tp)
+    n = low + fp32
+    per = closed_form_bytes(cfg.model.dtype, lay.zero1, low, fp32, cfg.hybrid_zero_optimizer.get("reduce_dtype", "fp32"),
+                            _policy(cfg))
+    mem = {role: per[role] * n for role in ROLES}
+    mem["persistent"] = per["total"] * n
+    if lay.checkpoint in (False, True, "selective") and not (cfg.model.get("fp8") or {}).get("enabled"):
+        act = activation_bytes(cfg.model, lay.micro_bsz, lay.seq_len, lay.tp, lay.mode, lay.checkpoint,
+                               resolve_precision(cfg.model.dtype).dtype)
+        v_t = ModelArgs.from_config(cfg.model).vocab_size // lay.tp
+        mem["backward_extra"] = act["peak"]
+        mem["loss"] = 4.0 * lay.micro_bsz * lay.seq_len * v_t
+        mem["save_extra"] = 0.0  # views of the live buffers; copies go to host memory
+        mem["total_peak"] = mem["persistent"] + act["peak"]
+    return mem, comm_closed_form(cfg, lay, low, fp32), low, fp32

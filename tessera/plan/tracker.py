@@ -1,0 +1,133 @@
+"""Live tensor bytes and collective traffic, counted the same way on real and on meta tensors.
+
+``LiveBytes`` sees every tensor an operator returns (a ``TorchDispatchMode``) and counts each storage
+once while it is alive, by the storage's identity, never its address: meta tensors have no address,
+and the dry run must count them exactly like the real CPU step it is calibrated against.
+``CollectiveTraffic`` sees every c10d operator and adds the bytes a ring algorithm sends per rank,
+keyed by the name of the group it ran on.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+__all__ = ["LiveBytes", "CollectiveTraffic", "ring_bytes", "storage_key"]
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """Identity of ``t``'s storage (the same for every view of it), valid on any device, meta included."""
+    return t.untyped_storage()._cdata
+
+
+class LiveBytes(TorchDispatchMode):
+    """Bytes of the storages created inside the block that are still alive, and their peak.
+
+    Storages made before the block (or passed in with ``track``) are counted once tracked; ``mark``
+    records the current figure under a name, ``reset_peak`` starts a new phase.
+    """
+
+    def __init__(self, device_type: str | None = None) -> None:
+        super().__init__()
+        self.device_type = device_type  # count only storages on this kind of device (None: all)
+        self.current = 0
+        self.peak = 0
+        self._live: dict[int, int] = {}
+        self.marks: dict[str, int] = {}
+
+    def _add(self, t: torch.Tensor) -> None:
+        if self.device_type is not None and t.device.type != self.device_type:
+            return
+        st = t.untyped_storage()
+        key = st._cdata
+        if key in self._live:
+            return
+        n = st.nbytes()
+        self._live[key] = n
+        self.current += n
+        self.peak = max(self.peak, self.current)
+        weakref.finalize(st, self._drop, key)
+
+    def _drop(self, key: int) -> None:
+        self.current -= self._live.pop(key, 0)
+
+    def track(self, *tensors: torch.Tensor) -> None:
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                self._add(t)
+
+    def reset_peak(self) -> None:
+        self.peak = self.current
+
+    def mark(self, name: str) -> int:
+        self.marks[name] = self.current
+        return self.current
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                try:
+                    self._add(t)
+                except (RuntimeError, NotImplementedError):  # tensors without storage (sparse, nested)
+                    pass
+        return out
+
+
+def ring_bytes(kind: str, numel_bytes: float, world: int) -> float:
+    """Bytes one rank sends for a collective over ``world`` ranks (ring algorithms); ``numel_bytes`` is
+    the full tensor (all-reduce, all-gather output, reduce-scatter input, broadcast)."""
+    if world <= 1:
+        return 0.0
+    if kind == "all_reduce":
+        return 2 * (world - 1) / world * numel_bytes
+    if kind in ("all_gather", "reduce_scatter"):
+        return (world - 1) / world * numel_bytes
+    return numel_bytes  # broadcast, send/recv: the payload
+
+
+def _nbytes(t: Any) -> int:
+    ts = [x for x in tree_leaves(t) if isinstance(x, torch.Tensor)]
+    return sum(x.numel() * x.element_size() for x in ts)
+
+
+# c10d operator -> (kind, bytes of the full tensor from the op's arguments)
+_C10D: dict[str, tuple[str, Callable[[tuple], int]]] = {
+    "allreduce_": ("all_reduce", lambda a: _nbytes(a[0])),
+    "allreduce_coalesced_": ("all_reduce", lambda a: _nbytes(a[0])),
+    "_allgather_base_": ("all_gather", lambda a: _nbytes(a[0])),
+    "allgather_": ("all_gather", lambda a: _nbytes(a[0])),
+    "allgather_into_tensor_coalesced_": ("all_gather", lambda a: _nbytes(a[0])),
+    "_reduce_scatter_base_": ("reduce_scatter", lambda a: _nbytes(a[1])),
+    "reduce_scatter_": ("reduce_scatter", lambda a: _nbytes(a[1])),
+    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", lambda a: _nbytes(a[1])),
+    "broadcast_": ("broadcast", lambda a: _nbytes(a[0])),
+}
+
+
+class CollectiveTraffic(TorchDispatchMode):
+    """Per-rank bytes sent by each group's collectives inside the block: ``{group_name: {kind: bytes,
+    kind + "_calls": n}}``; ``name_of`` maps a process group's name to a readable one (TENSOR, DATA...)."""
+
+    def __init__(self, name_of: Callable[[str], str] | None = None) -> None:
+        super().__init__()
+        self.sent: dict[str, dict[str, float]] = {}
+        self._name_of = name_of or (lambda n: n)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func.namespace == "c10d":
+            op = func._schema.name.split("::")[-1]
+            if op in _C10D:
+                kind, size_of = _C10D[op]
+                pg = next((dist.ProcessGroup.unbox(a) for a in args
+                           if isinstance(a, torch.ScriptObject) and "ProcessGroup" in str(a._type())), None)
+                if pg is not None and pg.size() > 1:
+                    entry = self.sent.setdefault(self._name_of(pg.group_name), {})
+                    entry[kind] = entry.get(kind, 0.0) + ring_bytes(kind, size_of(args), pg.size())
+                    entry[kind + "_calls"] = entry.get(kind + "_calls", 0) + 1
+        return func(*args, **(kwargs or {}))

@@ -1,0 +1,90 @@
+"""Will it fit? Plan a config's memory, communication and step time without a GPU.
+
+    python tools/plan.py configs/7B.py [key=value ...] [--world 8] [--gpu h100] [--json]
+    python tools/plan.py configs/70B.py --world 64 --gpu h100
+    python tools/plan.py configs/7B.py --search --gpus 8 --memory 80 [--gpu h100]
+
+One training iteration of the config runs at its real size on meta tensors, in a fake process group
+of the real world size that refuses CPU tensors as NCCL does (``tessera.plan.dry_run``); the per-rank
+report puts each traced figure beside its closed form. ``--search`` ranks the layouts (TP, ZeRO,
+checkpointing, micro-batch size) that fit by predicted throughput, then traces the best one.
+Everything is planned, not measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tessera.config import Config, ConfigError  # noqa: E402
+from tessera.plan.planner import make_plan, search_layouts, with_layout  # noqa: E402
+from tessera.plan.report import GPUS  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*", help="key.sub=value pairs, as for train.py")
+    p.add_argument("--world", type=int, default=None,
+                   help="ranks of the job (default: parallel.tensor.size, or --gpus with --search)")
+    p.add_argument("--rank", type=int, default=0, help="the rank to simulate (default 0)")
+    p.add_argument("--gpu", default="h100", choices=sorted(GPUS), help="datasheet memory and peak (default h100)")
+    p.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilization assumed for the step time")
+    p.add_argument("--headroom", type=float, default=0.1,
+                   help="fraction of GPU memory kept free for the CUDA context and fragmentation (default 0.1)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    p.add_argument("--search", action="store_true", help="rank the layouts that fit")
+    p.add_argument("--gpus", type=int, default=None, help="--search: number of GPUs (default --world)")
+    p.add_argument("--memory", type=float, default=None, help="--search: GiB per GPU (default: the --gpu's)")
+    p.add_argument("--top", type=int, default=10, help="--search: layouts listed")
+    return p.parse_intermixed_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    try:
+        cfg = Config.from_file(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    world = args.world or args.gpus or cfg.parallel.tensor.size
+    if args.search:
+        gpus = args.gpus or world
+        memory = args.memory or GPUS[args.gpu][0]
+        found = search_layouts(cfg, gpus, memory, gpu=args.gpu, mfu=args.mfu, headroom=args.headroom)
+        if not found:
+            print(f"no layout of {gpus} GPUs with {memory:.0f} GiB fits {args.config}", file=sys.stderr)
+            return 1
+        best = found[0]
+        plan = make_plan(with_layout(cfg, tp=best.tp, zero1=best.zero1, checkpoint=best.checkpoint,
+                                     micro_bsz=best.micro_bsz, micro_num=best.micro_num), gpus,
+                         config_name=args.config, gpu=args.gpu, mfu=args.mfu, headroom=args.headroom)
+        if args.json:
+            print(json.dumps({"layouts": [vars(c) for c in found[: args.top]], "best": plan.to_dict()},
+                             indent=1, default=str))
+            return 0
+        print(f"layouts of {gpus} x {memory:.0f} GiB that fit {args.config}, best predicted throughput first "
+              f"(closed forms; MFU {args.mfu:.0%}, TP collectives at link speed):")
+        print(f"{'tokens/s/GPU':>13} {'step s':>7} {'peak GiB':>9}  overrides")
+        for c in found[: args.top]:
+            print(f"{c.tokens_per_gpu_per_s:13,.0f} {c.step_time:7.2f} {c.peak / 2**30:9.1f}  {c.overrides()}")
+        print(f"\nthe best layout, traced:\n{plan.format()}")
+        return 0
+    try:
+        plan = make_plan(cfg, world, config_name=args.config, gpu=args.gpu, mfu=args.mfu, headroom=args.headroom,
+                         rank=args.rank)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(plan.to_json() if args.json else plan.format())
+    return 0 if plan.fits is not False else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
