@@ -50,8 +50,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stop-file", default=None, help="touch this file to save a checkpoint and stop")
     p.add_argument("--skip-memory-check", action="store_true",
                    help="start even when the persistent training state exceeds the memory available")
+    p.add_argument("--dry-run", action="store_true",
+                   help="plan instead of training: one iteration at real size on meta tensors, as tools/plan.py "
+                        "(world size: this launch's, else parallel.tensor.size); exits 1 if it does not fit the GPU")
     p.add_argument("overrides", nargs="*", help="key.sub=value pairs (Python literals) overriding the config")
-    return p.parse_args(argv)
+    return p.parse_intermixed_args(argv)
 
 
 def peak_tflops_per_device(cfg: Config, precision_name: str, device: torch.device) -> tuple[float, str]:
@@ -74,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     # 1. config: every mistake is reported here, before any process group exists
     cfg = Config.from_file(args.config, args.overrides)
     seed = cfg.seed if args.seed is None else args.seed
+    if args.dry_run:
+        return dry_run_report(cfg, args.config)
 
     # 2. launch: process groups, RNG streams, TF32 switches
     setup_logging(int(os.environ.get("RANK" if args.launcher == "torch" else "SLURM_PROCID", "0")))
@@ -212,6 +217,19 @@ def main(argv: list[str] | None = None) -> int:
     metrics.close()
     gpc.destroy()
     return 0
+
+
+def dry_run_report(cfg: Config, config_name: str) -> int:
+    """``--dry-run``: rank 0 of the launch prints the plan of this job (tools/plan.py) and says whether it fits."""
+    if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) != "0":
+        return 0  # one plan per job: every rank of a layout is planned alike
+    from tessera.plan import gpu_for_device_name, make_plan
+
+    world = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", cfg.parallel.tensor.size)))
+    gpu = gpu_for_device_name(torch.cuda.get_device_name()) if torch.cuda.is_available() else None
+    plan = make_plan(cfg, world, config_name=config_name, gpu=gpu)
+    print(plan.format(), flush=True)
+    return 1 if plan.fits is False else 0
 
 
 def _has_checkpoint(cfg: Config) -> bool:

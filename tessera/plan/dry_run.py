@@ -17,7 +17,9 @@ and torch moves them to the right device itself, so they are answered locally in
 
 The iteration is the loop body of train.py: the configured micro-batches (synthetic tokens of the
 configured shape), forward, loss, backward with the DP reduction, the optimizer step (masters, ZeRO,
-clipping, overflow agreement), the stop agreement, then a checkpoint save up to the file writes.
+clipping, overflow agreement), the stop agreement, then a checkpoint save up to the file writes and
+the checkpoint agreement of a resume. It runs twice: the first creates the optimizer's states, the
+second is the steady state and gives the figures.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from tessera.checkpoint import Layout, save_checkpoint
+from tessera.checkpoint import Layout, find_resumable_checkpoint, save_checkpoint
 from tessera.checkpoint.tree import prepare_tree
 from tessera.config import Config
 from tessera.data import build_data
@@ -165,6 +167,9 @@ def trace_iteration(cfg: Config, seed: int, save_dir: str | None = None) -> Step
                             rng_states=gpc.get_rng_states(), layout=Layout.from_gpc(),
                             writer=_plan_write if device.type == "meta" else None)
             save_peak = live.peak
+            # the resume agreement train.py runs at launch: every rank must accept the same checkpoint
+            with traffic:
+                find_resumable_checkpoint(save_dir, Layout.from_gpc(), load=lambda path: path)
     return StepTrace(persistent=persistent, persistent_total=after, built=built, step_peak=step_peak,
                      backward_peak=phases["backward"], optimizer_peak=phases["optimizer"],
                      save_peak=save_peak, comm=traffic.sent, tokens=result.tokens // max(1, gpc.data_parallel_size),

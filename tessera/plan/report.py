@@ -22,7 +22,7 @@ from tessera.model.args import ModelArgs
 from tessera.train.metrics import gpu_peak_tflops
 from tessera.train.precision_report import closed_form_bytes
 
-__all__ = ["GPUS", "Layout", "Plan", "closed_form_plan", "step_flops_per_rank", "gpu_spec"]
+__all__ = ["GPUS", "Layout", "Plan", "closed_form_plan", "step_flops_per_rank", "gpu_spec", "gpu_for_device_name"]
 
 GIB = 2**30
 
@@ -34,6 +34,15 @@ GPUS: dict[str, tuple[float, str]] = {
 }
 
 ROLES = ("weights", "main_grads", "masters", "compensation", "optimizer_states")
+
+
+def gpu_for_device_name(device_name: str) -> str | None:
+    """The ``GPUS`` key of a CUDA device name (``torch.cuda.get_device_name``), or None if unknown."""
+    name = device_name.lower()
+    for key, (_, table_name) in sorted(GPUS.items(), key=lambda kv: -len(kv[1][1])):
+        if table_name.lower() in name and not key.endswith("-40gb"):
+            return key
+    return None
 
 
 def gpu_spec(name: str, precision_name: str) -> tuple[float, float]:
