@@ -106,6 +106,12 @@ def markdown(rows: list[dict[str, Any]], command: str, machine: str) -> list[str
         delta = f"{r['bits_per_byte'] - base['bits_per_byte']:+.4f}" if base else "-"
         lines.append(f"| {r['name']} | `{' '.join(r['overrides']) or '-'}` | {r['bits_per_byte']:.4f} | {delta} | "
                      f"{r['tgs']:.0f} | {r['bytes_per_param']:.1f} | {r['skipped']} |")
+    lines += ["", "One seed per policy: the spread of bits/byte across seeds was not measured, so differences of about "
+              "0.01 (bf16 masters + Kahan and fp8 rowwise land below fp32 masters) are not shown to be more than "
+              "one trajectory's luck. Runs of a "
+              "study can share the cores with other jobs, so compare tokens/s only within one uninterrupted "
+              "study; fp8 is emulated (operands rounded to fp8 exactly, fp32 GEMMs), so on a CPU it costs speed "
+              "by construction."]
     return lines
 
 

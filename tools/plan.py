@@ -16,14 +16,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from tessera.config import Config, ConfigError  # noqa: E402
-from tessera.plan.planner import make_plan, search_layouts, with_layout  # noqa: E402
-from tessera.plan.report import GPUS  # noqa: E402
+from tessera.config import Config, ConfigError
+from tessera.plan.planner import make_plan, search_layouts, with_layout
+from tessera.plan.report import GPUS
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -13,7 +13,7 @@ from typing import Any
 
 from tessera.config import Config, ConfigError, check_model_sizes
 from tessera.config.precision import resolve_precision
-from tessera.plan.report import Layout, Plan, _layout, closed_form_plan, gpu_spec, step_flops_per_rank
+from tessera.plan.report import Plan, _layout, _param_counts, closed_form_plan, gpu_spec, step_flops_per_rank
 
 __all__ = ["make_plan", "search_layouts", "Candidate", "with_layout"]
 
@@ -23,10 +23,10 @@ INTER_NODE_BYTES_S = 50e9  # 400 Gb/s per GPU
 
 
 def make_plan(cfg: Config, world: int, *, config_name: str = "config", gpu: str | None = None, mfu: float = 0.4,
-              headroom: float = 0.1, trace: bool = True, rank: int = 0) -> Plan:
+              headroom: float = 0.1, trace: bool = True, rank: int = 0, counts: tuple[int, int] | None = None) -> Plan:
     """The plan of ``cfg`` on ``world`` ranks: closed forms, and (``trace``) one dry-run iteration."""
     lay = _layout(cfg, world)
-    mem, comm, low, fp32 = closed_form_plan(cfg, lay)
+    mem, comm, low, fp32 = closed_form_plan(cfg, lay, counts)
     plan = Plan(config_name, lay, low + fp32, closed_form=mem, comm_closed_form=comm,
                 flops_per_rank=step_flops_per_rank(cfg, lay), mfu=mfu, headroom=headroom)
     if gpu:
@@ -99,6 +99,7 @@ def search_layouts(cfg: Config, gpus: int, memory_gib: float, *, gpu: str = "h10
         except (ValueError, ConfigError):
             continue
         dp = gpus // tp
+        counts = _param_counts(cfg, tp)
         if rows % dp:
             continue
         per_replica = rows // dp
@@ -109,7 +110,7 @@ def search_layouts(cfg: Config, gpus: int, memory_gib: float, *, gpu: str = "h10
                 for mb in (m for m in (1, 2, 4, 8, 16) if per_replica % m == 0):
                     c = with_layout(cfg, tp=tp, zero1=zero1, checkpoint=checkpoint, micro_bsz=mb,
                                     micro_num=per_replica // mb)
-                    plan = make_plan(c, gpus, gpu=gpu, mfu=mfu, headroom=headroom, trace=False)
+                    plan = make_plan(c, gpus, gpu=gpu, mfu=mfu, headroom=headroom, trace=False, counts=counts)
                     peak = plan.closed_form.get("total_peak")
                     if peak is None or peak > memory_gib * 2**30 * (1 - headroom):
                         continue

@@ -226,9 +226,11 @@ class Plan:
         return "\n".join(lines)
 
 
-def closed_form_plan(cfg: Config, lay: Layout) -> tuple[dict[str, float], dict[str, float], int, int]:
-    """(memory closed forms, communication closed forms, model-dtype params, fp32 params) of TP rank 0."""
-    low, fp32 = _param_counts(cfg, lay.tp)
+def closed_form_plan(cfg: Config, lay: Layout, counts: tuple[int, int] | None = None,
+                     ) -> tuple[dict[str, float], dict[str, float], int, int]:
+    """(memory closed forms, communication closed forms, model-dtype params, fp32 params) of TP rank 0;
+    ``counts``: the parameter counts when known (they depend on the model and the TP size only)."""
+    low, fp32 = counts or _param_counts(cfg, lay.tp)
     n = low + fp32
     per = closed_form_bytes(cfg.model.dtype, lay.zero1, low, fp32, cfg.hybrid_zero_optimizer.get("reduce_dtype", "fp32"),
                             _policy(cfg))
