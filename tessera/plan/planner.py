@@ -17,10 +17,6 @@ from tessera.plan.report import Plan, _layout, _param_counts, closed_form_plan, 
 
 __all__ = ["make_plan", "search_layouts", "Candidate", "with_layout"]
 
-GPUS_PER_NODE = 8
-NVLINK_BYTES_S = 450e9  # per direction, H100 SXM class
-INTER_NODE_BYTES_S = 50e9  # 400 Gb/s per GPU
-
 
 def make_plan(cfg: Config, world: int, *, config_name: str = "config", gpu: str | None = None, mfu: float = 0.4,
               headroom: float = 0.1, trace: bool = True, rank: int = 0, counts: tuple[int, int] | None = None) -> Plan:
@@ -74,12 +70,6 @@ class Candidate:
                 f"model.checkpoint={self.checkpoint!r} data.micro_bsz={self.micro_bsz} data.micro_num={self.micro_num}")
 
 
-def _tp_comm_time(plan: Plan) -> float:
-    """The TP collectives are on the critical path (not overlapped): their bytes at the link's speed."""
-    bw = NVLINK_BYTES_S if plan.layout.tp <= GPUS_PER_NODE else INTER_NODE_BYTES_S
-    return plan.comm_closed_form.get("TENSOR", 0.0) / bw
-
-
 def search_layouts(cfg: Config, gpus: int, memory_gib: float, *, gpu: str = "h100", mfu: float = 0.4,
                    headroom: float = 0.1) -> list[Candidate]:
     """Layouts of ``gpus`` GPUs of ``memory_gib`` each that fit, best predicted throughput first.
@@ -87,9 +77,9 @@ def search_layouts(cfg: Config, gpus: int, memory_gib: float, *, gpu: str = "h10
     The global batch (rows per step) of the config on ``gpus`` GPUs is kept: ``micro_bsz * micro_num *
     (gpus / parallel.tensor.size)`` rows. Tried: every TP size that divides the GPUs and the model's
     heads / KV heads / FFN / vocab, ZeRO over 1 rank or all of DP, checkpointing none / selective / full,
-    micro_bsz 1 to 16. Predicted time: FLOPs (with recomputation) at the GPU's peak x ``mfu``, plus the
-    TP collectives at NVLink speed (inter-node speed when TP spans nodes); DP traffic is taken as
-    overlapped with the backward.
+    micro_bsz 1 to 16. Predicted time (``Plan.predicted_step_time``): FLOPs (with recomputation) at the
+    GPU's peak x ``mfu``, plus the TP collectives and the ZeRO weight all-gather at link speed (the
+    gradient reduction overlaps the backward).
     """
     rows = cfg.data.micro_bsz * cfg.data.micro_num * max(1, gpus // cfg.parallel.tensor.size)
     out: list[Candidate] = []
@@ -114,8 +104,7 @@ def search_layouts(cfg: Config, gpus: int, memory_gib: float, *, gpu: str = "h10
                     peak = plan.closed_form.get("total_peak")
                     if peak is None or peak > memory_gib * 2**30 * (1 - headroom):
                         continue
-                    time = plan.step_time + _tp_comm_time(plan)
-                    tokens = per_replica * cfg.data.seq_len / tp / time
+                    time, tokens = plan.predicted_step_time, plan.tokens_per_gpu_per_s
                     out.append(Candidate(tp, zero1, checkpoint, mb, per_replica // mb, peak, time, tokens))
     # best throughput; among equals the least memory
     out.sort(key=lambda c: (-round(c.tokens_per_gpu_per_s, 6), c.peak))

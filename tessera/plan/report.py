@@ -20,6 +20,7 @@ from tessera.model import flops_per_token
 from tessera.model.activations import activation_bytes
 from tessera.model.args import ModelArgs
 from tessera.train.metrics import gpu_peak_tflops
+from tessera.train.memory_check import param_counts
 from tessera.train.precision_report import closed_form_bytes
 
 __all__ = ["GPUS", "Layout", "Plan", "closed_form_plan", "step_flops_per_rank", "gpu_spec", "gpu_for_device_name"]
@@ -32,6 +33,10 @@ GPUS: dict[str, tuple[float, str]] = {
     "b200": (180.0, "B200"), "a100": (80.0, "A100"), "a100-40gb": (40.0, "A100"), "a800": (80.0, "A800"),
     "l40s": (48.0, "L40S"), "h20": (96.0, "H20"),
 }
+
+GPUS_PER_NODE = 8
+NVLINK_BYTES_S = 450e9  # per GPU and direction, H100 SXM class
+INTER_NODE_BYTES_S = 50e9  # 400 Gb/s per GPU
 
 ROLES = ("weights", "main_grads", "masters", "compensation", "optimizer_states")
 
@@ -76,18 +81,7 @@ def _layout(cfg: Config, world: int) -> Layout:
 
 
 def _param_counts(cfg: Config, tp: int) -> tuple[int, int]:
-    """(model-dtype, fp32) parameters on TP rank 0, counted on a meta build with the run's fp32 marks."""
-    from tessera.model import build_model
-    from tessera.parallel import MetaGroup
-    from tessera.train.naive_amp import NaiveAMPModel
-
-    with torch.device("meta"):
-        model = build_model(dict(cfg.model), tp_group=MetaGroup(tp), seed=0, device="meta", tensor_rng=None)
-    amp = NaiveAMPModel(model, dtype=cfg.model.dtype, sync_buffer=False, fp32_modules=cfg.model.fp32_modules or (),
-                        use_fp32_norm=bool(cfg.model.use_fp32_norm))
-    params = {id(p): p for p in amp.parameters()}.values()
-    return (sum(p.numel() for p in params if p.dtype != torch.float32),
-            sum(p.numel() for p in params if p.dtype == torch.float32))
+    return param_counts(cfg.model, tp)
 
 
 def _policy(cfg: Config) -> dict[str, str]:
@@ -145,6 +139,7 @@ def comm_closed_form(cfg: Config, lay: Layout, low_params: int, fp32_params: int
     weight_bytes = low_w * low_params + 4 * fp32_params
     if d > 1:
         out["ZERO1"] = (d - 1) / d * (grad_bytes + weight_bytes)
+        out["ZERO1 weights all-gather"] = (d - 1) / d * weight_bytes  # after the step: not overlapped
     if lay.dp > d:  # replicas of a ZeRO group: an all-reduce of the shard over them
         out["DATA"] = 2 * (lay.dp // d - 1) / (lay.dp // d) * grad_bytes / d
     return out
@@ -173,9 +168,29 @@ class Plan:
         return self.flops_per_rank / (self.peak_tflops * 1e12 * self.mfu) if self.peak_tflops else None
 
     @property
+    def tp_comm_time(self) -> float:
+        """The TP collectives, on the critical path (not overlapped): their bytes at NVLink speed, or at
+        the inter-node speed when a TP group spans nodes."""
+        bw = NVLINK_BYTES_S if self.layout.tp <= GPUS_PER_NODE else INTER_NODE_BYTES_S
+        return self.comm_closed_form.get("TENSOR", 0.0) / bw
+
+    @property
+    def zero_gather_time(self) -> float:
+        """The ZeRO all-gather of the updated weights, after the step (the gradient reduction overlaps
+        the backward): its bytes at NVLink speed, or at the inter-node speed when the job spans nodes."""
+        bw = NVLINK_BYTES_S if self.layout.world <= GPUS_PER_NODE else INTER_NODE_BYTES_S
+        return self.comm_closed_form.get("ZERO1 weights all-gather", 0.0) / bw
+
+    @property
+    def predicted_step_time(self) -> float | None:
+        """Compute at the stated MFU plus the communication that does not overlap it."""
+        return self.step_time + self.tp_comm_time + self.zero_gather_time if self.step_time else None
+
+    @property
     def tokens_per_gpu_per_s(self) -> float | None:
         lay = self.layout
-        return lay.micro_bsz * lay.micro_num * lay.seq_len / lay.tp / self.step_time if self.step_time else None
+        t = self.predicted_step_time
+        return lay.micro_bsz * lay.micro_num * lay.seq_len / lay.tp / t if t else None
 
     @property
     def peak(self) -> float:
@@ -187,7 +202,9 @@ class Plan:
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
-        out.update(step_time_s=self.step_time, tokens_per_gpu_per_s=self.tokens_per_gpu_per_s, fits=self.fits,
+        out.update(step_time_s=self.step_time, tp_comm_time_s=self.tp_comm_time,
+                   zero_gather_time_s=self.zero_gather_time, predicted_step_time_s=self.predicted_step_time,
+                   tokens_per_gpu_per_s=self.tokens_per_gpu_per_s, fits=self.fits,
                    peak_bytes=self.peak)
         return out
 
@@ -220,8 +237,12 @@ class Plan:
             lines.append(f"{self.gpu}: {self.gpu_memory / GIB:.0f} GiB; peak {self.peak / GIB:.1f} GiB {verdict} "
                          f"(keeping {self.headroom:.0%} for the CUDA context and allocator fragmentation)")
             if self.step_time:
-                lines.append(f"step time at {self.peak_tflops:.0f} TFLOP/s datasheet peak and MFU {self.mfu:.0%}: "
-                             f"{self.step_time:.2f} s ({self.tokens_per_gpu_per_s:,.0f} tokens/s per GPU)")
+                link = lambda spans: "inter-node 50" if spans else "NVLink 450"  # noqa: E731
+                lines.append(f"step time: compute {self.step_time:.2f} s at {self.peak_tflops:.0f} TFLOP/s datasheet "
+                             f"peak x MFU {self.mfu:.0%}, + TP collectives {self.tp_comm_time:.2f} s "
+                             f"({link(self.layout.tp > GPUS_PER_NODE)} GB/s, not overlapped) + ZeRO weight "
+                             f"all-gather {self.zero_gather_time:.2f} s ({link(self.layout.world > GPUS_PER_NODE)} "
+                             f"GB/s) = {self.predicted_step_time:.2f} s, {self.tokens_per_gpu_per_s:,.0f} tokens/s per GPU")
         lines.append("planned, not measured: traced = live tensor bytes of one dry-run iteration on meta tensors")
         return "\n".join(lines)
 

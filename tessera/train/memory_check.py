@@ -12,6 +12,8 @@ local ranks share a CPU's available memory; on CUDA each rank has its device's f
 
 from __future__ import annotations
 
+import functools
+import json
 import os
 import re
 from dataclasses import dataclass
@@ -29,7 +31,7 @@ from tessera.parallel.comm import reduce_scalars
 from tessera.train.naive_amp import NaiveAMPModel
 from tessera.train.precision_report import closed_form_bytes
 
-__all__ = ["StatePlan", "plan_persistent_state", "available_bytes", "check_memory"]
+__all__ = ["StatePlan", "param_counts", "plan_persistent_state", "available_bytes", "check_memory"]
 
 GIB = 2**30
 
@@ -48,20 +50,32 @@ class StatePlan:
         return self.bytes_per_rank + self.activation_bytes
 
 
-def plan_persistent_state(cfg: Mapping[str, Any], world_size: int, tp: int, zero1: int,
-                          checkpoint: Any = None) -> StatePlan:
-    """Persistent bytes of TP rank 0 (the largest: it also holds its share of replicated norms), and the
-    activation peak of one micro-batch (``checkpoint``: the config's ``model.checkpoint`` by default)."""
-    _, _, zero1 = parallel_sizes(world_size, tp, zero1)
-    model_cfg = dict(cfg["model"])
+@functools.lru_cache(maxsize=32)
+def _param_counts_cached(model_json: str, tp: int) -> tuple[int, int]:
+    model_cfg = json.loads(model_json)
     with torch.device("meta"):
         model = build_model(model_cfg, tp_group=MetaGroup(tp), seed=0, device="meta", tensor_rng=None)
     amp = NaiveAMPModel(model, dtype=model_cfg.get("dtype", "bf16"), sync_buffer=False,
                         fp32_modules=model_cfg.get("fp32_modules") or (),
                         use_fp32_norm=bool(model_cfg.get("use_fp32_norm", False)))
     params = {id(p): p for p in amp.parameters()}.values()
-    low = sum(p.numel() for p in params if p.dtype != torch.float32)
-    fp32 = sum(p.numel() for p in params if p.dtype == torch.float32)
+    return (sum(p.numel() for p in params if p.dtype != torch.float32),
+            sum(p.numel() for p in params if p.dtype == torch.float32))
+
+
+def param_counts(model_cfg: Mapping[str, Any], tp: int) -> tuple[int, int]:
+    """(model-dtype, fp32) parameters of TP rank 0, counted on a meta build with the run's fp32 marks
+    (cached: the search and the refusal's options ask for the same TP sizes again)."""
+    return _param_counts_cached(json.dumps(dict(model_cfg), sort_keys=True, default=str), tp)
+
+
+def plan_persistent_state(cfg: Mapping[str, Any], world_size: int, tp: int, zero1: int,
+                          checkpoint: Any = None) -> StatePlan:
+    """Persistent bytes of TP rank 0 (the largest: it also holds its share of replicated norms), and the
+    activation peak of one micro-batch (``checkpoint``: the config's ``model.checkpoint`` by default)."""
+    _, _, zero1 = parallel_sizes(world_size, tp, zero1)
+    model_cfg = dict(cfg["model"])
+    low, fp32 = param_counts(model_cfg, tp)
     hzo = cfg.get("hybrid_zero_optimizer") or {}
     policy = {k: hzo[k] for k in ("master_dtype", "master_compensation", "optimizer_state_dtype") if hzo.get(k)}
     precision = resolve_precision(model_cfg.get("dtype", "bf16"))
