@@ -28,6 +28,7 @@ _COLLECTIVES: dict[str, tuple[str, Callable[..., int]]] = {
     "reduce_scatter_single": ("reduce_scatter", lambda out, inp, *a, **k: inp.numel() * inp.element_size()),
     "reduce_scatter_tensor": ("reduce_scatter", lambda out, inp, *a, **k: inp.numel() * inp.element_size()),
     "all_gather": ("all_gather", lambda outs, t, *a, **k: sum(o.numel() * o.element_size() for o in outs)),
+    "all_gather_single": ("all_gather", lambda out, inp, *a, **k: out.numel() * out.element_size()),
     "all_gather_into_tensor": ("all_gather", lambda out, inp, *a, **k: out.numel() * out.element_size()),
 }
 RING_FACTOR = {"all_reduce": 2.0, "reduce_scatter": 1.0, "all_gather": 1.0}  # x (d-1)/d x bytes

@@ -96,6 +96,16 @@ def test_communication_equals_the_closed_form(mode, checkpoint):
     for group in ("TENSOR", "ZERO1"):
         # the traced figure adds the loss's few scalar all-reduces
         assert plan.comm_traced[group] == pytest.approx(plan.comm_closed_form[group], rel=0.01), group
+    # the largest collective's buffers outside the persistent state: TP activations (ZeRO works in place)
+    assert plan.traced["comm_buffer"] == plan.closed_form["comm_buffer"] > 0
+
+
+def test_zero_collectives_need_no_buffer_of_their_own():
+    """ZeRO's reduce-scatter and weight all-gather run in place in the persistent buffers: without TP,
+    the only collective buffers of a step are the loss's and the agreements' scalars."""
+    plan = make_plan(_tiny("parallel.zero1.size=2"), 2)
+    assert plan.comm_traced["ZERO1"] > 0 and plan.closed_form["comm_buffer"] == 0
+    assert plan.traced["comm_buffer"] <= 64
 
 
 def _rejects_cpu(monkeypatch, module: str) -> None:

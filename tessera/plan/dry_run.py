@@ -65,6 +65,7 @@ class StepTrace:
     optimizer_peak: int  # peak of the optimizer step (its temporaries: norms, Adam's math, gathers)
     save_peak: int  # peak during the checkpoint save (persistent + what the save adds on the device)
     comm: dict[str, dict[str, float]] = field(default_factory=dict)  # group -> kind -> bytes per rank
+    comm_buffer: int = 0  # the largest collective's buffers outside the persistent state (within step_peak)
     tokens: int = 0  # tokens this rank processed in the step
     num_params: int = 0  # parameters on this rank
 
@@ -151,6 +152,7 @@ def trace_iteration(cfg: Config, seed: int, save_dir: str | None = None) -> Step
         optimizer.step = step_in_phases
         for i in range(2):
             live.reset_peak()
+            traffic.persistent = live.live_storages()
             with traffic if i == 1 else contextlib.nullcontext():
                 # the first only has to create the states: one micro-batch does
                 result = trainer.train_step(batches if i == 1 else batches[:1])
@@ -172,7 +174,7 @@ def trace_iteration(cfg: Config, seed: int, save_dir: str | None = None) -> Step
                 find_resumable_checkpoint(save_dir, Layout.from_gpc(), load=lambda path: path)
     return StepTrace(persistent=persistent, persistent_total=after, built=built, step_peak=step_peak,
                      backward_peak=phases["backward"], optimizer_peak=phases["optimizer"],
-                     save_peak=save_peak, comm=traffic.sent, tokens=result.tokens // max(1, gpc.data_parallel_size),
+                     save_peak=save_peak, comm=traffic.sent, comm_buffer=traffic.largest_buffer, tokens=result.tokens // max(1, gpc.data_parallel_size),
                      num_params=sum(p.numel() for p in optimizer._params))
 
 

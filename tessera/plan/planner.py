@@ -34,7 +34,7 @@ def make_plan(cfg: Config, world: int, *, config_name: str = "config", gpu: str 
         t = dry_run(cfg, world, rank=rank)
         plan.traced = {**{k: float(v) for k, v in t.persistent.items()}, "persistent": float(t.persistent_total),
                        "backward_extra": float(t.backward_extra), "optimizer_extra": float(t.optimizer_extra),
-                       "save_extra": float(t.save_extra),
+                       "comm_buffer": float(t.comm_buffer), "save_extra": float(t.save_extra),
                        "total_peak": float(t.peak)}
         plan.comm_traced = {g: sum(v for k, v in kinds.items() if not k.endswith("_calls"))
                             for g, kinds in t.comm.items()}

@@ -223,6 +223,7 @@ class Plan:
                 ("= persistent state", "persistent"),
                 ("activations + backward working set (peak)", "backward_extra"),
                 ("  of which the loss's fp32 softmax", "loss"),
+                ("  of which the largest collective's buffer", "comm_buffer"),
                 ("optimizer step temporaries (peak)", "optimizer_extra"),
                 ("extra during a checkpoint save", "save_extra"), ("= total peak", "total_peak")]
         for label, key in rows:
@@ -261,8 +262,15 @@ def closed_form_plan(cfg: Config, lay: Layout, counts: tuple[int, int] | None = 
         act = activation_bytes(cfg.model, lay.micro_bsz, lay.seq_len, lay.tp, lay.mode, lay.checkpoint,
                                resolve_precision(cfg.model.dtype).dtype)
         v_t = ModelArgs.from_config(cfg.model).vocab_size // lay.tp
+        a_h = ModelArgs.from_config(cfg.model).hidden_size
+        act_e = resolve_precision(cfg.model.dtype).dtype.itemsize
         mem["backward_extra"] = act["peak"]
         mem["loss"] = 4.0 * lay.micro_bsz * lay.seq_len * v_t
+        # TP collectives work on the [micro_bsz x seq, hidden] activations in the model dtype: mtp's
+        # all-reduce in place, msp's gather / reduce-scatter on the full tensor in chunks plus this rank's
+        # chunk; the gradient reductions and ZeRO's weight gathers work in place in the persistent buffers
+        full = float(lay.micro_bsz * lay.seq_len * a_h * act_e)
+        mem["comm_buffer"] = 0.0 if lay.tp == 1 else full * (1 + 1 / lay.tp) if lay.mode == "msp" else full
         mem["save_extra"] = 0.0  # views of the live buffers; copies go to host memory
         mem["total_peak"] = mem["persistent"] + act["peak"]
     return mem, comm_closed_form(cfg, lay, low, fp32), low, fp32

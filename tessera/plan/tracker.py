@@ -4,7 +4,9 @@
 once while it is alive, by the storage's identity, never its address: meta tensors have no address,
 and the dry run must count them exactly like the real CPU step it is calibrated against.
 ``CollectiveTraffic`` sees every c10d operator and adds the bytes a ring algorithm sends per rank,
-keyed by the name of the group it ran on.
+keyed by the name of the group it ran on, and the largest communication buffer: the bytes of a
+collective's tensors that are not persistent state (gradient reductions and weight gathers work in
+place in the persistent buffers; TP collectives work on activation-sized buffers of their own).
 """
 
 from __future__ import annotations
@@ -64,6 +66,10 @@ class LiveBytes(TorchDispatchMode):
     def reset_peak(self) -> None:
         self.peak = self.current
 
+    def live_storages(self) -> set[int]:
+        """Identities (``storage_key``) of the storages counted as alive now."""
+        return set(self._live)
+
     def mark(self, name: str) -> int:
         self.marks[name] = self.current
         return self.current
@@ -110,14 +116,29 @@ _C10D: dict[str, tuple[str, Callable[[tuple], int]]] = {
 }
 
 
+def _buffer_bytes(args: tuple, persistent: set[int]) -> int:
+    """Bytes of the distinct storages a collective works on, outside ``persistent``."""
+    seen: dict[int, int] = {}
+    for t in tree_leaves(args):
+        if isinstance(t, torch.Tensor):
+            key = storage_key(t)
+            if key not in persistent:
+                seen[key] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
 class CollectiveTraffic(TorchDispatchMode):
     """Per-rank bytes sent by each group's collectives inside the block: ``{group_name: {kind: bytes,
-    kind + "_calls": n}}``; ``name_of`` maps a process group's name to a readable one (TENSOR, DATA...)."""
+    kind + "_calls": n}}``; ``name_of`` maps a process group's name to a readable one (TENSOR, DATA...).
+    ``largest_buffer``: the most bytes one collective worked on outside the storages in ``persistent``
+    (set it to the persistent state's storages before the block)."""
 
     def __init__(self, name_of: Callable[[str], str] | None = None) -> None:
         super().__init__()
         self.sent: dict[str, dict[str, float]] = {}
         self._name_of = name_of or (lambda n: n)
+        self.persistent: set[int] = set()
+        self.largest_buffer = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         if func.namespace == "c10d":
@@ -130,4 +151,5 @@ class CollectiveTraffic(TorchDispatchMode):
                     entry = self.sent.setdefault(self._name_of(pg.group_name), {})
                     entry[kind] = entry.get(kind, 0.0) + ring_bytes(kind, size_of(args), pg.size())
                     entry[kind + "_calls"] = entry.get(kind + "_calls", 0) + 1
+                    self.largest_buffer = max(self.largest_buffer, _buffer_bytes(args, self.persistent))
         return func(*args, **(kwargs or {}))

@@ -29,6 +29,12 @@ def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Any, async
     return fn(output, input, group=group, async_op=async_op)
 
 
+def _all_gather(output: torch.Tensor, input: torch.Tensor, group: Any) -> Any:
+    # torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(output, input, group=group)
+
+
 @dataclass
 class GroupComm:
     """A process group with its size and this process's rank (size 1 = no communication)."""
@@ -71,18 +77,18 @@ class GroupComm:
         return dist.all_reduce(t, group=self.group, async_op=True)
 
     def all_gather_flat(self, flat: torch.Tensor) -> None:
-        """Every rank holds its own 1/size slice of ``flat``; afterwards every rank holds all of it."""
+        """Every rank holds its own 1/size slice of ``flat``; afterwards every rank holds all of it.
+        In place (the input is the output's ``rank``-th chunk, as NCCL documents): no staging buffer."""
         if self.size == 1:
             return
-        chunks = list(flat.chunk(self.size))
-        dist.all_gather(chunks, chunks[self.rank].clone(), group=self.group)
+        _all_gather(flat, flat.chunk(self.size)[self.rank], group=self.group)
 
     def gather_full(self, shard: torch.Tensor) -> torch.Tensor:
         """Concatenate the 1-D ``shard`` of every rank (rank order)."""
         if self.size == 1:
             return shard.detach().clone()
         out = torch.empty(shard.numel() * self.size, dtype=shard.dtype, device=shard.device)
-        dist.all_gather(list(out.chunk(self.size)), shard.detach().contiguous(), group=self.group)
+        _all_gather(out, shard.detach().contiguous(), group=self.group)
         return out
 
 
