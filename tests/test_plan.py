@@ -71,6 +71,43 @@ def test_traced_peak_equals_a_real_cpu_step(world, overrides, tmp_path):
     assert {g: {k: v for k, v in kinds.items()} for g, kinds in planned.comm.items()} == real.comm
 
 
+def test_live_bytes_count_allocations_not_views_of_storages_made_elsewhere():
+    import torch
+
+    from tessera.plan.tracker import LiveBytes
+
+    before = torch.ones(1000)
+    live = LiveBytes()
+    with live:
+        view, made = before[:10], before.clone()
+        made.mul_(2)
+    assert (live.current, live.peak) == (4000, 4000)
+    del view, made
+    assert live.current == 0
+
+
+def _gloo_reduce_scatter_worker(rank: int, world: int) -> tuple[int, int]:
+    import torch
+    import torch.distributed as dist
+
+    from tessera.plan.tracker import LiveBytes
+    from tessera.train.grad_buffer import GroupComm
+
+    flat = torch.ones(4096)
+    live = LiveBytes()
+    with live:
+        GroupComm(dist.group.WORLD, world, rank).reduce_scatter_flat(flat, async_op=True).wait()
+        GroupComm(dist.group.WORLD, world, rank).all_gather_flat(flat)
+    return live.peak, int(flat.sum())
+
+
+def test_gloo_private_copies_are_not_counted_as_the_step_s_memory():
+    """gloo's reduce-scatter splits its own full-size copy of the input on the waiting thread; NCCL has
+    none, and ZeRO's collectives work in place, so a real CPU step must count nothing for them."""
+    for peak, total in run_distributed(_gloo_reduce_scatter_worker, 2):
+        assert peak == 0 and total == 2 * 4096
+
+
 @pytest.mark.parametrize("overrides", [
     [], ["model.dtype='torch.bfloat16'"],
     ["model.dtype='torch.bfloat16'", "hybrid_zero_optimizer.master_dtype='bf16'",

@@ -1,8 +1,13 @@
 """Live tensor bytes and collective traffic, counted the same way on real and on meta tensors.
 
 ``LiveBytes`` sees every tensor an operator returns (a ``TorchDispatchMode``) and counts each storage
-once while it is alive, by the storage's identity, never its address: meta tensors have no address,
-and the dry run must count them exactly like the real CPU step it is calibrated against.
+an operator creates once while it is alive, by the storage's identity, never its address: meta tensors
+have no address, and the dry run must count them exactly like the real CPU step it is calibrated
+against. A view or in-place result of an operator's input is not an allocation and is not counted: a
+storage first met that way was made outside the block (``track`` it) or inside a backend (gloo's
+reduce-scatter splits its private full-size copy of the input on the caller's thread when the work
+is waited on, and that copy lives as long as gloo's worker thread keeps it, a matter of timing; NCCL
+makes no such copy).
 ``CollectiveTraffic`` sees every c10d operator and adds the bytes a ring algorithm sends per rank,
 keyed by the name of the group it ran on, and the largest communication buffer: the bytes of a
 collective's tensors that are not persistent state (gradient reductions and weight gathers work in
@@ -25,6 +30,17 @@ __all__ = ["LiveBytes", "CollectiveTraffic", "ring_bytes", "storage_key"]
 def storage_key(t: torch.Tensor) -> int:
     """Identity of ``t``'s storage (the same for every view of it), valid on any device, meta included."""
     return t.untyped_storage()._cdata
+
+
+def _storage_keys(tree: Any) -> set[int]:
+    keys = set()
+    for t in tree_leaves(tree):
+        if isinstance(t, torch.Tensor):
+            try:
+                keys.add(storage_key(t))
+            except (RuntimeError, NotImplementedError):
+                pass
+    return keys
 
 
 class LiveBytes(TorchDispatchMode):
@@ -76,10 +92,12 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
+        inputs = _storage_keys((args, kwargs))
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 try:
-                    self._add(t)
+                    if storage_key(t) not in inputs:  # an allocation, not a view or an in-place result
+                        self._add(t)
                 except (RuntimeError, NotImplementedError):  # tensors without storage (sparse, nested)
                     pass
         return out
