@@ -237,10 +237,18 @@ def _has_checkpoint(cfg: Config) -> bool:
     return bool(cfg.ckpt.auto_resume and cfg.ckpt.save_ckpt_folder and list_checkpoints(cfg.ckpt.save_ckpt_folder))
 
 
+def _report(text: str) -> None:
+    """``[rank R] text`` on stderr in one write, so ranks sharing a terminal or log never interleave lines."""
+    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "?"))
+    data = f"[rank {rank}] {text}\n".encode()
+    sys.stderr.flush()
+    while data:  # one write unless the pipe takes less (only past its atomic size, e.g. a long traceback)
+        data = data[os.write(sys.stderr.fileno(), data):]
+
+
 def _exit_together(message: str) -> None:
     """Report on this rank, wait until every rank has (they all reached the same verdict), then exit 1."""
-    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "?"))
-    print(f"[rank {rank}] error: {message}", file=sys.stderr, flush=True)
+    _report(f"error: {message}")
     dist.barrier()
     os._exit(1)
 
@@ -250,11 +258,9 @@ def run() -> None:
     try:
         sys.exit(main())
     except (ConfigError, DataError, CheckpointError, TrainingStopped) as e:
-        rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "?"))
-        print(f"[rank {rank}] error: {e}", file=sys.stderr, flush=True)
+        _report(f"error: {e}")
     except Exception:  # noqa: BLE001 - report with the traceback, then take the whole job down
-        rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "?"))
-        print(f"[rank {rank}] training failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        _report(f"training failed:\n{traceback.format_exc()}")
     # os._exit: skip interpreter teardown, which can block on a process group whose peers died;
     # torchrun sees the non-zero exit and stops the other ranks.
     sys.stderr.flush()
