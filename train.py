@@ -16,21 +16,19 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from tessera.checkpoint import (CheckpointError, Layout, find_resumable_checkpoint, list_checkpoints, load_checkpoint,
-                                save_checkpoint)
+from tessera.checkpoint import (CheckpointError, Layout, Progress, RngStreams, TrainState, find_resumable_checkpoint,
+                                list_checkpoints, load_checkpoint, save_checkpoint)
 from tessera.config import Config, ConfigError
 from tessera.dist import ParallelMode, gpc, launch_from_slurm, launch_from_torch
-from tessera.train.lr_scheduler import WarmupCosineLR
 from tessera.train.memory_check import check_memory
 from tessera.train.metrics import MetricsWriter, gpu_peak_tflops, measure_matmul_tflops, peak_memory_gib, setup_logging
-from tessera.train.naive_amp import naive_amp_from_config, unwrap_model
-from tessera.train.optimizer import TooManySkippedSteps, build_optimizer
+from tessera.train.builder import build_training_stack
+from tessera.train.optimizer import TooManySkippedSteps
 from tessera.config.precision import resolve_precision
-from tessera.train.step import Trainer
 from tessera.train.stop import StopRequest
 from tessera.data import build_data
 from tessera.data.errors import DataError
-from tessera.model import build_model, flops_per_token
+from tessera.model import flops_per_token
 from tessera.model.kv_cache import generate_ids_cached
 
 logger = logging.getLogger("tessera")
@@ -89,7 +87,6 @@ def main(argv: list[str] | None = None) -> int:
     layout = Layout.from_gpc()
     precision = resolve_precision(cfg.model.dtype)
     device = gpc.device
-    tp_group, dp_group = gpc.get_group(ParallelMode.TENSOR), gpc.get_group(ParallelMode.DATA)
     is_rank0 = gpc.get_global_rank() == 0
     logger.info("launched: world %d = tp %d x dp %d, zero1 %d, dtype %s, device %s", layout.world_size,
                 layout.tp_size, layout.dp_size, layout.zero1_size, precision.name, device)
@@ -106,38 +103,32 @@ def main(argv: list[str] | None = None) -> int:
                       is_main=layout.global_rank == 0, progress=is_rank0)
     logger.info("data: %s", data.info)
 
-    # 5. model (fp32, TP-sharded), optional weights-only start, then the precision wrapper
-    model = build_model(cfg.model, tp_group=tp_group, seed=seed, device=device,
-                        tensor_mode=cfg.parallel.tensor.mode)
-    if cfg.ckpt.load_ckpt_folder and not _has_checkpoint(cfg):
-        load_checkpoint(cfg.ckpt.load_ckpt_folder, model=model, optimizer=None, layout=layout, load_optimizer=False)
-        logger.info("initialized weights from %s", cfg.ckpt.load_ckpt_folder)
-    model = naive_amp_from_config(model, cfg.model)
+    # 5. the training stack: model (fp32, TP-sharded; a weights-only start is loaded before the precision
+    #    cast) -> precision wrapper -> optimizer (fp32 masters, ZeRO-1) -> LR schedule -> trainer
+    def weights_only_start(model: torch.nn.Module) -> None:
+        if cfg.ckpt.load_ckpt_folder and not _has_checkpoint(cfg):
+            load_checkpoint(cfg.ckpt.load_ckpt_folder, TrainState(model), layout=layout, load_optimizer=False,
+                            load_components=False)
+            logger.info("initialized weights from %s", cfg.ckpt.load_ckpt_folder)
 
-    # 6. optimizer (fp32 masters, ZeRO-1) and LR schedule
-    optimizer = build_optimizer(model, cfg)
-    scheduler = WarmupCosineLR.from_config(optimizer.param_groups, cfg.adam, cfg.lr_scheduler)
-    trainer = Trainer(model, optimizer, tp_group=tp_group, dp_group=dp_group, device=device,
-                      label_smoothing=cfg.loss.label_smoothing, dp_size=layout.dp_size)
+    stack = build_training_stack(cfg, seed=seed, before_cast=weights_only_start)
+    optimizer, scheduler, trainer = stack.optimizer, stack.scheduler, stack.trainer
+
+    # 6. what a checkpoint holds, registered once: saving and resuming iterate this one registry
+    progress = Progress()
+    state = TrainState(stack.inner_model, optimizer, progress=progress, lr_scheduler=scheduler, sampler=data.train)
+    state.register("rng", RngStreams(gpc), per_rank=True)
 
     # 7. resume from the newest complete checkpoint (damaged ones are skipped with a warning)
-    step, consumed_tokens, last_ckpt = 0, 0, None
+    last_ckpt = None
     if cfg.ckpt.auto_resume and cfg.ckpt.save_ckpt_folder:
-        def _load(path: str):
-            return load_checkpoint(path, model=unwrap_model(model), optimizer=optimizer, layout=layout)
-
-        last_ckpt, meta = find_resumable_checkpoint(cfg.ckpt.save_ckpt_folder, layout, load=_load)
+        last_ckpt, meta = find_resumable_checkpoint(cfg.ckpt.save_ckpt_folder, layout,
+                                                    load=lambda path: load_checkpoint(path, state, layout=layout))
         if last_ckpt:
-            state = meta["trainer_state"]
-            step, consumed_tokens = state["step"], state["consumed_tokens"]
-            scheduler.load_state_dict(state["lr_scheduler"])
-            data.train.load_state_dict(state["sampler"])
-            if meta["rng_states"] is not None:
-                gpc.set_rng_states(meta["rng_states"])
-            else:  # a different TP/DP layout: per-rank streams cannot be carried over
-                gpc.set_seed(seed + step)
-            logger.info("resumed from %s at step %d", last_ckpt, step)
-            if step > cfg.data.total_steps:
+            if not meta["rank_state_loaded"]:  # a different TP/DP layout: per-rank streams cannot be carried over
+                gpc.set_seed(seed + progress.step)
+            logger.info("resumed from %s at step %d", last_ckpt, progress.step)
+            if progress.step > cfg.data.total_steps:
                 logger.warning("%s is past data.total_steps=%d: nothing to train, only the final validation "
                                "and sample run (train longer by raising data.total_steps, or start over with "
                                "another ckpt.save_ckpt_folder or ckpt.auto_resume=False)",
@@ -147,20 +138,17 @@ def main(argv: list[str] | None = None) -> int:
     peak, peak_source = peak_tflops_per_device(cfg, precision.name, device)
     flops_tok = flops_per_token(cfg.model, cfg.data.seq_len)
     log_dir = os.path.join(cfg.log_folder, cfg.job_name)
-    metrics = MetricsWriter(log_dir, is_rank0, cfg.data.total_steps, step, cfg.metrics.tensorboard,
+    metrics = MetricsWriter(log_dir, is_rank0, cfg.data.total_steps, progress.step, cfg.metrics.tensorboard,
                             cfg.metrics.progress_bar)
     metrics.log_event(f"peak {peak:.3f} TFLOP/s per device ({peak_source}); {flops_tok / 1e6:.2f} MFLOP per token",
-                      peak_tflops=peak, flops_per_token=flops_tok, resumed_from=last_ckpt, start_step=step)
+                      peak_tflops=peak, flops_per_token=flops_tok, resumed_from=last_ckpt, start_step=progress.step)
 
-    def save(at_step: int) -> str:
+    def save() -> str:
         nonlocal last_ckpt
-        if last_ckpt == os.path.join(cfg.ckpt.save_ckpt_folder, f"step_{at_step}"):
+        if last_ckpt == os.path.join(cfg.ckpt.save_ckpt_folder, f"step_{progress.step}"):
             return last_ckpt  # saved (or resumed from) at this very step: same state, nothing to write
-        state = {"step": at_step, "consumed_tokens": consumed_tokens, "lr_scheduler": scheduler.state_dict(),
-                 "sampler": data.train.state_dict()}
-        last_ckpt = save_checkpoint(cfg.ckpt.save_ckpt_folder, at_step, model=unwrap_model(model),
-                                    optimizer=optimizer, trainer_state=state, config=cfg.to_dict(),
-                                    rng_states=gpc.get_rng_states(), layout=layout, keep_last=cfg.ckpt.keep_last)
+        last_ckpt = save_checkpoint(cfg.ckpt.save_ckpt_folder, progress.step, state, config=cfg.to_dict(),
+                                    layout=layout, keep_last=cfg.ckpt.keep_last)
         metrics.log_event(f"saved checkpoint {last_ckpt}", checkpoint=last_ckpt)
         return last_ckpt
 
@@ -172,44 +160,46 @@ def main(argv: list[str] | None = None) -> int:
     stop = StopRequest(stop_file=args.stop_file)
     stop.install()
     saving = cfg.ckpt.enable_save_ckpt
-    while step < cfg.data.total_steps:
+    while progress.step < cfg.data.total_steps:
         lr = scheduler.current_lr
         try:
             result = trainer.train_step(data.train.next_step_batches())
         except TooManySkippedSteps as e:
-            raise TrainingStopped(f"stopping at step {step + 1}: {e}; last good checkpoint: {last_ckpt or 'none'}") from None
+            raise TrainingStopped(f"stopping at step {progress.step + 1}: {e}; last good checkpoint: "
+                                  f"{last_ckpt or 'none'}") from None
         scheduler.step()
-        step += 1
-        consumed_tokens += result.tokens
+        progress.step += 1
+        progress.consumed_tokens += result.tokens
+        step = progress.step
         tgs = result.tokens / result.step_time / layout.world_size
         tflops = tgs * flops_tok / 1e12
         metrics.log_train(step, {  # every step to metrics.jsonl and TensorBoard; log_every paces the printed line
             "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm, "loss_scale": optimizer.loss_scale,
             "skipped_steps": optimizer.skipped_steps, "success": result.success, "tgs": tgs,
             "tflops": tflops, "mfu": tflops / peak, "step_time": result.step_time,
-            "consumed_tokens": consumed_tokens, "peak_mem_gib": peak_memory_gib(device),
+            "consumed_tokens": progress.consumed_tokens, "peak_mem_gib": peak_memory_gib(device),
         }, line=step % cfg.metrics.log_every == 0 or step == cfg.data.total_steps)
         if cfg.data.valid_every and step % cfg.data.valid_every == 0 and step < cfg.data.total_steps:
             validate(step)
         if saving and cfg.ckpt.checkpoint_every and step % cfg.ckpt.checkpoint_every == 0 and step < cfg.data.total_steps:
-            save(step)
+            save()
         requested, reason = stop.should_stop()
         if requested:
             metrics.log_event(f"stop requested ({reason}) after step {step}")
             if saving:
-                save(step)
+                save()
             stop.consume()  # every rank has seen it: remove the stop file so a relaunch trains on
             break
 
     # 10. the end: validation, checkpoint, a sample
-    if step >= cfg.data.total_steps:
-        validate(step)
+    if progress.step >= cfg.data.total_steps:
+        validate(progress.step)
         if saving:
-            save(step)
+            save()
         if cfg.generate.max_new_tokens and data.tokenizer is not None:
-            ids = generate_ids_cached(unwrap_model(model), data.tokenizer.encode(cfg.generate.prompt),
+            ids = generate_ids_cached(stack.inner_model, data.tokenizer.encode(cfg.generate.prompt),
                                       cfg.generate.max_new_tokens, temperature=cfg.generate.temperature,
-                                      top_k=cfg.generate.top_k, top_p=cfg.generate.top_p, tp_group=tp_group,
+                                      top_k=cfg.generate.top_k, top_p=cfg.generate.top_p, tp_group=gpc.get_group(ParallelMode.TENSOR),
                                       device=device, seed=seed, max_seq_len=cfg.model.max_position_embeddings,
                                       vocab_size=data.tokenizer.vocab_size)
             sample = data.tokenizer.decode(ids)

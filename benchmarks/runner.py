@@ -40,8 +40,7 @@ import torch.distributed as dist
 
 from tessera.config import Config, apply_overrides, load_python_file
 from tessera.train.metrics import gpu_peak_tflops, measure_matmul_tflops
-from tessera.train.naive_amp import naive_amp_from_config
-from tessera.train.optimizer import build_optimizer
+from tessera.train.builder import Groups, build_training_stack
 from tessera.config.precision import apply_precision
 from tessera.train.precision_report import closed_form_bytes
 from tessera.train.step import Trainer
@@ -212,16 +211,13 @@ def _batches(cfg: Config, dp_rank: int = 0, dp_size: int = 1) -> list[dict[str, 
 
 def _tessera(cfg: Config, batches: list[dict[str, torch.Tensor]], device: torch.device | str = "cpu",
              **groups: Any) -> tuple[Trainer, Any]:
-    """Model, NaiveAMPModel and HybridZeroOptimizer exactly as train.py builds them."""
-    device = torch.device(device)
+    """train.py's stack (``build_training_stack``) over the given groups (``tp_group``, ``dp_group``,
+    ``zero1_group``, ``global_group``; default none), without the buffer sync a benchmark does not need."""
     apply_precision(cfg.model.dtype)
-    model = build_model(cfg.model, tp_group=groups.get("tp_group"), seed=cfg.seed, device=device)
-    model = naive_amp_from_config(model, cfg.model, sync_buffer=False)
-    opt = build_optimizer(model, cfg, **groups)
-    dp_group = groups.get("dp_group")
-    dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
-    trainer = Trainer(model, opt, tp_group=groups.get("tp_group"), dp_group=dp_group, device=device, dp_size=dp_size)
-    return trainer, opt
+    stack = build_training_stack(cfg, Groups(tp=groups.get("tp_group"), dp=groups.get("dp_group"),
+                                             zero1=groups.get("zero1_group"), world=groups.get("global_group")),
+                                 device=device, sync_buffer=False)
+    return stack.trainer, stack.optimizer
 
 
 class _Variant:

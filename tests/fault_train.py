@@ -178,7 +178,7 @@ class FaultTrainer(Trainer):
         return result
 
 
-train.Trainer = FaultTrainer
+train.build_training_stack = functools.partial(train.build_training_stack, trainer_cls=FaultTrainer)
 
 
 # ---------------------------------------------------------------------------- checkpoint saving

@@ -10,6 +10,11 @@
   installed (``pip install -e .``), pytest puts the repository root on ``sys.path`` (pytest.ini), and
   ``tools/bench.py`` runs ``python -m benchmarks`` with the root on that process's ``PYTHONPATH``.
 - No file in the package above ``MAX_LINES`` lines; no module docstring narrating measurements.
+- One builder of the training stack (``BUILDER``): outside it, no function or module body constructs
+  the trainer or the optimizer from a config (calls ``Trainer``/``build_optimizer``), nor puts a decoder
+  (``build_model``) and a ``HybridZeroOptimizer`` together. Found by walking every call in tessera/,
+  train.py, tools/, benchmarks/ and tests/ per enclosing function; a call of a name means any call
+  whose function is that name or an attribute of that name (``x.Trainer(...)``).
 
 The checkers take the repository root, so the tests below also run them on small trees in tmp_path
 with a deliberate violation (a checker that never fails proves nothing).
@@ -33,6 +38,9 @@ LEAF_MODULES = frozenset({"__init__", "files", "cli_args", "testing", "fake_cuda
 TOP = frozenset({"core"})  # aliases of the documented contract paths (may import anything; nothing imports them)
 MAX_LINES = 450
 SCRIPT_PLACES = ("tools", "tests", "benchmarks", "train.py")
+BUILDER = "tessera/train/builder.py"  # the one place the training stack is assembled
+STACK_ONLY_IN_BUILDER = frozenset({"Trainer", "build_optimizer"})  # constructed from a config there only
+DECODER, OPTIMIZER = "build_model", "HybridZeroOptimizer"  # together in one function = a second builder
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -247,6 +255,50 @@ def _fmt(items: list[str]) -> str:
     return "\n  " + "\n  ".join(items)
 
 
+def _called_names(body: list[ast.stmt]) -> list[tuple[int, str]]:
+    """(line, name) of every call in ``body``, not descending into nested functions or classes."""
+    out: list[tuple[int, str]] = []
+    stack: list[ast.AST] = list(body)
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+            continue
+        if isinstance(node, ast.Call):
+            f = node.func
+            name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None
+            if name:
+                out.append((node.lineno, name))
+        stack.extend(ast.iter_child_nodes(node))
+    return out
+
+
+def stack_assemblies(root: Path, places=("tessera", *SCRIPT_PLACES)) -> list[str]:
+    """Places outside ``BUILDER`` that assemble the training stack themselves (see the module docstring)."""
+    out: list[str] = []
+    for place in places:
+        for path in _py_files(root / place):
+            rel = path.relative_to(root).as_posix()
+            if rel == BUILDER:
+                continue
+            tree = _parse(path, root, out)
+            if tree is None:
+                continue
+            scopes: list[tuple[str, list[ast.stmt]]] = [("<module>", tree.body)]
+            scopes += [(n.name, n.body) for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+            scopes += [("<lambda>", [ast.Expr(n.body)]) for n in ast.walk(tree) if isinstance(n, ast.Lambda)]
+            for scope, body in scopes:
+                calls = _called_names(body)
+                names = {name for _, name in calls}
+                for line, name in calls:
+                    if name in STACK_ONLY_IN_BUILDER:
+                        out.append(f"{rel}:{line}: {scope}() calls {name} (build the stack with {BUILDER})")
+                if DECODER in names and OPTIMIZER in names:
+                    line = min(ln for ln, name in calls if name == OPTIMIZER)
+                    out.append(f"{rel}:{line}: {scope}() builds a decoder and a {OPTIMIZER} itself "
+                               f"(build the stack with {BUILDER})")
+    return sorted(set(out))
+
+
 # ------------------------------------------------------------------------------------------ the repository
 def test_imports_go_one_way():
     bad = layering_violations(ROOT)
@@ -265,6 +317,12 @@ def test_no_sys_path_edits_in_tools_tests_benchmarks():
 
 def test_package_files_are_short():
     assert not long_files(ROOT), f"files above {MAX_LINES} lines:{_fmt(long_files(ROOT))}"
+
+
+def test_the_training_stack_is_assembled_in_one_function():
+    found = stack_assemblies(ROOT)
+    assert not found, f"the training stack assembled outside {BUILDER}:{_fmt(found)}"
+    assert (ROOT / BUILDER).is_file()
 
 
 def test_module_docstrings_narrate_no_measurements():
@@ -380,3 +438,16 @@ def test_long_files_and_narrated_measurements_are_found(tmp_path):
     assert long_files(tmp_path) == [f"tessera/parallel/big.py: {MAX_LINES + 1} lines (limit {MAX_LINES})"]
     assert narrated_measurements(tmp_path) == ["tessera/model/slow.py:3: This costs ~1-2 ms per call.",
                                                "tessera/model/slow.py:4: We measured 5-60x slower bf16."]
+
+
+def test_a_second_stack_builder_is_found(tmp_path):
+    root = _write(tmp_path, {
+        BUILDER: "def build_training_stack(cfg):\n    return Trainer(build_optimizer(cfg))\n",
+        "benchmarks/mine.py": "def _stack(cfg):\n    m = build_model(cfg)\n    return m, HybridZeroOptimizer(m)\n",
+        "tests/test_x.py": "import tessera.train.step as s\nfor _ in range(2):\n    t = s.Trainer(1)\n",
+        "tools/ok.py": "def f(cfg):\n    return build_training_stack(cfg), build_model(cfg)\n",
+        "train.py": "go = lambda cfg: build_optimizer(cfg)\n",
+    })
+    found = stack_assemblies(root)
+    assert [f.split(":")[0] for f in found] == ["benchmarks/mine.py", "tests/test_x.py", "train.py"], found
+    assert "builds a decoder and a HybridZeroOptimizer" in found[0] and "calls Trainer" in found[1]

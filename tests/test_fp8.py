@@ -203,17 +203,16 @@ def test_fp8_config_needs_a_bf16_model():
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_fp8_training_resumes_bitwise_across_a_checkpoint(tmp_path, recipe):
-    from tessera.checkpoint import Layout, load_checkpoint, save_checkpoint
-    from tessera.model import build_model
+    from tessera.checkpoint import Layout, TrainState, load_checkpoint, save_checkpoint
     from tessera.parallel import vocab_parallel_cross_entropy
-    from tessera.train.naive_amp import naive_amp_from_config, unwrap_model
-    from tessera.train.optimizer import build_optimizer
+    from tessera.train.builder import build_training_stack
+    from tessera.train.naive_amp import unwrap_model
 
     cfg = _model_cfg(1, recipe)
 
     def make():
-        model = naive_amp_from_config(build_model(cfg.model, tp_group=None, seed=5), cfg.model, sync_buffer=False)
-        return model, build_optimizer(model, cfg)
+        stack = build_training_stack(cfg, seed=5, sync_buffer=False)
+        return stack.model, stack.optimizer
 
     def steps(model, opt, seeds):
         for s in seeds:
@@ -223,11 +222,10 @@ def test_fp8_training_resumes_bitwise_across_a_checkpoint(tmp_path, recipe):
 
     model, opt = make()
     steps(model, opt, [1, 2])
-    path = save_checkpoint(str(tmp_path), 2, model=unwrap_model(model), optimizer=opt, trainer_state={"step": 2},
-                           config=None, rng_states=None, layout=Layout())
+    path = save_checkpoint(str(tmp_path), 2, TrainState(unwrap_model(model), opt), config=None, layout=Layout())
     steps(model, opt, [3, 4])
     m2, o2 = make()
-    load_checkpoint(path, model=unwrap_model(m2), optimizer=o2, layout=Layout())
+    load_checkpoint(path, TrainState(unwrap_model(m2), o2), layout=Layout())
     steps(m2, o2, [3, 4])
     for (n, p), q in zip(unwrap_model(model).named_parameters(), unwrap_model(m2).parameters()):
         assert torch.equal(p, q), n

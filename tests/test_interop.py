@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from tessera.checkpoint import Layout, load_checkpoint, read_meta
+from tessera.checkpoint import Layout, TrainState, load_checkpoint, read_meta
 from tessera.checkpoint.optim_shards import OptimizerShards
 from tessera.checkpoint.tree import read_tree
 from tessera.data.tokenizer import ByteTokenizer
@@ -69,7 +69,7 @@ def _tool_process(name: str, *args: str) -> str:
 def _reference_model(step_folder: str) -> torch.nn.Module:
     """The checkpoint loaded at TP=1 by the training-time loader (it reshards TP shards itself)."""
     model = build_model(read_meta(step_folder)["config"]["model"], seed=0)
-    load_checkpoint(step_folder, model=model, optimizer=None, layout=Layout())
+    load_checkpoint(step_folder, TrainState(model), layout=Layout())
     return model.eval()
 
 

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tessera.checkpoint import Layout, load_checkpoint, save_checkpoint
+from tessera.checkpoint import Layout, TrainState, load_checkpoint, save_checkpoint
 from tessera.testing import run_distributed
 from tessera.train.lowp_adamw import adamw_step, element_noise, stochastic_round_bf16
 from tessera.train.optimizer import HybridZeroOptimizer
@@ -207,12 +207,11 @@ def test_resume_across_a_checkpoint_is_bitwise(tmp_path, policy):
     model = _small()
     opt = _small_opt(model, policy)
     _steps(model, opt, [1, 2])
-    path = save_checkpoint(str(tmp_path), 2, model=model, optimizer=opt, trainer_state={"step": 2}, config=None,
-                           rng_states=None, layout=Layout())
+    path = save_checkpoint(str(tmp_path), 2, TrainState(model, opt), config=None, layout=Layout())
     _steps(model, opt, [3, 4, 5])
     m2 = _small(seed=9)
     o2 = _small_opt(m2, policy)
-    load_checkpoint(path, model=m2, optimizer=o2, layout=Layout())
+    load_checkpoint(path, TrainState(m2, o2), layout=Layout())
     _steps(m2, o2, [3, 4, 5])
     for (n, p), q in zip(model.named_parameters(), m2.parameters()):
         assert torch.equal(p, q), (policy, n)

@@ -10,11 +10,9 @@ import pytest
 import torch
 
 from tessera.config import Config
-from tessera.model import build_model
 from tessera.train import memory_check
 from tessera.train.memory_check import check_memory, plan_persistent_state
-from tessera.train.naive_amp import naive_amp_from_config
-from tessera.train.optimizer import build_optimizer
+from tessera.train.builder import build_training_stack
 from tessera.testing import run_torchrun
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -25,8 +23,8 @@ TINY = os.path.join(ROOT, "configs", "tiny.py")
                                          ("fp32", {})])
 def test_plan_equals_the_bytes_a_real_optimizer_holds(dtype, marks):
     cfg = Config.from_file(TINY, [f"model.dtype={dtype}"] + [f"model.{k}={v!r}" for k, v in marks.items()])
-    model = naive_amp_from_config(build_model(cfg.model, seed=0), cfg.model, sync_buffer=False)
-    opt = build_optimizer(model, cfg)
+    stack = build_training_stack(cfg, seed=0, sync_buffer=False)
+    model, opt = stack.model, stack.optimizer
     ids = torch.randint(0, cfg.model.vocab_size, (2, 16))
     opt.backward(model(ids).float().logsumexp(-1).mean())
     assert opt.step()[0]  # Adam states exist after the first step

@@ -23,11 +23,9 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from tessera.checkpoint import Layout, find_resumable_checkpoint
 from tessera.checkpoint.training import _all_agree
-from tessera.train.naive_amp import NaiveAMPModel
-from tessera.train.optimizer import build_optimizer
-from tessera.train.step import Trainer
+from tessera.config import Config
+from tessera.train.builder import Groups, build_training_stack
 from tessera.train.stop import StopRequest
-from tessera.model import build_model
 from tessera.fake_cuda import fake_cuda_mode
 from tessera.parallel.comm import collective_device, reduce_scalars
 
@@ -91,15 +89,15 @@ def test_optimizer_step_and_validation_on_a_cuda_only_group(cuda_only_job, dtype
     TP layers' gradient all-reduces, which take the gradients' own device.
     """
     tp, dp = cuda_only_job
-    cfg = {**CFG, "model": {**MODEL, "dtype": dtype}}
+    cfg = Config.from_dict({"model": {**MODEL, "dtype": dtype, "fp32_modules": ["norm"]},
+                            "parallel": {"tensor": {"size": 2}}, "adam": CFG["adam"],
+                            "hybrid_zero_optimizer": CFG["hybrid_zero_optimizer"], "data": {"type": "synthetic"}})
     with fake_cuda_mode():
-        model = NaiveAMPModel(build_model(cfg["model"], tp_group=tp, device=CUDA), dtype=dtype,
-                              parallel_mode=dp, fp32_modules=["norm"])
-        optimizer = build_optimizer(model, cfg, tp_group=tp, dp_group=dp, zero1_group=dp, global_group=dist.group.WORLD)
+        stack = build_training_stack(cfg, Groups(tp=tp, dp=dp, zero1=dp, world=dist.group.WORLD), device=CUDA)
+        model, optimizer, trainer = stack.model, stack.optimizer, stack.trainer
         success, _ = optimizer.step()
         assert success and optimizer.num_steps == 1
         assert all(p.device.type == "cuda" for p in model.parameters())
-        trainer = Trainer(model, optimizer, tp_group=tp, dp_group=dp, device=CUDA, dp_size=2)
         out = trainer.evaluate([_batch()])  # fake tensors have no values: only that it ran matters
         assert {"loss", "tokens", "bits_per_token"} <= set(out)
 

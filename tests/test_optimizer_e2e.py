@@ -5,8 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from tessera.config import Config
-from tessera.train.naive_amp import naive_amp_from_config
-from tessera.train.optimizer import build_optimizer
+from tessera.train.builder import build_training_stack
 
 VOCAB, SEQ, STEPS = 64, 32, 200
 
@@ -29,17 +28,16 @@ def _loss(model, batch):
 
 
 def _train(dtype: str):
-    from tessera.model import build_model
-
     cfg = Config.from_dict(dict(
         model=dict(num_layers=1, hidden_size=32, num_attention_heads=2, vocab_size=VOCAB, mlp_ratio=2.0,
                    multiple_of=16, dtype=dtype, use_flash_attn=False, use_fp32_norm=True),
         data=dict(type="synthetic", seq_len=SEQ, micro_bsz=2, micro_num=2),
         adam=dict(lr=1e-2, weight_decay=0.0),
+        lr_scheduler=dict(warmup_ratio=0.0, eta_min=1e-2),  # a constant learning rate: no scheduler is stepped
         hybrid_zero_optimizer=dict(clip_grad_norm=1.0),
     ))
-    model = naive_amp_from_config(build_model(cfg.model, seed=0), cfg.model, sync_buffer=False)
-    opt = build_optimizer(model, cfg)
+    stack = build_training_stack(cfg, seed=0, sync_buffer=False)
+    model, opt = stack.model, stack.optimizer
     data = _markov(STEPS * 4, seed=1)
     for step in range(STEPS):
         for micro in range(2):  # the trainer's pattern: loss / micro_num per micro-batch, one step

@@ -148,23 +148,17 @@ def _config(dtype: str, marks: str, tied: bool, tp: int, parallel_output: bool =
     model = {**MODEL, "dtype": DTYPES[dtype], "tie_word_embeddings": tied, "parallel_output": parallel_output,
              **MARKS[marks]}
     return Config.from_dict({"model": model, "parallel": {"tensor": {"size": tp}}, "adam": {"lr": LR},
+                             "lr_scheduler": {"warmup_ratio": 0.0, "eta_min": LR},  # constant: never stepped
                              "data": {"type": "synthetic", "seq_len": SEQ, "micro_bsz": ROWS, "micro_num": MICRO_NUM}})
 
 
 def _build(cfg, job: _Job, seed: int):
-    """The path train.py takes: fp32 TP-sharded model -> precision wrapper -> ZeRO optimizer -> Trainer."""
-    from tessera.train.naive_amp import naive_amp_from_config
-    from tessera.train.optimizer import build_optimizer
-    from tessera.train.step import Trainer
-    from tessera.model import build_model
+    """train.py's stack: fp32 TP-sharded model -> precision wrapper -> ZeRO optimizer -> Trainer."""
+    from tessera.train.builder import Groups, build_training_stack
 
-    model = build_model(cfg.model, tp_group=job.tp_group, seed=seed, device="cpu")
-    model = naive_amp_from_config(model, cfg.model, parallel_mode=job.dp_group)
-    optimizer = build_optimizer(model, cfg, tp_group=job.tp_group, dp_group=job.dp_group, zero1_group=job.dp_group,
-                                global_group=job.world_group)
-    trainer = Trainer(model, optimizer, tp_group=job.tp_group, dp_group=job.dp_group, device=torch.device("cpu"),
-                      dp_size=job.dp_size)
-    return model, optimizer, trainer
+    groups = Groups(tp=job.tp_group, dp=job.dp_group, zero1=job.dp_group, world=job.world_group)
+    stack = build_training_stack(cfg, groups, seed=seed, device="cpu")
+    return stack.model, stack.optimizer, stack.trainer
 
 
 def _train(trainer, job: _Job, steps) -> tuple[list[float], list[bool]]:
@@ -217,7 +211,7 @@ def _observe_generation(inner, job: _Job) -> dict:
 
 def _run_cell(job: _Job, dtype: str, marks: str, tied: bool, folder: str) -> dict:
     """Train one cell, checkpoint and resume it, generate from it; return what was observed."""
-    from tessera.checkpoint import load_checkpoint, save_checkpoint
+    from tessera.checkpoint import Progress, TrainState, load_checkpoint, save_checkpoint
     from tessera.config import ConfigError
     from tessera.train.naive_amp import unwrap_model
     from tessera.config.precision import apply_precision
@@ -230,14 +224,14 @@ def _run_cell(job: _Job, dtype: str, marks: str, tied: bool, folder: str) -> dic
         return {"config_error": str(e)}
     inner = unwrap_model(model)
     losses, success = _train(trainer, job, range(1, SAVE_AFTER + 1))
-    ckpt = save_checkpoint(folder, SAVE_AFTER, model=inner, optimizer=optimizer, trainer_state={"step": SAVE_AFTER},
-                           config=cfg.to_dict(), rng_states=None, layout=job.layout)
+    ckpt = save_checkpoint(folder, SAVE_AFTER, TrainState(inner, optimizer, progress=Progress(SAVE_AFTER)),
+                           config=cfg.to_dict(), layout=job.layout)
     more, more_ok = _train(trainer, job, range(SAVE_AFTER + 1, STEPS + 1))
     out = {"losses": losses + more, "success": success + more_ok, **_observe_dtypes(inner)}
 
     # resume into a model initialized from another seed: everything must come from the checkpoint
     model2, optimizer2, trainer2 = _build(cfg, job, SEED + 1)
-    load_checkpoint(ckpt, model=unwrap_model(model2), optimizer=optimizer2, layout=job.layout)
+    load_checkpoint(ckpt, TrainState(unwrap_model(model2), optimizer2, progress=Progress()), layout=job.layout)
     out["resumed_losses"], _ = _train(trainer2, job, range(SAVE_AFTER + 1, STEPS + 1))
     resumed = dict(unwrap_model(model2).named_parameters())
     out["resume_param_diffs"] = [n for n, p in inner.named_parameters() if not torch.equal(p, resumed[n])]

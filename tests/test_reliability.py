@@ -27,8 +27,8 @@ import pytest
 import torch
 from torch import nn
 
-from tessera.checkpoint import (CheckpointError, Layout, find_resumable_checkpoint, list_checkpoints,
-                                load_checkpoint, save_checkpoint)
+from tessera.checkpoint import (CheckpointError, Layout, Progress, TrainState, find_resumable_checkpoint,
+                                list_checkpoints, load_checkpoint, save_checkpoint)
 from tessera.checkpoint import tree as ckpt_tree  # its ``save_file`` is what the crash test wraps
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -225,13 +225,32 @@ def test_kill_during_save_resumes_from_previous_checkpoint(tmp_path, ref):
     assert sorted(os.listdir(ckpt)) == ["step_6", f"step_{N}"]  # keep_last=2, nothing partial left
 
 
+class _Held:
+    """A component that holds whatever state tree it is given (a stand-in for the RNG streams)."""
+
+    def __init__(self, state=None):
+        self.state = state
+
+    def state_dict(self):
+        return self.state
+
+    def load_state_dict(self, state):
+        self.state = state
+
+
+def _tiny_state(model, step=0, rng=None, optimizer=None) -> TrainState:
+    state = TrainState(model, optimizer, progress=Progress(step))
+    state.register("rng", _Held(rng), per_rank=True)
+    return state
+
+
 def _save_tiny(folder, step, weight_value, keep_last=0):
     model = nn.Linear(4, 3)
     with torch.no_grad():
         model.weight.fill_(weight_value)
         model.bias.fill_(weight_value)
-    return save_checkpoint(folder, step, model=model, optimizer=None, trainer_state={"step": step},
-                           config=None, rng_states={"cpu": torch.arange(5)}, layout=Layout(), keep_last=keep_last)
+    return save_checkpoint(folder, step, _tiny_state(model, step, {"cpu": torch.arange(5)}), config=None,
+                           layout=Layout(), keep_last=keep_last)
 
 
 class _Crash:
@@ -303,8 +322,11 @@ def _crashing_save(folder, step, value, keep_last, at, count_file):
 
 def _resume_tiny(folder):
     model = nn.Linear(4, 3)
-    path, meta = find_resumable_checkpoint(folder, Layout(), load=lambda p: load_checkpoint(
-        p, model=model, optimizer=None, layout=Layout()))
+    state = _tiny_state(model)
+    path, meta = find_resumable_checkpoint(folder, Layout(), load=lambda p: load_checkpoint(p, state, layout=Layout()))
+    if path is not None:
+        assert torch.equal(state.per_rank["rng"].state["cpu"], torch.arange(5))
+        assert state.components["progress"].step == meta["step"]
     return path, meta, model.weight[0, 0].item()
 
 
@@ -343,7 +365,7 @@ def test_kill_at_every_point_of_a_save_leaves_a_complete_checkpoint(tmp_path, sc
         with caplog.at_level(logging.WARNING, logger="tessera"):
             path, meta, weight = _resume_tiny(folder)
         assert path is not None, f"crash at operation {at}/{total}: no usable checkpoint left in {os.listdir(folder)}"
-        got = (meta["trainer_state"]["step"], weight)
+        got = (meta["step"], weight)
         assert got in (old, (step, value)), (at, got)
         assert not [r for r in caplog.records if "unusable" in r.getMessage()], \
             f"crash at operation {at}: the newest checkpoint was damaged: {caplog.text}"
@@ -396,8 +418,8 @@ def _train_and_save(folder, step, seed):
     x = torch.randn(4, 6)
     opt.backward(model(x).float().pow(2).mean())
     assert opt.step()[0]
-    save_checkpoint(folder, step, model=unwrap_model(model), optimizer=opt, trainer_state={"step": step},
-                    config={"seed": seed}, rng_states={"cpu": torch.get_rng_state()}, layout=Layout())
+    save_checkpoint(folder, step, _tiny_state(unwrap_model(model), step, {"cpu": torch.get_rng_state()}, opt),
+                    config={"seed": seed}, layout=Layout())
     return model, opt
 
 
@@ -405,8 +427,8 @@ def _resume_with_optimizer(folder):
     from tessera.train.naive_amp import unwrap_model
 
     model, opt = _tiny_model_and_optimizer(99)
-    path, meta = find_resumable_checkpoint(folder, Layout(), load=lambda p: load_checkpoint(
-        p, model=unwrap_model(model), optimizer=opt, layout=Layout()))
+    state = _tiny_state(unwrap_model(model), optimizer=opt)
+    path, meta = find_resumable_checkpoint(folder, Layout(), load=lambda p: load_checkpoint(p, state, layout=Layout()))
     return path, meta, model, opt
 
 
@@ -423,7 +445,7 @@ def test_damaged_file_is_named_and_the_previous_checkpoint_is_used(tmp_path, cap
         flip_bytes(target, 0.9 if name.endswith(".safetensors") else 0.02)
     elif how == "tamper":  # still valid JSON, a different step: only meta.json's own digest can tell
         meta = json.load(open(target))
-        meta["trainer_state"]["step"] = 7
+        meta["trainer_state"]["progress"]["step"] = 7
         json.dump(meta, open(target, "w"))
     elif how == "truncate":
         with open(target, "r+b") as f:
@@ -434,11 +456,11 @@ def test_damaged_file_is_named_and_the_previous_checkpoint_is_used(tmp_path, cap
 
     with pytest.raises(CheckpointError) as err:
         m, o = _tiny_model_and_optimizer(5)
-        load_checkpoint(os.path.join(folder, "step_2"), model=unwrap_model(m), optimizer=o, layout=Layout())
+        load_checkpoint(os.path.join(folder, "step_2"), _tiny_state(unwrap_model(m), optimizer=o), layout=Layout())
     assert target in str(err.value), err.value
     with caplog.at_level(logging.WARNING, logger="tessera"):
         path, meta, model, _ = _resume_with_optimizer(folder)
-    assert os.path.basename(path) == "step_1" and meta["trainer_state"]["step"] == 1
+    assert os.path.basename(path) == "step_1" and meta["trainer_state"]["progress"]["step"] == 1
     assert any(target in r.getMessage() and "falling back" in r.getMessage() for r in caplog.records), caplog.text
     for p, q in zip(model.parameters(), old_model.parameters()):
         assert torch.equal(p, q)
@@ -461,16 +483,14 @@ def test_loading_never_unpickles(tmp_path, monkeypatch, ref):
     import io
 
     from tessera.config import Config
-    from tessera.train.naive_amp import naive_amp_from_config, unwrap_model
-    from tessera.train.optimizer import build_optimizer
-    from tessera.model import build_model
+    from tessera.train.builder import build_training_stack
 
     def forbidden(*a, **k):
         raise AssertionError("a checkpoint load unpickled something")
 
     cfg = Config.from_file(TINY, [o for o in COMMON if not o.startswith("parallel.")])
-    model = naive_amp_from_config(build_model(cfg.model), cfg.model)
-    opt = build_optimizer(model, cfg)
+    stack = build_training_stack(cfg)
+    model, opt = stack.model, stack.optimizer
     path = os.path.join(ref["ckpt"], f"step_{N}")
     assert sorted(os.listdir(path)) == ["meta.json", "model_tp0.safetensors", "model_tp1.safetensors",
                                         "optim_tp0_zero0.safetensors", "optim_tp1_zero0.safetensors",
@@ -484,8 +504,9 @@ def test_loading_never_unpickles(tmp_path, monkeypatch, ref):
     monkeypatch.setattr(_pickle, "Unpickler", forbidden)
     with pytest.raises(AssertionError):  # the patch is effective
         pickle.loads(pickle.dumps(io.BytesIO))
-    meta = load_checkpoint(path, model=unwrap_model(model), optimizer=opt, layout=Layout())
-    assert meta["trainer_state"]["step"] == N
+    progress = Progress()
+    load_checkpoint(path, TrainState(stack.inner_model, opt, progress=progress), layout=Layout())
+    assert progress.step == N
     assert opt.state_dict()["num_steps"] == N
     assert all(torch.isfinite(p).all() for p in model.parameters())
 

@@ -40,6 +40,7 @@ SEQ = 16
 def _cfg(tp: int = 1, mode: str = "mtp", **model):
     return Config.from_dict({"model": {**SMALL, **model}, "parallel": {"tensor": {"size": tp, "mode": mode}},
                              "data": {"type": "synthetic", "seq_len": SEQ}, "adam": {"lr": 1e-2, "adam_eps": 1e-6},
+                             "lr_scheduler": {"warmup_ratio": 0.0, "eta_min": 1e-2},  # constant: never stepped
                              "hybrid_zero_optimizer": {"clip_grad_norm": 0.5}})
 
 
@@ -77,8 +78,7 @@ def _forward_backward(model, group, overrides: dict, seed: int = 0):
 
 def _compare_modes(group, singles, overrides: dict, optimizer_steps: int = 3) -> None:
     """msp against mtp on ``group``: init, logits, loss, grads; then weights after optimizer steps."""
-    from tessera.train.naive_amp import naive_amp_from_config
-    from tessera.train.optimizer import build_optimizer
+    from tessera.train.builder import Groups, build_training_stack
 
     tp = dist.get_world_size(group)
     cfg = {mode: _cfg(tp, mode, **overrides) for mode in ("mtp", "msp")}
@@ -106,17 +106,16 @@ def _compare_modes(group, singles, overrides: dict, optimizer_steps: int = 3) ->
     if not optimizer_steps:
         return
     rank = dist.get_rank()
-    for mode, model in models.items():
-        model.zero_grad(set_to_none=True)
-        amp = naive_amp_from_config(model, cfg[mode].model, sync_buffer=False)
-        opt = build_optimizer(amp, cfg[mode], tp_group=group, dp_group=singles[rank], zero1_group=singles[rank],
-                              global_group=dist.group.WORLD)
+    groups = Groups(tp=group, dp=singles[rank], zero1=singles[rank], world=dist.group.WORLD)
+    for mode in models:  # the same seed: the same initial weights as the models above
+        stack = build_training_stack(cfg[mode], groups, seed=77, sync_buffer=False)
+        models[mode], amp, opt = stack.inner_model, stack.model, stack.optimizer
         for step in range(optimizer_steps):
             ids, target, cu = _batch(10 + step)
             torch.manual_seed(step)
             opt.backward(_loss(amp(ids, cu_seqlens=cu), target, group, overrides.get("parallel_output", True)))
             assert opt.step()[0]
-    for (name, p), q in zip(ref.named_parameters(), sp.parameters()):
+    for (name, p), q in zip(models["mtp"].named_parameters(), models["msp"].parameters()):
         _assert_rel(q.detach(), p.detach(), f"after {optimizer_steps} optimizer steps: {name}")
 
 

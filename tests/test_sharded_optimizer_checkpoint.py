@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from tessera.checkpoint import Layout, load_checkpoint, save_checkpoint
+from tessera.checkpoint import Layout, TrainState, load_checkpoint, save_checkpoint
 from tessera.checkpoint.optim_shards import OptimizerShards
 from tessera.checkpoint.safetensors_io import SafetensorsReader
 from tessera.testing import run_distributed
@@ -94,8 +94,7 @@ def _worker(rank, world, folder):
     tracker.track_external(unwrap_model(model), opt.optim, *opt._grad_buffers.values(),
                            *[b.master for b in opt._buckets], *[b.param_flat for b in opt._buckets])
     with tracker:
-        path = save_checkpoint(folder, 2, model=unwrap_model(model), optimizer=opt, trainer_state={"step": 2},
-                               config=None, rng_states=None, layout=layout)
+        path = save_checkpoint(folder, 2, TrainState(unwrap_model(model), opt), config=None, layout=layout)
     save_peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
     _steps(model, opt, rank, world, [3, 4])
     out = {"continued": _params(model), "save_peak": save_peak, "bucket_bytes": bucket_bytes,
@@ -112,7 +111,7 @@ def _worker(rank, world, folder):
         m2, o2 = _model(seed=7), None
         o2 = _opt(m2, whole, zero)
         with _CountingReads() as reads:
-            load_checkpoint(path, model=unwrap_model(m2), optimizer=o2, layout=layout)
+            load_checkpoint(path, TrainState(unwrap_model(m2), o2), layout=layout)
         loaded = o2.state_dict()
         exact = all(torch.equal(loaded["master"][n], gathered["master"][n]) for n in gathered["master"]) and all(
             torch.equal(loaded["state"][n][k], gathered["state"][n][k])
@@ -165,6 +164,5 @@ def _save_only(rank, world, folder):
     model = _model()
     opt = _opt(model, whole, whole)
     _steps(model, opt, rank, world, [1])
-    save_checkpoint(folder, 1, model=unwrap_model(model), optimizer=opt, trainer_state={"step": 1}, config=None,
-                    rng_states=None, layout=Layout(global_rank=rank, world_size=world, dp_rank=rank, dp_size=world,
+    save_checkpoint(folder, 1, TrainState(unwrap_model(model), opt), config=None, layout=Layout(global_rank=rank, world_size=world, dp_rank=rank, dp_size=world,
                                                    zero1_size=world))

@@ -144,14 +144,14 @@ def test_convert_tp_without_dst_is_a_usage_error(capsys):
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory) -> str:
     """configs/tiny.py's model (4 heads, vocab 256) saved untrained at TP=1 by the training-time saver."""
-    from tessera.checkpoint import Layout, save_checkpoint
+    from tessera.checkpoint import Layout, Progress, TrainState, save_checkpoint
     from tessera.config import Config
     from tessera.model import build_model
 
     cfg = Config.from_file(TINY)
     model = build_model(cfg.model, seed=0)
-    return save_checkpoint(str(tmp_path_factory.mktemp("cli") / "ckpt"), 1, model=model, optimizer=None,
-                           trainer_state={"step": 1}, config=cfg.to_dict(), rng_states=None, layout=Layout())
+    return save_checkpoint(str(tmp_path_factory.mktemp("cli") / "ckpt"), 1, TrainState(model, progress=Progress(1)),
+                           config=cfg.to_dict(), layout=Layout())
 
 
 def test_generate_accepts_the_boundary_values(capsys, ckpt):

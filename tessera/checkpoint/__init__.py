@@ -5,6 +5,7 @@
     meta.py            step-folder file names, Layout, meta.json: build, write last, read, verify
     folders.py         step folders: discovery, atomic publishing, tidying up interrupted saves
     reshard.py         which tensor is TP-sharded along which dim; the one resharding routine
+    state.py           TrainState: the resumable components of a run, registered once
     training.py        save / load (resharded) / auto-resume with every rank agreeing
     source.py          offline reader: any TP layout in, one full tensor at a time out
     safetensors_io.py  streaming safetensors reader and writer
@@ -28,11 +29,13 @@ from tessera.checkpoint.meta import (CHECKPOINT_FORMAT, Layout, file_entry, new_
 from tessera.checkpoint.reshard import ParamLayout, param_layout, reshard
 from tessera.checkpoint.source import CheckpointSource
 from tessera.checkpoint.tokenizers import byte_tokenizer_json, tokenizer_for_checkpoint
+from tessera.checkpoint.state import Progress, RngStreams, Stateful, TrainState
 from tessera.checkpoint.training import find_resumable_checkpoint, load_checkpoint, save_checkpoint
 from tessera.checkpoint.tree import read_tree, write_tree
 
 __all__ = [
-    "CHECKPOINT_FORMAT", "CheckpointError", "CheckpointSource", "Layout", "ParamLayout", "byte_tokenizer_json",
+    "CHECKPOINT_FORMAT", "CheckpointError", "CheckpointSource", "Layout", "ParamLayout", "Progress", "RngStreams",
+    "Stateful", "TrainState", "byte_tokenizer_json",
     "clean_partial_checkpoints", "consolidate", "convert_checkpoint", "export_hf", "file_entry",
     "find_resumable_checkpoint", "import_hf", "list_checkpoints", "load_checkpoint", "load_consolidated_state",
     "load_for_inference", "new_meta", "new_step_folder", "output_step_folder", "param_layout", "parse_dtype_name",

@@ -25,6 +25,7 @@ from tessera.checkpoint.meta import (Layout, new_meta, read_meta, rng_name, shar
                                      write_meta)
 from tessera.checkpoint.optim_shards import OptimizerShards, optim_shard_files, optim_shard_name
 from tessera.checkpoint.reshard import model_param_dims, reshard_tree
+from tessera.checkpoint.state import TrainState
 from tessera.checkpoint.tree import read_tree, write_tree
 from tessera.files import commit_folder, discard_folder, hidden_sibling
 from tessera.parallel.comm import reduce_scalars
@@ -73,23 +74,21 @@ def _gather_errors(error: str | None, layout: Layout) -> list[str]:
 def save_checkpoint(
     folder: str,
     step: int,
+    state: TrainState,
     *,
-    model: torch.nn.Module,
-    optimizer: Any | None,
-    trainer_state: Mapping[str, Any],
     config: Mapping[str, Any] | None,
-    rng_states: Mapping[str, Any] | None,
     layout: Layout,
     keep_last: int = 0,
     before_commit: Callable[[str], None] | None = None,
     writer: Callable[[str, Any], dict[str, Any]] | None = None,
 ) -> str:
-    """Save step ``step`` atomically; every rank must call this. Returns the final folder.
+    """Save ``state`` as step ``step`` atomically; every rank must call this. Returns the final folder.
 
-    ``model`` is the unwrapped module (parameter names without wrapper prefixes); ``optimizer`` has
-    ``state_dict()`` (a collective under ZeRO: every rank calls it). ``before_commit`` is a test hook
-    run on rank 0 just before the rename that publishes the checkpoint. ``writer(path, tree)`` writes
-    one file and returns its meta.json entry (default ``write_tree``; the dry run plans without writing).
+    Every component of ``state`` is written: the model shards, the optimizer shards (its
+    ``shard_state_dict()``), the per-rank components in this rank's file and the others in meta.json.
+    ``before_commit`` is a test hook run on rank 0 just before the rename that publishes the checkpoint.
+    ``writer(path, tree)`` writes one file and returns its meta.json entry (default ``write_tree``; the
+    dry run plans without writing).
     """
     write = writer or write_tree
     final = step_folder(folder, step)
@@ -100,6 +99,7 @@ def save_checkpoint(
         os.makedirs(partial)
     _barrier()
 
+    model, optimizer = state.model, state.optimizer
     files: dict[str, Any] = {}
     if layout.dp_rank == 0:
         name = shard_name("model", layout.tp_rank)
@@ -109,9 +109,10 @@ def save_checkpoint(
     if optimizer is not None and layout.dp_rank < optimizer.zero1_size:
         name = optim_shard_name(layout.tp_rank, layout.dp_rank)
         files[name] = write(os.path.join(partial, name), optimizer.shard_state_dict())
-    if rng_states is not None:
+    rank_state = state.rank_state_dict()
+    if rank_state is not None:
         name = rng_name(layout.global_rank)
-        files[name] = write(os.path.join(partial, name), rng_states)
+        files[name] = write(os.path.join(partial, name), rank_state)
 
     gathered = _gather_to_rank0(files, layout)
     if layout.global_rank == 0:
@@ -119,7 +120,7 @@ def save_checkpoint(
         for part in gathered:
             all_files.update(part)
         write_meta(partial, new_meta(step=step, layout=asdict(layout), has_optimizer=optimizer is not None,
-                                     trainer_state=trainer_state, config=config, files=all_files))
+                                     trainer_state=state.state_dict(), config=config, files=all_files))
         if before_commit is not None:
             before_commit(partial)
         commit_folder(partial, final)
@@ -171,18 +172,21 @@ def _load_optimizer(path: str, kind: str, files: list[list[str]], optimizer: Any
 
 def load_checkpoint(
     path: str,
+    state: TrainState,
     *,
-    model: torch.nn.Module,
-    optimizer: Any | None,
     layout: Layout,
     load_optimizer: bool = True,
+    load_components: bool = True,
     verify: bool = True,
 ) -> dict[str, Any]:
-    """Load ``path`` into ``model`` (and ``optimizer``); returns meta.json (with ``trainer_state``).
+    """Load ``path`` into every component of ``state``; returns meta.json.
 
     Every rank must call this. A damaged or missing file raises ``CheckpointError`` naming it.
-    RNG states are returned under ``meta["rng_states"]`` when the layout is unchanged (else None).
+    ``load_optimizer=False`` / ``load_components=False`` restore the weights only. Per-rank components
+    (RNG streams) are restored only when the layout is unchanged; ``meta["rank_state_loaded"]`` says
+    whether they were.
     """
+    model, optimizer = state.model, state.optimizer
     meta = read_meta(path)
     old = meta["layout"]
     old_tp = int(old["tp_size"])
@@ -199,7 +203,7 @@ def load_checkpoint(
         need += [n for names in optim[1] for n in names]
     same_layout = old_tp == layout.tp_size and int(old["dp_size"]) == layout.dp_size
     rng_file = rng_name(layout.global_rank)
-    if same_layout and rng_file in meta["files"]:
+    if load_components and state.per_rank and same_layout and rng_file in meta["files"]:
         need.append(rng_file)
     if verify:
         verify_files(path, need, meta)
@@ -208,7 +212,11 @@ def load_checkpoint(
     _load_model_state(model, _load_state(path, "model", old_tp, layout, params), path)
     if want_optim:
         _load_optimizer(path, *optim, optimizer, old_tp, layout, params)
-    meta["rng_states"] = read_tree(os.path.join(path, rng_file)) if rng_file in need else None
+    if load_components:
+        state.load_state_dict(meta["trainer_state"], path)
+    meta["rank_state_loaded"] = rng_file in need
+    if meta["rank_state_loaded"]:
+        state.load_rank_state_dict(read_tree(os.path.join(path, rng_file)), path)
     return meta
 
 

@@ -35,17 +35,14 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from tessera.checkpoint import Layout, find_resumable_checkpoint, save_checkpoint
+from tessera.checkpoint import Layout, Progress, RngStreams, TrainState, find_resumable_checkpoint, save_checkpoint
 from tessera.checkpoint.tree import prepare_tree
 from tessera.config import Config
 from tessera.data import build_data
 from tessera.dist import ParallelMode, gpc
 from tessera.dist.launch import launch
-from tessera.model import build_model
 from tessera.plan.tracker import CollectiveTraffic, LiveBytes
-from tessera.train.naive_amp import naive_amp_from_config, unwrap_model
-from tessera.train.optimizer import build_optimizer
-from tessera.train.step import Trainer
+from tessera.train.builder import build_training_stack
 from tessera.train.stop import StopRequest
 
 __all__ = ["StepTrace", "trace_iteration", "dry_run", "fake_job"]
@@ -126,16 +123,11 @@ def trace_iteration(cfg: Config, seed: int, save_dir: str | None = None) -> Step
     checkpoint save runs there (files planned, not written, on meta)."""
     device = gpc.device
     batches = _synthetic_batches(cfg, seed)  # host tensors, made before counting (the loader's own memory)
-    tp_group, dp_group = gpc.get_group(ParallelMode.TENSOR), gpc.get_group(ParallelMode.DATA)
     live = LiveBytes(device_type=device.type)
     traffic = CollectiveTraffic(_group_names().get)
     with live:
-        model = build_model(cfg.model, tp_group=tp_group, seed=seed, device=device,
-                            tensor_mode=cfg.parallel.tensor.mode)
-        model = naive_amp_from_config(model, cfg.model)
-        optimizer = build_optimizer(model, cfg)
-        trainer = Trainer(model, optimizer, tp_group=tp_group, dp_group=dp_group, device=device,
-                          label_smoothing=cfg.loss.label_smoothing, dp_size=gpc.get_world_size(ParallelMode.DATA))
+        stack = build_training_stack(cfg, seed=seed, device=device)
+        optimizer, trainer = stack.optimizer, stack.trainer
         built = live.current
         # two iterations: the first creates the optimizer's lazily allocated states; the second is the
         # steady state every later step repeats, and its figures are the ones reported
@@ -164,9 +156,10 @@ def trace_iteration(cfg: Config, seed: int, save_dir: str | None = None) -> Step
         save_peak = after
         if save_dir is not None:
             live.reset_peak()
-            save_checkpoint(save_dir, 1, model=unwrap_model(model), optimizer=optimizer,
-                            trainer_state={"step": 1, "consumed_tokens": result.tokens}, config=None,
-                            rng_states=gpc.get_rng_states(), layout=Layout.from_gpc(),
+            state = TrainState(stack.inner_model, optimizer, progress=Progress(1, result.tokens),
+                               lr_scheduler=stack.scheduler)
+            state.register("rng", RngStreams(gpc), per_rank=True)
+            save_checkpoint(save_dir, 1, state, config=None, layout=Layout.from_gpc(),
                             writer=_plan_write if device.type == "meta" else None)
             save_peak = live.peak
             # the resume agreement train.py runs at launch: every rank must accept the same checkpoint

@@ -1,0 +1,102 @@
+"""The one place the training stack is assembled: model -> NaiveAMPModel -> HybridZeroOptimizer -> LR
+schedule -> Trainer, from a config and the process groups.
+
+train.py, the dry run, the benchmarks and the tests all build through ``build_training_stack``; a
+variant (no buffer sync, a subclassed trainer, weights loaded before the precision cast) is an
+argument here, not a second copy of the assembly. ``tests/test_architecture.py`` fails when the stack
+is put together anywhere else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tessera.config import Config
+from tessera.dist import ParallelMode, gpc
+from tessera.model import build_model
+from tessera.train.lr_scheduler import WarmupCosineLR
+from tessera.train.naive_amp import NaiveAMPModel, naive_amp_from_config, unwrap_model
+from tessera.train.optimizer import HybridZeroOptimizer, build_optimizer
+from tessera.train.step import Trainer
+
+__all__ = ["Groups", "TrainingStack", "build_training_stack"]
+
+ProcessGroup = dist.ProcessGroup
+
+
+@dataclass(frozen=True)
+class Groups:
+    """The process groups a training stack talks to; None = that dimension has one rank."""
+
+    tp: ProcessGroup | None = None
+    dp: ProcessGroup | None = None
+    zero1: ProcessGroup | None = None
+    world: ProcessGroup | None = None
+
+    @classmethod
+    def from_gpc(cls) -> "Groups":
+        """The launched job's groups (none when nothing is launched: a single process)."""
+        def group(mode: ParallelMode) -> ProcessGroup | None:
+            return gpc.get_group(mode) if gpc.is_initialized(mode) else None
+
+        return cls(tp=group(ParallelMode.TENSOR), dp=group(ParallelMode.DATA), zero1=group(ParallelMode.ZERO1),
+                   world=group(ParallelMode.GLOBAL))
+
+    @property
+    def dp_size(self) -> int:
+        return dist.get_world_size(self.dp) if self.dp is not None else 1
+
+
+@dataclass
+class TrainingStack:
+    """What ``build_training_stack`` returns; ``model`` is the precision wrapper."""
+
+    model: NaiveAMPModel
+    optimizer: HybridZeroOptimizer
+    scheduler: WarmupCosineLR
+    trainer: Trainer
+
+    @property
+    def inner_model(self) -> nn.Module:
+        """The decoder inside the wrapper (parameter names without the wrapper's prefix)."""
+        return unwrap_model(self.model)
+
+
+def build_training_stack(
+    cfg: Config | Mapping[str, Any],
+    groups: Groups | None = None,
+    *,
+    seed: int | None = None,
+    device: torch.device | str | None = None,
+    sync_buffer: bool = True,
+    before_cast: Callable[[nn.Module], None] | None = None,
+    trainer_cls: type[Trainer] = Trainer,
+) -> TrainingStack:
+    """Build the whole stack for ``cfg`` (a ``Config`` or its dict) over ``groups`` (default: gpc's).
+
+    ``seed`` defaults to the config's, ``device`` to the launched job's (the CPU when none is).
+    ``before_cast(model)`` runs on the fp32, TP-sharded decoder before the precision wrapper casts it
+    (train.py loads a weights-only start there). ``sync_buffer`` is NaiveAMPModel's (average floating
+    buffers over DP). ``trainer_cls`` lets tests drive a subclass of the one Trainer.
+    """
+    cfg = cfg if isinstance(cfg, Config) else Config.from_dict(cfg)  # validated, defaults filled
+    groups = Groups.from_gpc() if groups is None else groups
+    seed = cfg.seed if seed is None else seed
+    device = gpc.device if device is None else torch.device(device)
+    model = build_model(cfg.model, tp_group=groups.tp, seed=seed, device=device,
+                        tensor_mode=cfg.parallel.tensor.mode)
+    if before_cast is not None:
+        before_cast(model)
+    amp = naive_amp_from_config(model, cfg.model, sync_buffer=sync_buffer,
+                                parallel_mode=groups.dp if groups.dp is not None else ParallelMode.DATA)
+    optimizer = build_optimizer(amp, cfg, tp_group=groups.tp, dp_group=groups.dp, zero1_group=groups.zero1,
+                                global_group=groups.world)
+    scheduler = WarmupCosineLR.from_config(optimizer.param_groups, cfg.adam, cfg.lr_scheduler)
+    trainer = trainer_cls(amp, optimizer, tp_group=groups.tp, dp_group=groups.dp, device=device,
+                          label_smoothing=cfg.loss.label_smoothing, dp_size=groups.dp_size)
+    return TrainingStack(amp, optimizer, scheduler, trainer)
