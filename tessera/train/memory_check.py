@@ -28,7 +28,7 @@ from tessera.model import build_model
 from tessera.model.activations import activation_bytes
 from tessera.parallel import MetaGroup
 from tessera.parallel.comm import reduce_scalars
-from tessera.train.naive_amp import NaiveAMPModel
+from tessera.train.naive_amp import naive_amp_from_config
 from tessera.train.precision_report import closed_form_bytes
 
 __all__ = ["StatePlan", "param_counts", "plan_persistent_state", "available_bytes", "check_memory"]
@@ -55,9 +55,7 @@ def _param_counts_cached(model_json: str, tp: int) -> tuple[int, int]:
     model_cfg = json.loads(model_json)
     with torch.device("meta"):
         model = build_model(model_cfg, tp_group=MetaGroup(tp), seed=0, device="meta", tensor_rng=None)
-    amp = NaiveAMPModel(model, dtype=model_cfg.get("dtype", "bf16"), sync_buffer=False,
-                        fp32_modules=model_cfg.get("fp32_modules") or (),
-                        use_fp32_norm=bool(model_cfg.get("use_fp32_norm", False)))
+    amp = naive_amp_from_config(model, model_cfg, sync_buffer=False)  # the run's dtype and fp32 marks
     params = {id(p): p for p in amp.parameters()}.values()
     return (sum(p.numel() for p in params if p.dtype != torch.float32),
             sum(p.numel() for p in params if p.dtype == torch.float32))
