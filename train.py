@@ -24,7 +24,8 @@ from tessera.train.lr_scheduler import WarmupCosineLR
 from tessera.train.memory_check import check_memory
 from tessera.train.metrics import MetricsWriter, gpu_peak_tflops, measure_matmul_tflops, peak_memory_gib, setup_logging
 from tessera.train.naive_amp import naive_amp_from_config, unwrap_model
-from tessera.train.optimizer import TooManySkippedSteps, build_optimizer
+from tessera.optim.skips import TooManySkippedSteps
+from tessera.train.optimizer import build_optimizer
 from tessera.config.precision import resolve_precision
 from tessera.train.step import Trainer
 from tessera.train.stop import StopRequest
