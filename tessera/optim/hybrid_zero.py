@@ -45,7 +45,7 @@ from tessera.optim.skips import StepRecord, TooManySkippedSteps
 from tessera.optim.state_format import SHARD_FORMAT, STATE_DICT_FORMAT, ShardSource
 from tessera.parallel.attrs import partition_dim
 
-__all__ = ["HybridZeroOptimizer", "TooManySkippedSteps", "STATE_DICT_FORMAT", "SHARD_FORMAT"]
+__all__ = ["HybridZeroOptimizer", "TooManySkippedSteps"]
 
 
 class HybridZeroOptimizer(torch.optim.Optimizer):
