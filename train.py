@@ -23,7 +23,7 @@ from tessera.dist import ParallelMode, gpc, launch_from_slurm, launch_from_torch
 from tessera.train.memory_check import check_memory
 from tessera.train.metrics import MetricsWriter, gpu_peak_tflops, measure_matmul_tflops, peak_memory_gib, setup_logging
 from tessera.train.builder import build_training_stack
-from tessera.train.optimizer import TooManySkippedSteps
+from tessera.optim.skips import TooManySkippedSteps
 from tessera.config.precision import resolve_precision
 from tessera.train.stop import StopRequest
 from tessera.data import build_data

@@ -73,7 +73,7 @@ def _worker(rank: int, world: int, mode: Mode, buckets: int) -> dict[str, Any]:
     whole = dist.group.WORLD
     singles = [dist.new_group([r]) for r in range(world)]
     probe = _config(mode, "bf16", mode.micro_bsz // world)
-    numel = sum(p.numel() for p in _tessera(probe, [])[1]._params)
+    numel = sum(p.numel() for p in _tessera(probe, [])[1].params)
     bucket = -(-numel // buckets)
     extra = (f"hybrid_zero_optimizer.reduce_bucket_size={bucket}",)
     out: dict[str, Any] = {"params": numel, "bucket_size": bucket}
@@ -85,15 +85,17 @@ def _worker(rank: int, world: int, mode: Mode, buckets: int) -> dict[str, Any]:
         trainer.train_step(shard)  # warm-up
         with count_collective_bytes() as sent:
             trainer.train_step(shard)
-        out[f"zero{zero}"] = {"sent": sent, "grad_bytes": sum(b.numel() * b.element_size() for b in opt._grad_buffers.values()),
-                              "param_bytes": sum(b.param_flat.numel() * b.param_flat.element_size() for b in opt._buckets),
-                              "buckets": len(opt._buckets)}
-    cfg = _config(mode, "bf16", mode.micro_bsz // world, extra=extra)
-    shard = _batches(cfg, rank, world)
+        grads = opt.gradients.flat_buffers.values()
+        params = [b.param_flat for b in opt.buckets]
+        out[f"zero{zero}"] = {"sent": sent, "grad_bytes": sum(t.numel() * t.element_size() for t in grads),
+                              "param_bytes": sum(t.numel() * t.element_size() for t in params),
+                              "buckets": len(opt.buckets)}
+    shard = _batches(_config(mode, "bf16", mode.micro_bsz // world, extra=extra), rank, world)
     steps = {}
-    for overlap in (True, False):
+    for overlap in (True, False):  # the same model and batches; only hybrid_zero_optimizer.overlap_sync_grad differs
+        cfg = _config(mode, "bf16", mode.micro_bsz // world,
+                      extra=(*extra, f"hybrid_zero_optimizer.overlap_sync_grad={overlap}"))
         trainer, opt = _tessera(cfg, shard, dp_group=whole, zero1_group=whole, global_group=whole)
-        opt.overlap_sync_grad = overlap
         steps["overlap" if overlap else "after"] = trainer
     times: dict[str, list[float]] = {n: [] for n in steps}
     losses: dict[str, list[float]] = {n: [] for n in steps}

@@ -32,7 +32,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 # lowest first: a module may import its own layer and the layers before it, never a later one
-LAYERS = ("leaf", "parallel", "model", "config", "data", "dist", "train", "checkpoint", "plan", "top")
+LAYERS = ("leaf", "parallel", "model", "config", "data", "dist", "optim", "train", "checkpoint", "plan", "top")
 # tessera/<name>.py modules that import no tessera package (stdlib / torch only); "__init__" is tessera/__init__.py
 LEAF_MODULES = frozenset({"__init__", "files", "cli_args", "testing", "fake_cuda"})
 TOP = frozenset({"core"})  # aliases of the documented contract paths (may import anything; nothing imports them)

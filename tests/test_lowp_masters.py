@@ -10,8 +10,8 @@ from torch import nn
 
 from tessera.checkpoint import Layout, TrainState, load_checkpoint, save_checkpoint
 from tessera.testing import run_distributed
-from tessera.train.lowp_adamw import adamw_step, element_noise, stochastic_round_bf16
-from tessera.train.optimizer import HybridZeroOptimizer
+from tessera.optim.hybrid_zero import HybridZeroOptimizer
+from tessera.optim.lowp_adamw import adamw_step, element_noise, stochastic_round_bf16
 
 POLICIES = {  # name -> hybrid_zero_optimizer keys
     "fp32": {},
@@ -152,7 +152,7 @@ CLOSED_FORM = {  # bf16 weights, fp32 main grads; ZeRO size d -> (weights, grads
 def _bytes(opt, n):
     mem = opt.memory_bytes()
     states = mem["optimizer_states"]  # the compensation is a state entry too, reported apart (counted once)
-    step_bytes = 4 * len(opt._buckets)  # Adam's 0-dim step counters
+    step_bytes = 4 * len(opt.buckets)  # Adam's 0-dim step counters
     return (mem["weights"] / n, mem["main_grads"] / n, mem["masters"] / n, mem["compensation"] / n,
             (states - step_bytes) / n)
 

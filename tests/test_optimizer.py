@@ -1,14 +1,18 @@
 """HybridZeroOptimizer in one process, against independent references (torch AdamW, clip_grad_norm_)."""
 
 import copy
+import dataclasses
 import io
 
 import pytest
 import torch
 from torch import nn
 
-from tessera.train.naive_amp import NaiveAMPModel
-from tessera.train.optimizer import HybridZeroOptimizer, TooManySkippedSteps, build_param_groups
+from tessera.config import SCHEMA
+from tessera.optim.hybrid_zero import HybridZeroOptimizer, TooManySkippedSteps
+from tessera.optim.settings import ZeroSettings
+from tessera.train.naive_amp import NaiveAMPModel, unwrap_model
+from tessera.train.optimizer import build_param_groups
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -47,8 +51,8 @@ def test_fp32_matches_torch_adamw_with_clipping(dtype):
     ref = Net()
     model = NaiveAMPModel(copy.deepcopy(ref), dtype=dtype, sync_buffer=False)
     ref_opt = _adamw(build_param_groups(ref, 0.1))
-    opt = HybridZeroOptimizer(_adamw(build_param_groups(model, 0.1)), clip_grad_norm=0.05, dtype=dtype,
-                              param_names=model)
+    opt = HybridZeroOptimizer(_adamw(build_param_groups(model, 0.1)), zero_cfg={"clip_grad_norm": 0.05},
+                              dtype=dtype, param_names=unwrap_model(model))
     clipped = 0
     for step, (x, y) in enumerate(_batches(10)):
         lr = 0.05 * (0.8**step)  # an LR schedule: set on the wrapper's groups like a scheduler does
@@ -96,7 +100,7 @@ def test_bf16_master_weights_keep_tiny_updates():
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=lr, weight_decay=0.0)
     model = NaiveAMPModel(Probe(w0), dtype="torch.bfloat16", sync_buffer=False)
     opt = HybridZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0),
-                              clip_grad_norm=0.0, param_names=model)
+                              zero_cfg={"clip_grad_norm": 0.0}, param_names=unwrap_model(model))
     for x in xs:
         pure_opt.zero_grad()
         pure(x.bfloat16()).float().sum().backward()
@@ -130,7 +134,8 @@ def test_fp16_loss_scaling_recovers_tiny_gradients():
     assert plain.model.lin.weight.grad.abs().max() == 0  # vanished without scaling
 
     model = NaiveAMPModel(Probe(w0), dtype="fp16", sync_buffer=False)
-    opt = HybridZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), clip_grad_norm=0.0, param_names=model)
+    opt = HybridZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), zero_cfg={"clip_grad_norm": 0.0},
+                              param_names=unwrap_model(model))
     assert opt.loss_scale == 2**16  # the dynamic scaler's documented default
     opt.backward((model(x) * c).sum())
     grad = opt.get_main_grad(model.model.lin.weight) / opt.loss_scale
@@ -154,11 +159,13 @@ def _run(model, opt, batches):
 def test_resume_is_bitwise():
     batches = _batches(6, seed=3)
     model = _mixed_model()
-    opt = HybridZeroOptimizer(_adamw(build_param_groups(model, 0.1)), clip_grad_norm=0.5, param_names=model)
+    opt = HybridZeroOptimizer(_adamw(build_param_groups(model, 0.1)), zero_cfg={"clip_grad_norm": 0.5},
+                              param_names=unwrap_model(model))
     _run(model, opt, batches)
 
     model2 = _mixed_model()
-    opt2 = HybridZeroOptimizer(_adamw(build_param_groups(model2, 0.1)), clip_grad_norm=0.5, param_names=model2)
+    opt2 = HybridZeroOptimizer(_adamw(build_param_groups(model2, 0.1)), zero_cfg={"clip_grad_norm": 0.5},
+                               param_names=unwrap_model(model2))
     _run(model2, opt2, batches[:3])
     buf = io.BytesIO()
     torch.save(opt2.state_dict(), buf)
@@ -168,7 +175,8 @@ def test_resume_is_bitwise():
     assert saved["master"]["fc1.weight"].shape == (12, 6)
 
     model3 = _mixed_model(seed=99)  # different initial weights: everything must come from the state
-    opt3 = HybridZeroOptimizer(_adamw(build_param_groups(model3, 0.1)), clip_grad_norm=0.5, param_names=model3)
+    opt3 = HybridZeroOptimizer(_adamw(build_param_groups(model3, 0.1)), zero_cfg={"clip_grad_norm": 0.5},
+                               param_names=unwrap_model(model3))
     opt3.load_state_dict(saved)
     _run(model3, opt3, batches[3:])
     for (n, p), q in zip(model.model.named_parameters(), model3.model.parameters()):
@@ -186,8 +194,8 @@ def test_gradient_accumulation_equals_one_big_batch():
     torch.manual_seed(0)
     a = NaiveAMPModel(Net(), dtype="fp32", sync_buffer=False)
     b = copy.deepcopy(a)
-    opt_a = HybridZeroOptimizer(_adamw(a.parameters()), clip_grad_norm=1.0)
-    opt_b = HybridZeroOptimizer(_adamw(b.parameters()), clip_grad_norm=1.0)
+    opt_a = HybridZeroOptimizer(_adamw(a.parameters()), zero_cfg={"clip_grad_norm": 1.0})
+    opt_b = HybridZeroOptimizer(_adamw(b.parameters()), zero_cfg={"clip_grad_norm": 1.0})
     _run(a, opt_a, batches)
     for x, y in batches:
         opt_b.backward(_loss(b, x, y))
@@ -198,7 +206,7 @@ def test_gradient_accumulation_equals_one_big_batch():
 
 def test_reduce_dtype_model_accumulates_in_bf16():
     model = _mixed_model()
-    opt = HybridZeroOptimizer(_adamw(model.parameters()), reduce_dtype="model")
+    opt = HybridZeroOptimizer(_adamw(model.parameters()), zero_cfg={"reduce_dtype": "model"})
     ref_model = _mixed_model()
     ref_opt = HybridZeroOptimizer(_adamw(ref_model.parameters()))
     batches = _batches(3)
@@ -226,7 +234,7 @@ def test_unused_and_frozen_parameters_and_overflow_skip_single_process():
     model = _mixed_model()
     extra = nn.Parameter(torch.ones(3))  # never receives a gradient: treated as a zero gradient
     frozen = nn.Parameter(torch.ones(2), requires_grad=False)  # left alone (no weight decay either)
-    opt = HybridZeroOptimizer(_adamw([*model.parameters(), extra, frozen]), max_consecutive_skips=2)
+    opt = HybridZeroOptimizer(_adamw([*model.parameters(), extra, frozen]), zero_cfg={"max_consecutive_skips": 2})
     x, y = _batches(1)[0]
     opt.backward(_loss(model, x, y))
     ok, norm = opt.step()
@@ -265,7 +273,32 @@ def test_clear_errors():
     with pytest.raises(ValueError, match="no name"):
         HybridZeroOptimizer(_adamw([nn.Parameter(torch.ones(2))]), param_names={})
     other = _mixed_model()
-    sd = HybridZeroOptimizer(_adamw(other.parameters()), param_names=other).state_dict()
+    sd = HybridZeroOptimizer(_adamw(other.parameters()), param_names=unwrap_model(other)).state_dict()
     wide = NaiveAMPModel(Net(d=16), dtype="bf16", sync_buffer=False, fp32_modules=["norm"])
     with pytest.raises(ValueError, match="shape"):
-        HybridZeroOptimizer(_adamw(wide.parameters()), param_names=wide).load_state_dict(sd)
+        HybridZeroOptimizer(_adamw(wide.parameters()), param_names=unwrap_model(wide)).load_state_dict(sd)
+
+
+def test_settings_enter_through_zero_cfg_only():
+    """clip_grad_norm, reduce_dtype, max_consecutive_skips, ...: one path (the hybrid_zero_optimizer
+    section), with the config schema's keys; a misspelt key is an error, not a silent default."""
+    model = _mixed_model()
+    for kwarg in ("clip_grad_norm", "reduce_dtype", "max_consecutive_skips"):
+        with pytest.raises(TypeError, match=kwarg):
+            HybridZeroOptimizer(_adamw(model.parameters()), **{kwarg: 1})
+    with pytest.raises(ValueError, match="clip_grad_nrom"):
+        HybridZeroOptimizer(_adamw(model.parameters()), zero_cfg={"clip_grad_nrom": 1.0})
+    assert {f.name for f in dataclasses.fields(ZeroSettings)} == set(SCHEMA.keys["hybrid_zero_optimizer"].keys)
+    opt = HybridZeroOptimizer(_adamw(model.parameters()), zero_cfg={"clip_grad_norm": 0, "reduce_dtype": "model"})
+    assert opt.settings == ZeroSettings(clip_grad_norm=0.0, reduce_dtype="model")
+    assert opt.dp_size == opt.tp_size == opt.zero1_size == 1 and len(opt.params) == 6
+    with pytest.raises(AttributeError):
+        opt.scaler = None  # read-only views
+
+
+def test_documented_import_paths_are_the_optim_classes():
+    from tessera.core.grad_scaler import DynamicGradScaler as documented_scaler
+    from tessera.core.optimizer import HybridZeroOptimizer as documented_optimizer
+    from tessera.optim.grad_scaler import DynamicGradScaler
+
+    assert documented_optimizer is HybridZeroOptimizer and documented_scaler is DynamicGradScaler

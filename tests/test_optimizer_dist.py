@@ -8,8 +8,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tessera.train.naive_amp import NaiveAMPModel
-from tessera.train.optimizer import HybridZeroOptimizer, build_param_groups
+from tessera.optim.hybrid_zero import HybridZeroOptimizer
+from tessera.train.naive_amp import NaiveAMPModel, unwrap_model
+from tessera.train.optimizer import build_param_groups
 from tessera.testing import run_distributed
 from tests.test_optimizer import Net, rel  # the same small model and relative-difference helper
 
@@ -24,7 +25,7 @@ def _make(dtype, seed=0):
 
 def _make_opt(model, **groups):
     inner = torch.optim.AdamW(build_param_groups(model, 0.1), lr=0.05, betas=(0.9, 0.95), weight_decay=0.1)
-    return HybridZeroOptimizer(inner, clip_grad_norm=0.5, param_names=model, **groups)
+    return HybridZeroOptimizer(inner, zero_cfg={"clip_grad_norm": 0.5}, param_names=unwrap_model(model), **groups)
 
 
 def _batches(n=5, b=8, seed=1):
@@ -188,7 +189,7 @@ def _tp_worker(rank, world, full, x, t, clip):
     tp_rank, dp_rank = rank % tp, rank // tp
     tpg, dpg = tp_groups[dp_rank], dp_groups[tp_rank]
     model = TPNet(full, tp_rank, tp, tpg)
-    opt = HybridZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=0.1), clip_grad_norm=clip,
+    opt = HybridZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=0.1), zero_cfg={"clip_grad_norm": clip},
                               tp_group=tpg, dp_group=dpg, zero1_group=dpg, global_group=dist.group.WORLD,
                               param_names=model.named_parameters())
     xs, ts = x.chunk(2)[dp_rank], t.chunk(2)[dp_rank]
@@ -259,7 +260,7 @@ def _overflow_part(rank, world):
     model = NaiveAMPModel(net, dtype=gpc.config.model.dtype)  # DATA mode, sync_buffer=True
     opt = HybridZeroOptimizer(
         torch.optim.AdamW(model.parameters(), lr=0.01), grad_scal_cfg=gpc.config.grad_scaler,
-        zero_cfg=gpc.config.hybrid_zero_optimizer, param_names=model,
+        zero_cfg=gpc.config.hybrid_zero_optimizer, param_names=unwrap_model(model),
     )
     g = torch.Generator().manual_seed(rank)
     data = [(torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)) for _ in range(6)]
@@ -333,7 +334,7 @@ def _traffic_worker(rank, world, zero):
     opt.backward((model(x.chunk(world)[rank]) - y.chunk(world)[rank]).pow(2).mean())
     with count_collective_bytes() as sent:
         assert opt.step()[0]
-    grad_bytes = sum(buf.numel() * buf.element_size() for buf in opt._grad_buffers.values())
+    grad_bytes = sum(buf.numel() * buf.element_size() for buf in opt.gradients.flat_buffers.values())
     return {k: sent.get(k, 0.0) for k in ("all_reduce", "reduce_scatter", "all_gather")}, grad_bytes
 
 
@@ -370,20 +371,21 @@ def _overlap_worker(rank, world):
         for overlap in (True, False):
             model = _make("bf16")
             inner = torch.optim.AdamW(build_param_groups(model, 0.1), lr=0.05, betas=(0.9, 0.95), weight_decay=0.1)
-            opt = HybridZeroOptimizer(inner, clip_grad_norm=0.5, param_names=model, dp_group=whole,
+            opt = HybridZeroOptimizer(inner, param_names=unwrap_model(model), dp_group=whole,
                                       zero1_group=whole if zero == 2 else singles[rank], global_group=whole,
-                                      zero_cfg={"overlap_sync_grad": overlap, "reduce_bucket_size": 40})
+                                      zero_cfg={"clip_grad_norm": 0.5, "overlap_sync_grad": overlap,
+                                                "reduce_bucket_size": 40})
             hooks_seen = []  # gradients still missing (all buckets) when each bucket's reduction was launched
-            red = opt._reduction
+            red = opt.gradients
             start = red.start
             red.start = lambda b, start=start: (hooks_seen.append(sum(red.missing)), start(b))[1]
             for x, y in batches:
                 x, y = x.chunk(world)[rank], y.chunk(world)[rank]
                 for i, (xm, ym) in enumerate(zip(x.chunk(2), y.chunk(2))):  # two micro-batches
                     opt.backward((model(xm).float() - ym).pow(2).mean(), overlap_reduction=i == 1)
-                launched = len(opt._reduction.launched)
+                launched = len(opt.gradients.launched)
                 assert opt.step()[0]
-            out[zero, overlap] = {"params": _params(model), "buckets": len(opt._buckets), "launched": launched,
+            out[zero, overlap] = {"params": _params(model), "buckets": len(opt.buckets), "launched": launched,
                                   "missing_at_first_launch": hooks_seen[0] if hooks_seen else None}
     return out
 

@@ -91,7 +91,7 @@ def _gloo_reduce_scatter_worker(rank: int, world: int) -> tuple[int, int]:
     import torch.distributed as dist
 
     from tessera.plan.tracker import LiveBytes
-    from tessera.train.grad_buffer import GroupComm
+    from tessera.optim.groups import GroupComm
 
     flat = torch.ones(4096)
     live = LiveBytes()

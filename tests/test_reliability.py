@@ -402,8 +402,8 @@ def test_flipped_bytes_in_a_shard_are_reported_and_the_run_falls_back(tmp_path, 
 
 
 def _tiny_model_and_optimizer(seed):
+    from tessera.optim.hybrid_zero import HybridZeroOptimizer
     from tessera.train.naive_amp import NaiveAMPModel
-    from tessera.train.optimizer import HybridZeroOptimizer
 
     torch.manual_seed(seed)
     model = NaiveAMPModel(nn.Sequential(nn.Linear(6, 8), nn.Linear(8, 2)), dtype="bf16", sync_buffer=False)
@@ -564,15 +564,15 @@ def test_nan_loss_in_bf16_skips_on_both_ranks_then_stops_naming_step_and_checkpo
 def test_fp16_stop_rule_counts_skips_only_at_the_minimum_scale():
     """fp16: overflows back the scale off (no stop) until it reaches min_scale; from then on the same
     max_consecutive_skips rule as bf16/fp32 applies."""
-    from tessera.train.grad_scaler import DynamicGradScaler
+    from tessera.optim.grad_scaler import DynamicGradScaler
+    from tessera.optim.hybrid_zero import HybridZeroOptimizer, TooManySkippedSteps
     from tessera.train.naive_amp import NaiveAMPModel
-    from tessera.train.optimizer import HybridZeroOptimizer, TooManySkippedSteps
 
     torch.manual_seed(0)
     model = NaiveAMPModel(nn.Linear(4, 2), dtype="fp16", sync_buffer=False)
     scaler = DynamicGradScaler(initial_scale=2**10, min_scale=2**4, hysteresis=1, growth_interval=1000)
     opt = HybridZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), grad_scaler=scaler,
-                              max_consecutive_skips=3)
+                              zero_cfg={"max_consecutive_skips": 3})
     x = torch.randn(3, 4)
     backoffs = 10 - 4  # 2**10 -> 2**4 by halving
     steps = 0
@@ -586,7 +586,7 @@ def test_fp16_stop_rule_counts_skips_only_at_the_minimum_scale():
     assert opt.loss_scale == 2**4 and "at the minimum loss scale (loss scale now 16)" in str(err.value), err.value
     # bf16 (constant scale): every skip counts, and a clean step resets the count
     model = NaiveAMPModel(nn.Linear(4, 2), dtype="bf16", sync_buffer=False)
-    opt = HybridZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), max_consecutive_skips=3)
+    opt = HybridZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), zero_cfg={"max_consecutive_skips": 3})
 
     def step(bad):
         opt.backward(model(x * float("nan") if bad else x).float().sum())

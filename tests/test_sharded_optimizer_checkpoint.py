@@ -14,9 +14,10 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from tessera.checkpoint import Layout, TrainState, load_checkpoint, save_checkpoint
 from tessera.checkpoint.optim_shards import OptimizerShards
 from tessera.checkpoint.safetensors_io import SafetensorsReader
+from tessera.optim.hybrid_zero import HybridZeroOptimizer
 from tessera.testing import run_distributed
 from tessera.train.naive_amp import NaiveAMPModel, unwrap_model
-from tessera.train.optimizer import HybridZeroOptimizer, build_param_groups
+from tessera.train.optimizer import build_param_groups
 from tests.test_optimizer import rel
 
 BUCKET = 2048  # elements: ~8 buckets, so a save that gathers anything shows above one bucket
@@ -43,8 +44,9 @@ def _model(seed=0):
 
 def _opt(model, dp, zero):
     inner = torch.optim.AdamW(build_param_groups(model, 0.1), lr=0.05, betas=(0.9, 0.95), weight_decay=0.1)
-    return HybridZeroOptimizer(inner, clip_grad_norm=0.5, param_names=model, dp_group=dp, zero1_group=zero,
-                               global_group=dist.group.WORLD, zero_cfg={"reduce_bucket_size": BUCKET})
+    return HybridZeroOptimizer(inner, param_names=unwrap_model(model), dp_group=dp, zero1_group=zero,
+                               global_group=dist.group.WORLD,
+                               zero_cfg={"clip_grad_norm": 0.5, "reduce_bucket_size": BUCKET})
 
 
 def _steps(model, opt, rank, world, seeds):
@@ -89,16 +91,16 @@ def _worker(rank, world, folder):
     _steps(model, opt, rank, world, [1, 2])
     gathered = opt.state_dict()  # the reference for what the files hold (a collective)
     persistent = sum(v for k, v in opt.memory_bytes().items() if k != "num_params")
-    bucket_bytes = max(b.grad_flat.numel() * 4 for b in opt._buckets)  # one fp32 bucket
+    bucket_bytes = max(b.grad_flat.numel() * 4 for b in opt.buckets)  # one fp32 bucket
     tracker = MemTracker()  # live tensor bytes per device, the persistent state registered up front
-    tracker.track_external(unwrap_model(model), opt.optim, *opt._grad_buffers.values(),
-                           *[b.master for b in opt._buckets], *[b.param_flat for b in opt._buckets])
+    tracker.track_external(unwrap_model(model), opt.optim, *opt.gradients.flat_buffers.values(),
+                           *[b.master for b in opt.buckets], *[b.param_flat for b in opt.buckets])
     with tracker:
         path = save_checkpoint(folder, 2, TrainState(unwrap_model(model), opt), config=None, layout=layout)
     save_peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
     _steps(model, opt, rank, world, [3, 4])
     out = {"continued": _params(model), "save_peak": save_peak, "bucket_bytes": bucket_bytes,
-           "persistent": persistent, "files": sorted(os.listdir(path)), "buckets": len(opt._buckets)}
+           "persistent": persistent, "files": sorted(os.listdir(path)), "buckets": len(opt.buckets)}
     if rank == 0:
         with OptimizerShards([os.path.join(path, f"optim_tp0_zero{z}.safetensors") for z in range(world)]) as s:
             from_files = s.gathered()

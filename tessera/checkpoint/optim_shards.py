@@ -22,7 +22,7 @@ import torch
 
 from tessera.checkpoint.errors import CheckpointError
 from tessera.checkpoint.safetensors_io import SafetensorsReader
-from tessera.train.optimizer_state import SHARD_FORMAT, STATE_DICT_FORMAT
+from tessera.optim.state_format import SHARD_FORMAT, STATE_DICT_FORMAT
 
 __all__ = ["OptimizerShards", "optim_shard_name", "optim_shard_files"]
 
@@ -130,7 +130,7 @@ class OptimizerShards:
             if have != math.prod(shape):
                 raise CheckpointError(f"optimizer shards hold {have} of the {math.prod(shape)} elements of {name!r}")
 
-    # ------------------------------------------------------------------ ShardSource (optimizer_state)
+    # ------------------------------------------------------------------ ShardSource (optim.state_format)
     @property
     def header(self) -> dict[str, Any]:
         """Format, scaler, counters and TP tags (the same in every ZeRO rank's file)."""

@@ -1,4 +1,6 @@
 """Compatibility paths of the public API (``tessera.core.config``, ``.context``, ``.precision``,
-``.naive_amp``, ``.grad_scaler``, ``.optimizer``): each is the moved module itself. New code imports
-from ``tessera.config``, ``tessera.dist`` and ``tessera.train``; nothing inside tessera imports this.
+``.naive_amp``, ``.grad_scaler``, ``.optimizer``): ``.optimizer`` and ``.grad_scaler`` re-export the
+documented names from ``tessera.optim``; the others are the moved module itself. New code imports from
+``tessera.config``, ``tessera.dist``, ``tessera.optim`` and ``tessera.train``; nothing inside tessera
+imports this.
 """

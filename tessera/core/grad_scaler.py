@@ -1,10 +1,6 @@
-"""``tessera.train.grad_scaler``, kept importable as ``tessera.core.grad_scaler`` (the public API of DESIGN.md).
+"""``tessera.core.grad_scaler``: the documented path (DESIGN.md) of the loss scalers, which live in
+``tessera.optim.grad_scaler``."""
 
-The module object is the same one, so names, state and monkeypatching agree under both paths.
-"""
+from tessera.optim.grad_scaler import BaseGradScaler, ConstantGradScaler, DynamicGradScaler, build_grad_scaler
 
-import sys
-
-import tessera.train.grad_scaler as _moved
-
-sys.modules[__name__] = _moved
+__all__ = ["BaseGradScaler", "ConstantGradScaler", "DynamicGradScaler", "build_grad_scaler"]

@@ -1,10 +1,6 @@
-"""``tessera.train.optimizer``, kept importable as ``tessera.core.optimizer`` (the public API of DESIGN.md).
+"""``tessera.core.optimizer``: the documented path (DESIGN.md) of HybridZeroOptimizer, which lives in
+``tessera.optim.hybrid_zero``."""
 
-The module object is the same one, so names, state and monkeypatching agree under both paths.
-"""
+from tessera.optim.hybrid_zero import HybridZeroOptimizer, TooManySkippedSteps
 
-import sys
-
-import tessera.train.optimizer as _moved
-
-sys.modules[__name__] = _moved
+__all__ = ["HybridZeroOptimizer", "TooManySkippedSteps"]

@@ -1,1 +1,2 @@
-"""Training: the precision wrapper, grad scalers, HybridZeroOptimizer, LR schedule, the step, metrics."""
+"""Training: the precision wrapper, the optimizer built from the config (``tessera.optim`` holds the
+optimizer itself), LR schedule, the step, metrics."""

@@ -17,9 +17,10 @@ import torch.distributed as dist
 from torch import nn
 
 from tessera.config.precision import resolve_precision
+from tessera.optim.hybrid_zero import HybridZeroOptimizer
 from tessera.testing import run_distributed
 from tessera.train.naive_amp import NaiveAMPModel, fp32_module_names, unwrap_model
-from tessera.train.optimizer import HybridZeroOptimizer, build_param_groups
+from tessera.train.optimizer import build_param_groups
 
 __all__ = ["ModuleRow", "PrecisionReport", "closed_form_bytes", "precision_report", "POLICIES", "policy_table"]
 
@@ -147,8 +148,8 @@ def _build_and_measure(
     amp = NaiveAMPModel(model, dtype=dtype, sync_buffer=False, fp32_modules=list(fp32_modules),
                         use_fp32_norm=use_fp32_norm)
     inner = torch.optim.AdamW(build_param_groups(amp, 0.01), lr=1e-4)
-    opt = HybridZeroOptimizer(inner, zero_cfg=dict(policy or {}), dtype=dtype, reduce_dtype=reduce_dtype,
-                              param_names=amp, **groups)
+    opt = HybridZeroOptimizer(inner, zero_cfg={**(policy or {}), "reduce_dtype": reduce_dtype}, dtype=dtype,
+                              param_names=unwrap_model(amp), **groups)
     args = batch if isinstance(batch, tuple) else (batch,)
     opt.backward((loss_fn or _default_loss)(amp(*args)))
     opt.step()

@@ -12,25 +12,26 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 from torch import nn
 
 from tessera.config.precision import Precision, resolve_precision
-from tessera.train.grad_buffer import Bucket
-from tessera.train.lowp_adamw import COMPENSATIONS, adamw_step, element_noise, name_key
+from tessera.optim.bucket import Bucket
+from tessera.optim.lowp_adamw import COMPENSATIONS, adamw_step, element_noise, name_key
+from tessera.optim.params import LOW_PRECISION
+from tessera.optim.settings import ZeroSettings
 
 __all__ = ["MasterPolicy", "resolve_optimizer_dtype"]
 
-_LOW = (torch.float16, torch.bfloat16)
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def resolve_optimizer_dtype(dtype: Any, params: list[nn.Parameter]) -> Precision:
     """The model precision the optimizer works for: from ``dtype`` when given (checked against the
     parameters), else from the parameters' low-precision dtype (fp32 when there is none)."""
-    low = {p.dtype for p in params if p.dtype in _LOW}
+    low = {p.dtype for p in params if p.dtype in LOW_PRECISION}
     if len(low) > 1:
         raise TypeError("HybridZeroOptimizer: parameters mix float16 and bfloat16")
     if dtype is None:
@@ -62,17 +63,18 @@ class MasterPolicy:
     seed: int = 0
 
     @classmethod
-    def from_config(cls, zero_cfg: Mapping[str, Any], precision: Precision, optimizer: torch.optim.Optimizer,
-                    seed: int = 0) -> "MasterPolicy":
-        def pick(key: str, default: str, allowed: tuple[str, ...]) -> str:
-            v = zero_cfg.get(key, default)
+    def from_settings(cls, settings: ZeroSettings, precision: Precision, optimizer: torch.optim.Optimizer,
+                      seed: int = 0) -> "MasterPolicy":
+        """The policy the settings ask for, checked against the model precision and the optimizer."""
+        def pick(key: str, allowed: tuple[str, ...]) -> str:
+            v = getattr(settings, key)
             if v not in allowed:
                 raise ValueError(f"hybrid_zero_optimizer.{key} must be one of {list(allowed)}, got {v!r}")
             return v
 
-        master = pick("master_dtype", "fp32", tuple(_DTYPES))
-        comp = pick("master_compensation", "none", COMPENSATIONS)
-        state = pick("optimizer_state_dtype", "fp32", tuple(_DTYPES))
+        master = pick("master_dtype", tuple(_DTYPES))
+        comp = pick("master_compensation", COMPENSATIONS)
+        state = pick("optimizer_state_dtype", tuple(_DTYPES))
         if master == "bf16" and precision.dtype != torch.bfloat16:
             raise ValueError(f"hybrid_zero_optimizer.master_dtype='bf16' needs model.dtype bf16, not {precision.name}")
         if comp != "none" and master != "bf16":

@@ -1,0 +1,19 @@
+"""HybridZeroOptimizer and what it is made of: one module per job.
+
+    hybrid_zero.py    HybridZeroOptimizer: masters, inner-optimizer state, the step, its state dicts
+    settings.py       the ``hybrid_zero_optimizer`` config section, read once (ZeroSettings)
+    groups.py         TP / DP / ZERO1 / global groups and the in-place flat-buffer collectives
+    params.py         which parameters are managed, and the names their state is keyed by
+    bucket.py         one bucket's flat buffers, shard layout and per-parameter state translation
+    buffers.py        GradientBuffers: main-grad buffers, buckets, post-accumulate-grad hooks, DP reduction
+    clipping.py       overflow agreement, the global gradient norm, the clipping factor
+    master_policy.py  the model precision and the master / moment dtype policy (MasterPolicy)
+    lowp_adamw.py     AdamW arithmetic in fp32 on bf16 masters / moments (Kahan, stochastic rounding)
+    grad_scaler.py    loss scalers (DynamicGradScaler for fp16, constant otherwise)
+    skips.py          step counts, recent loss scales, TooManySkippedSteps
+    state_format.py   the two state-dict formats and ShardSource (what checkpoints read)
+
+A layer between ``dist`` and ``train``: it imports parallel, model, config, data and dist only. The
+documented paths ``tessera.core.optimizer`` and ``tessera.core.grad_scaler`` re-export from here;
+``tessera.train.optimizer`` builds one from a config.
+"""
