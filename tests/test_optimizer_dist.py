@@ -10,7 +10,7 @@ from torch import nn
 
 from tessera.optim.hybrid_zero import HybridZeroOptimizer
 from tessera.train.naive_amp import NaiveAMPModel, unwrap_model
-from tessera.train.optimizer import build_param_groups
+from tessera.optim.params import build_param_groups
 from tessera.testing import run_distributed
 from tests.test_optimizer import Net, rel  # the same small model and relative-difference helper
 

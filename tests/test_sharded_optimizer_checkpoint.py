@@ -17,7 +17,7 @@ from tessera.checkpoint.safetensors_io import SafetensorsReader
 from tessera.optim.hybrid_zero import HybridZeroOptimizer
 from tessera.testing import run_distributed
 from tessera.train.naive_amp import NaiveAMPModel, unwrap_model
-from tessera.train.optimizer import build_param_groups
+from tessera.optim.params import build_param_groups
 from tests.test_optimizer import rel
 
 BUCKET = 2048  # elements: ~8 buckets, so a save that gathers anything shows above one bucket

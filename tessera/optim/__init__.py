@@ -15,5 +15,5 @@
 
 A layer between ``dist`` and ``train``: it imports parallel, model, config, data and dist only. The
 documented paths ``tessera.core.optimizer`` and ``tessera.core.grad_scaler`` re-export from here;
-``tessera.train.optimizer`` builds one from a config.
+``tessera.train.builder`` builds one from a config, as part of the training stack.
 """

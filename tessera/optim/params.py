@@ -12,7 +12,7 @@ from typing import Any, Iterable, Mapping, Union
 import torch
 from torch import nn
 
-__all__ = ["LOW_PRECISION", "ParamNames", "trainable_params", "param_name_map"]
+__all__ = ["LOW_PRECISION", "ParamNames", "build_param_groups", "trainable_params", "param_name_map"]
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -68,3 +68,31 @@ def param_name_map(param_names: ParamNames, params: list[nn.Parameter]) -> dict[
         dup = sorted({n for n in names if names.count(n) > 1})
         raise ValueError(f"param_names: duplicate names {dup[:5]}")
     return out
+
+
+def build_param_groups(
+    model: nn.Module, weight_decay: float, decay_norm_and_bias: bool = False
+) -> list[dict[str, Any]]:
+    """Two AdamW groups: decayed weights and (unless ``decay_norm_and_bias``) undecayed norms/biases.
+
+    Norms are recognized by 1-D parameters or an owning module class containing "Norm"; biases by
+    1-D shape or a name ending in "bias". Empty groups are left out. A wrapper (NaiveAMPModel) may be
+    passed: its own modules hold no parameters.
+    """
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
+    seen: set[int] = set()
+    for mod_name, module in model.named_modules():
+        is_norm = "norm" in type(module).__name__.lower()
+        for name, p in module.named_parameters(recurse=False):
+            if id(p) in seen or not p.requires_grad:
+                continue
+            seen.add(id(p))
+            skip = is_norm or p.dim() <= 1 or name.endswith("bias")
+            (no_decay if skip and not decay_norm_and_bias else decay).append(p)
+    groups = []
+    if decay:
+        groups.append({"params": decay, "weight_decay": float(weight_decay), "name": "decay"})
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0, "name": "no_decay"})
+    return groups

@@ -19,12 +19,13 @@ from torch import nn
 from tessera.config import Config
 from tessera.dist import ParallelMode, gpc
 from tessera.model import build_model
+from tessera.optim.hybrid_zero import HybridZeroOptimizer
+from tessera.optim.params import build_param_groups
 from tessera.train.lr_scheduler import WarmupCosineLR
 from tessera.train.naive_amp import NaiveAMPModel, naive_amp_from_config, unwrap_model
-from tessera.train.optimizer import HybridZeroOptimizer, build_optimizer
 from tessera.train.step import Trainer
 
-__all__ = ["Groups", "TrainingStack", "build_training_stack"]
+__all__ = ["Groups", "TrainingStack", "build_training_stack", "build_optimizer"]
 
 ProcessGroup = dist.ProcessGroup
 
@@ -94,9 +95,23 @@ def build_training_stack(
         before_cast(model)
     amp = naive_amp_from_config(model, cfg.model, sync_buffer=sync_buffer,
                                 parallel_mode=groups.dp if groups.dp is not None else ParallelMode.DATA)
-    optimizer = build_optimizer(amp, cfg, tp_group=groups.tp, dp_group=groups.dp, zero1_group=groups.zero1,
-                                global_group=groups.world)
+    optimizer = build_optimizer(amp, cfg, groups, seed)
     scheduler = WarmupCosineLR.from_config(optimizer.param_groups, cfg.adam, cfg.lr_scheduler)
     trainer = trainer_cls(amp, optimizer, tp_group=groups.tp, dp_group=groups.dp, device=device,
                           label_smoothing=cfg.loss.label_smoothing, dp_size=groups.dp_size)
     return TrainingStack(amp, optimizer, scheduler, trainer)
+
+
+def build_optimizer(amp: NaiveAMPModel, cfg: Config, groups: Groups, seed: int) -> HybridZeroOptimizer:
+    """AdamW from the config's ``adam`` section on the cast model, wrapped in a HybridZeroOptimizer whose
+    state is keyed by the decoder's own parameter names (``seed``: the run's, for stochastic rounding)."""
+    adam = cfg.adam
+    inner = torch.optim.AdamW(
+        build_param_groups(amp, adam.weight_decay, adam.decay_norm_and_bias), lr=adam.lr,
+        betas=(adam.adam_beta1, adam.adam_beta2), eps=adam.adam_eps, weight_decay=adam.weight_decay,
+    )
+    return HybridZeroOptimizer(
+        inner, grad_scal_cfg=cfg.grad_scaler, zero_cfg=cfg.hybrid_zero_optimizer, dtype=cfg.model.dtype,
+        param_names=unwrap_model(amp), seed=seed, tp_group=groups.tp, dp_group=groups.dp,
+        zero1_group=groups.zero1, global_group=groups.world,
+    )

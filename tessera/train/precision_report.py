@@ -20,7 +20,7 @@ from tessera.config.precision import resolve_precision
 from tessera.optim.hybrid_zero import HybridZeroOptimizer
 from tessera.testing import run_distributed
 from tessera.train.naive_amp import NaiveAMPModel, fp32_module_names, unwrap_model
-from tessera.train.optimizer import build_param_groups
+from tessera.optim.params import build_param_groups
 
 __all__ = ["ModuleRow", "PrecisionReport", "closed_form_bytes", "precision_report", "POLICIES", "policy_table"]
 
