@@ -112,7 +112,9 @@ def test_a_section_run_replaces_only_its_section_and_a_full_run_keeps_it(tmp_pat
 
 
 def test_collective_byte_counter_matches_the_ring_closed_form():
-    """Two ranks: an all-reduce of n bytes sends n (2 (d-1)/d), a reduce-scatter and an all-gather n/2."""
+    """The one collective counter (the plan's, which the DP section uses) on real gloo tensors, two ranks:
+    an all-reduce of n bytes sends n (2 (d-1)/d), a reduce-scatter and an all-gather n/2; a group of one
+    rank sends nothing."""
     res = run_distributed(_count_worker, 2)
     n = 1000 * 4
     assert res[0] == {"all_reduce": n, "all_reduce_calls": 1, "reduce_scatter": n / 2, "reduce_scatter_calls": 1,
@@ -123,11 +125,13 @@ def _count_worker(rank, world):
     import torch
     import torch.distributed as dist
 
-    from benchmarks.dp import count_collective_bytes
+    from tessera.plan.tracker import CollectiveTraffic
 
     t = torch.ones(1000)
-    with count_collective_bytes() as sent:
+    alone = [dist.new_group([r]) for r in range(world)][rank]
+    with CollectiveTraffic() as traffic:
+        dist.all_reduce(t, group=alone)  # a group of one rank sends nothing
         dist.all_reduce(t)
         (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(torch.empty(500), t)
         dist.all_gather(list(torch.empty(1000).chunk(2)), torch.ones(500))
-    return dict(sent)
+    return traffic.by_kind()

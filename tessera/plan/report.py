@@ -20,6 +20,7 @@ from tessera.dist.layout import Layout
 from tessera.model import flops_per_token
 from tessera.model.activations import activation_bytes
 from tessera.model.args import ModelArgs
+from tessera.plan.tracker import ring_bytes
 from tessera.train.metrics import gpu_peak_tflops
 from tessera.train.memory_check import param_counts
 from tessera.train.precision_report import closed_form_bytes
@@ -101,8 +102,8 @@ def step_flops_per_rank(cfg: Config, lay: Layout, shape: StepShape) -> float:
     return per_token * tokens / lay.tp_size
 
 
-# units of (tp-1)/tp * T*h*E bytes (one all-gather or reduce-scatter of the [T, h] activations; an
-# all-reduce is two) per layer, by tensor mode and checkpointing. mtp: two all-reduces forward (after
+# units of one all-gather or reduce-scatter of the [T, h] activations over TP (ring: (tp-1)/tp * T*h*E
+# bytes; an all-reduce is two) per layer, by tensor mode and checkpointing. mtp: two all-reduces forward (after
 # attention and MLP), two backward; msp: those become all-gather / reduce-scatter pairs, and backward
 # re-gathers the two sequence chunks the column-parallel GEMMs kept. Recomputation repeats what it re-runs:
 # selective re-runs the norms (under msp with their gathers), full re-runs the layer up to its last saved
@@ -131,17 +132,18 @@ def comm_closed_form(cfg: Config, lay: Layout, shape: StepShape, low_params: int
     if t > 1 and checkpoint is not None:
         mode = shape.mode if shape.mode in ("mtp", "msp") else "mtp"
         units = a.num_layers * _TP_UNITS_PER_LAYER[(mode, checkpoint)] + _TP_UNITS_OUTSIDE[mode]
-        out["TENSOR"] = shape.micro_num * units * (t - 1) / t * T * a.hidden_size * e
+        out["TENSOR"] = shape.micro_num * units * ring_bytes("all_gather", T * a.hidden_size * e, t)
     low_w = e if resolve_precision(cfg.model.dtype).is_low_precision else 4
     grad_bytes = 4 * (low_params + fp32_params)
     if cfg.hybrid_zero_optimizer.get("reduce_dtype") == "model":
         grad_bytes = low_w * low_params + 4 * fp32_params
     weight_bytes = low_w * low_params + 4 * fp32_params
     if d > 1:
-        out["ZERO1"] = (d - 1) / d * (grad_bytes + weight_bytes)
-        out["ZERO1 weights all-gather"] = (d - 1) / d * weight_bytes  # after the step: not overlapped
+        gather = ring_bytes("all_gather", weight_bytes, d)  # after the step: not overlapped
+        out["ZERO1"] = ring_bytes("reduce_scatter", grad_bytes, d) + gather
+        out["ZERO1 weights all-gather"] = gather
     if lay.dp_size > d:  # replicas of a ZeRO group: an all-reduce of the shard over them
-        out["DATA"] = 2 * (lay.dp_size // d - 1) / (lay.dp_size // d) * grad_bytes / d
+        out["DATA"] = ring_bytes("all_reduce", grad_bytes / d, lay.dp_size // d)
     return out
 
 
