@@ -42,7 +42,7 @@ from tessera.config import Config, apply_overrides, load_python_file
 from tessera.train.metrics import gpu_peak_tflops, measure_matmul_tflops
 from tessera.train.naive_amp import naive_amp_from_config
 from tessera.train.optimizer import build_optimizer
-from tessera.config.precision import apply_precision
+from tessera.config.precision import apply_precision, resolve_precision
 from tessera.train.precision_report import closed_form_bytes
 from tessera.train.step import Trainer
 from tessera.data import build_data
@@ -54,7 +54,7 @@ from tessera.parallel.shm_comm import ShmAllReduce
 __all__ = ["Mode", "MODES", "run_bench", "measure_gpu", "machine_info"]
 
 DTYPES = ("bf16", "fp16", "fp32", "tf32")
-_FULL_NAME = {"bf16": "torch.bfloat16", "fp16": "torch.float16", "fp32": "torch.float32", "tf32": "torch.tf32"}
+_FULL_NAME = {d: f"torch.{resolve_precision(d).name}" for d in DTYPES}  # bf16 -> torch.bfloat16
 _ENV = "TESSERA_CPU_LOWP_MATMUL"
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 

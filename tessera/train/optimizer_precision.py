@@ -17,14 +17,14 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from tessera.config.precision import Precision, resolve_precision
+from tessera.config.precision import Precision, dtypes_by_short_name, resolve_precision
 from tessera.train.grad_buffer import Bucket
 from tessera.train.lowp_adamw import COMPENSATIONS, adamw_step, element_noise, name_key
 
 __all__ = ["MasterPolicy", "resolve_optimizer_dtype"]
 
 _LOW = (torch.float16, torch.bfloat16)
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+_DTYPES = dtypes_by_short_name("fp32", "bf16")
 
 
 def resolve_optimizer_dtype(dtype: Any, params: list[nn.Parameter]) -> Precision:
