@@ -10,7 +10,6 @@
     safetensors_io.py  streaming safetensors reader and writer
     convert.py         offline TP x DP conversion and consolidation into one file
     hf.py              Hugging Face Llama export and import
-    tokenizers.py      a checkpoint's tokenizer, and HF tokenizer files for it
     inference.py       any checkpoint into one process for inference
 
 The file primitives (sha256 of a file, fsync, atomic file write, atomic folder commit) live in
@@ -27,9 +26,9 @@ from tessera.checkpoint.meta import (CHECKPOINT_FORMAT, file_entry, new_meta, re
                                      verify_files, write_meta)
 from tessera.checkpoint.reshard import ParamLayout, param_layout, reshard
 from tessera.checkpoint.source import CheckpointSource
-from tessera.checkpoint.tokenizers import byte_tokenizer_json, tokenizer_for_checkpoint
 from tessera.checkpoint.training import find_resumable_checkpoint, load_checkpoint, save_checkpoint
 from tessera.checkpoint.tree import read_tree, write_tree
+from tessera.data.tokenizer import byte_tokenizer_json, tokenizer_for_checkpoint  # re-exported
 from tessera.dist.layout import Layout  # the rank layout, re-exported: checkpoint code takes it
 
 __all__ = [

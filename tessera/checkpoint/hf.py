@@ -36,12 +36,11 @@ from tessera.checkpoint.meta import file_entry, new_meta, shard_files, write_met
 from tessera.checkpoint.reshard import param_layout, reshard
 from tessera.checkpoint.safetensors_io import SafetensorsReader, SafetensorsWriter, read_header
 from tessera.checkpoint.source import CheckpointSource
-from tessera.checkpoint.tokenizers import tokenizer_for_checkpoint, write_hf_tokenizer_files
 from tessera.checkpoint.tree import flat_state_metadata
 from tessera.config import Config
 from tessera.config.precision import dtype_from_name, dtype_name, parse_dtype
 from tessera.data.errors import DataError
-from tessera.data.tokenizer import HFTokenizer
+from tessera.data.tokenizer import HFTokenizer, tokenizer_for_checkpoint, write_hf_tokenizer_files
 from tessera.model.mlp import ffn_hidden_size
 
 __all__ = ["to_hf_name", "from_hf_name", "hf_config_from_model_cfg", "model_cfg_from_hf_config", "export_hf",
