@@ -67,7 +67,7 @@ def _worker(rank: int, world: int, mode: Mode, buckets: int) -> dict[str, Any]:
 
 
 def measure_dp(mode: Mode, buckets: int = 8) -> dict[str, Any]:
-    from tessera.testing import run_distributed
+    from harness.distributed import run_distributed
 
     world = 2
     res = run_distributed(_worker, world, mode, buckets, timeout=1800.0)

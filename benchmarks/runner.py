@@ -520,7 +520,7 @@ def _parallel_worker(rank: int, world: int, mode: Mode) -> dict[str, Any]:
 
 def measure_parallel(mode: Mode, log: Callable[[str], None]) -> dict[str, Any]:
     """Run ``_parallel_worker`` on ``mode.world`` spawned gloo processes and combine their timings."""
-    from tessera.testing import run_distributed
+    from harness.distributed import run_distributed
 
     world = mode.world
     res = run_distributed(_parallel_worker, world, mode, timeout=1800.0, env={_ENV: os.environ.get(_ENV, "auto")})

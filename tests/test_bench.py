@@ -15,7 +15,7 @@ import re
 import torch
 
 from benchmarks.report import SECTIONS
-from tessera.testing import run_distributed
+from harness.distributed import run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

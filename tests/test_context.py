@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from harness.distributed import WorkerError, free_port, run_distributed
 from tessera.config import ConfigError
 from tessera.dist.launch import expand_slurm_nodelist
-from tessera.testing import WorkerError, free_port, run_distributed
 
 
 def cfg_dict(tp=1, zero1=-1, dtype="torch.float32"):

@@ -9,13 +9,13 @@ import time
 import pytest
 import torch
 
+from harness.distributed import run_torchrun
 from tessera.config import Config
 from tessera.model import build_model
 from tessera.train import memory_check
 from tessera.train.memory_check import check_memory, plan_persistent_state
 from tessera.train.naive_amp import naive_amp_from_config
 from tessera.train.optimizer import build_optimizer
-from tessera.testing import run_torchrun
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "tiny.py")

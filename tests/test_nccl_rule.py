@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from harness.fake_cuda import fake_cuda_mode
 from tessera.checkpoint import Layout, find_resumable_checkpoint
 from tessera.checkpoint.training import _all_agree
 from tessera.train.naive_amp import NaiveAMPModel
@@ -28,7 +29,6 @@ from tessera.train.optimizer import build_optimizer
 from tessera.train.step import Trainer
 from tessera.train.stop import StopRequest
 from tessera.model import build_model
-from tessera.fake_cuda import fake_cuda_mode
 from tessera.parallel.comm import collective_device, reduce_scalars
 
 CUDA = torch.device("cuda")

@@ -8,9 +8,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from harness.distributed import run_distributed
 from tessera.train.naive_amp import NaiveAMPModel
 from tessera.train.optimizer import HybridZeroOptimizer, build_param_groups
-from tessera.testing import run_distributed
 from tests.test_optimizer import Net, rel  # the same small model and relative-difference helper
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

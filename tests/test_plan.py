@@ -17,9 +17,9 @@ import time
 
 import pytest
 
+from harness.distributed import run_distributed
 from tessera.config import Config
 from tessera.plan import dry_run, make_plan, search_layouts
-from tessera.testing import run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "tiny.py")

@@ -23,13 +23,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from harness.distributed import run_distributed
 from tessera.config import Config, ConfigError
 from tessera.model import build_model
 from tessera.model.activations import activation_bytes
 from tessera.parallel import vocab_parallel_cross_entropy
 from tessera.parallel.attrs import is_tensor_parallel, partition_dim
 from tessera.parallel.comm import gather_tensor
-from tessera.testing import run_distributed
 
 REL_TOL = 1e-5
 SMALL = dict(num_layers=2, hidden_size=32, num_attention_heads=8, num_kv_attention_heads=4, vocab_size=64,

@@ -11,10 +11,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
 
+from harness.distributed import run_distributed
 from tessera.checkpoint import Layout, load_checkpoint, save_checkpoint
 from tessera.checkpoint.optim_shards import OptimizerShards
 from tessera.checkpoint.safetensors_io import SafetensorsReader
-from tessera.testing import run_distributed
 from tessera.train.naive_amp import NaiveAMPModel, unwrap_model
 from tessera.train.optimizer import HybridZeroOptimizer, build_param_groups
 from tests.test_optimizer import rel

@@ -117,7 +117,7 @@ def _cpu_name() -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from tessera.testing import run_distributed
+    from harness.distributed import run_distributed
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tp", type=int, default=2)
