@@ -1,4 +1,4 @@
-"""Measurements behind ``tools/bench.py``: every figure is taken side by side in one run.
+"""Measurements behind ``python -m benchmarks``: every figure is taken side by side in one run.
 
 Why interleaving: the CPU machines this runs on are shared and noisy (other test runs, a loaded
 hypervisor). Each variant runs one step per round, the variants in a rotated order, and ratios are

@@ -1,4 +1,4 @@
-"""Smoke test of tools/bench.py in its tiny mode: every section is written and every number is finite.
+"""Smoke test of ``python -m benchmarks`` in its tiny mode: every section is written and every number is finite.
 
 No timing assertions: the figures depend on the machine and its load; only their presence and
 finiteness (and the memory closed form, which does not depend on timing) are checked.
@@ -6,18 +6,15 @@ finiteness (and the memory closed form, which does not depend on timing) are che
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import os
 import re
 
 import torch
 
+from benchmarks.cli import main as bench_main
 from benchmarks.report import SECTIONS
 from harness.distributed import run_distributed
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _numbers(obj):
@@ -33,21 +30,13 @@ def _numbers(obj):
             yield from _numbers(v)
 
 
-def _bench_main():
-    """tools/bench.py's main(), run in this process (saves an interpreter start and torch import)."""
-    spec = importlib.util.spec_from_file_location("tessera_tools_bench", os.path.join(ROOT, "tools", "bench.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main
-
-
 def test_bench_tiny(tmp_path):
     out, js = tmp_path / "BENCH.md", tmp_path / "bench.json"
-    assert _bench_main()(["--tiny", "--no-gpu", "--out", str(out), "--json", str(js)]) == 0
+    assert bench_main(["--tiny", "--no-gpu", "--out", str(out), "--json", str(js)]) == 0  # in this process
     text = out.read_text()
     for heading in SECTIONS:
         assert heading in text, heading
-    assert "python tools/bench.py --tiny" in text  # the exact command
+    assert "python -m benchmarks --tiny" in text  # the exact command
     assert "not measured: no CUDA device in this run" in text
     # every cell of every table is free of nan/inf
     cells = [c.strip() for line in text.splitlines() if line.startswith("|") for c in line.split("|")]

@@ -12,7 +12,7 @@ tied embeddings, gathered logits, both checkpointing kinds and bf16 with fp32 no
 at TP=2; TP=4 runs the packed GQA case. Selective and
 full checkpointing are checked against no checkpointing in one process, and so is what selective
 recomputation runs again (no GEMM). The closed-form activation counts are checked against live tensor
-bytes measured during forward+backward (``tools/bench_activations.py``).
+bytes measured during forward+backward (``python -m benchmarks activations``).
 """
 
 from __future__ import annotations
@@ -230,7 +230,7 @@ def test_config_accepts_msp_and_selective_and_checks_seq_len():
 
 # ---------------------------------------------------------------------------- activation memory
 def _measure_worker(rank: int, world: int, cases):
-    from tools.bench_activations import measure
+    from benchmarks.activations import measure
 
     return [measure(dist.group.WORLD, **case) for case in cases]
 
