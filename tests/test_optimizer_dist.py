@@ -322,8 +322,8 @@ def test_overflow_on_one_rank_skips_everywhere_with_hysteresis(dp2):
 
 # ---------------------------------------------------------------- DP traffic of one step (issue 19)
 def _traffic_worker(rank, world, zero):
-    """Bytes each collective of one optimizer step moves, counted at the torch.distributed calls."""
-    from benchmarks.dp import count_collective_bytes
+    """Bytes each collective of one optimizer step moves, counted at the c10d collectives (the plan's counter)."""
+    from tessera.plan.tracker import CollectiveTraffic
 
     whole = dist.group.WORLD
     singles = [dist.new_group([r]) for r in range(world)]
@@ -331,8 +331,9 @@ def _traffic_worker(rank, world, zero):
     opt = _make_opt(model, dp_group=whole, zero1_group=whole if zero == 2 else singles[rank], global_group=whole)
     x, y = _batches(1)[0]
     opt.backward((model(x.chunk(world)[rank]) - y.chunk(world)[rank]).pow(2).mean())
-    with count_collective_bytes() as sent:
+    with CollectiveTraffic() as traffic:
         assert opt.step()[0]
+    sent = traffic.by_kind()
     grad_bytes = sum(buf.numel() * buf.element_size() for buf in opt._grad_buffers.values())
     return {k: sent.get(k, 0.0) for k in ("all_reduce", "reduce_scatter", "all_gather")}, grad_bytes
 
