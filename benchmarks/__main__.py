@@ -1,4 +1,4 @@
-"""``python -m benchmarks [flags]``: the same as ``python tools/bench.py [flags]`` (see ``benchmarks.cli``)."""
+"""``python -m benchmarks [flags]`` / ``python -m benchmarks <measurement> [flags]`` (see ``benchmarks.cli``)."""
 
 import sys
 

@@ -1,10 +1,14 @@
 """Benchmark tessera's training step side by side with plain PyTorch and write BENCHMARKS.md.
 
-    python tools/bench.py [--quick] [--out BENCHMARKS.md] [--json results.json] [--threads N]
-                          [--config configs/demo.py] [key.sub=value ...]
-    python tools/bench.py --only-gpu --out BENCHMARKS_GPU.md      # the GPU section alone (needs CUDA)
-    python tools/bench.py --render results.json --out BENCHMARKS.md  # re-render a saved run (no measuring)
-    python tools/bench.py --section dp    # only section 7 (DP bytes and overlap), the rest of the file kept
+Run from the repository root (``benchmarks`` is not part of the installed package):
+
+    python -m benchmarks [--quick] [--out BENCHMARKS.md] [--json results.json] [--threads N]
+                         [--config configs/demo.py] [key.sub=value ...]
+    python -m benchmarks --only-gpu --out BENCHMARKS_GPU.md      # the GPU section alone (needs CUDA)
+    python -m benchmarks --render results.json --out BENCHMARKS.md  # re-render a saved run (no measuring)
+    python -m benchmarks --section dp    # only section 7 (DP bytes and overlap), the rest of the file kept
+    python -m benchmarks precision-study [--only NAME ...]   # section 8: the demo under each precision policy
+    python -m benchmarks activations [--layers N ...]        # section 9's table: activation peak per TP rank
 
 Sections: (1) framework overhead vs a plain PyTorch step of the same model, (2) bf16/fp16/fp32/tf32,
 (3) TP=2 and DP=2 vs one process on the same cores with the communication share, (4) measured bytes
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import json
 import shlex
 import sys
@@ -71,10 +76,24 @@ def keep_sections(path: str, text: str) -> str:
     return text.rstrip("\n") + "".join("\n\n" + block for block in old.values()) + "\n"
 
 
-def main(argv: Sequence[str] | None = None, prog: str = "bench.py") -> int:
-    """Parse ``argv`` (default: ``sys.argv[1:]``), measure, write the markdown; returns the exit status."""
+# ``python -m benchmarks <name> ...``: measurements with command lines of their own -> their module (a ``main(argv, prog)``)
+SUBCOMMANDS = {
+    "precision-study": ("benchmarks.precision_study", "section 8: the demo trained under each precision policy"),
+    "activations": ("benchmarks.activations", "section 9's table: activation peak and step time per TP rank"),
+}
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "python -m benchmarks") -> int:
+    """Parse ``argv`` (default: ``sys.argv[1:]``), measure, write the markdown; returns the exit status.
+    A first argument naming one of ``SUBCOMMANDS`` runs that measurement with the rest."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    if argv and argv[0] in SUBCOMMANDS:
+        module = importlib.import_module(SUBCOMMANDS[argv[0]][0])
+        return module.main(argv[1:], prog=f"{prog} {argv[0]}")
+    epilog = "other measurements (each with its own --help):\n" + "\n".join(
+        f"  {prog} {name:<16} {what}" for name, (_, what) in SUBCOMMANDS.items())
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0], epilog=epilog,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer rounds and a smaller batch (about a minute)")
     ap.add_argument("--tiny", action="store_true", help="configs/tiny.py dims, seconds in all (the test mode)")
     ap.add_argument("--out", default="BENCHMARKS.md", help="markdown file to write")
@@ -108,7 +127,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "bench.py") -> int:
         mode = dataclasses.replace(mode, config=args.config)
     if args.overrides:
         mode = dataclasses.replace(mode, overrides=(*mode.overrides, *args.overrides))
-    command = " ".join(["python", "tools/bench.py", *(shlex.quote(a) for a in argv)])
+    command = " ".join([prog, *(shlex.quote(a) for a in argv)])
     if args.render:
         with open(args.render) as f:
             result = json.load(f)

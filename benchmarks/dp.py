@@ -2,70 +2,26 @@
 
 DP=2 (spawned gloo processes, one thread each), bf16, ZeRO-1 over the DP group and without it:
 
-- bytes each rank sends per optimizer step, counted at every torch.distributed collective call, with
-  the textbook ring closed form beside them: reduce-scatter of the fp32 main grads + all-gather of the
-  bf16 parameters under ZeRO (``(d-1)/d * (4 + 2)`` bytes per parameter), one all-reduce of the grads
-  without (``2 (d-1)/d * 4``), plus the few bytes of the agreements (overflow flag, norm, losses);
+- bytes each rank sends per optimizer step, counted at every c10d collective by the plan's counter
+  (``tessera.plan.tracker.CollectiveTraffic``: the ring bytes of each call), with the closed form
+  beside them: reduce-scatter of the fp32 main grads + all-gather of the bf16 parameters under ZeRO
+  (``(d-1)/d * (4 + 2)`` bytes per parameter), one all-reduce of the grads without
+  (``2 (d-1)/d * 4``), plus the few bytes of the agreements (overflow flag, norm, losses);
 - step time with each bucket's reduction launched during the last backward vs after it (the same
   model, the same batches, interleaved A B A B and paired per round).
 """
 
 from __future__ import annotations
 
-import contextlib
 import statistics
 import time
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from benchmarks.runner import Mode, _batches, _config, _tessera, paired
-
-# collective -> (kind, bytes of its data from the call's arguments)
-_COLLECTIVES: dict[str, tuple[str, Callable[..., int]]] = {
-    "all_reduce": ("all_reduce", lambda t, *a, **k: t.numel() * t.element_size()),
-    "reduce_scatter_single": ("reduce_scatter", lambda out, inp, *a, **k: inp.numel() * inp.element_size()),
-    "reduce_scatter_tensor": ("reduce_scatter", lambda out, inp, *a, **k: inp.numel() * inp.element_size()),
-    "all_gather": ("all_gather", lambda outs, t, *a, **k: sum(o.numel() * o.element_size() for o in outs)),
-    "all_gather_single": ("all_gather", lambda out, inp, *a, **k: out.numel() * out.element_size()),
-    "all_gather_into_tensor": ("all_gather", lambda out, inp, *a, **k: out.numel() * out.element_size()),
-}
-RING_FACTOR = {"all_reduce": 2.0, "reduce_scatter": 1.0, "all_gather": 1.0}  # x (d-1)/d x bytes
-
-
-def ring_bytes(kind: str, nbytes: int, world: int) -> float:
-    """Bytes one rank sends in a ring ``kind`` over ``nbytes`` of data on ``world`` ranks."""
-    return RING_FACTOR[kind] * (world - 1) / world * nbytes
-
-
-@contextlib.contextmanager
-def count_collective_bytes() -> Iterator[dict[str, float]]:
-    """Bytes sent per rank by each kind of collective (ring closed form per call) inside the block;
-    also ``"<kind>_calls"`` counts. Groups of one rank send nothing and are not counted."""
-    sent: dict[str, float] = {}
-    originals = {name: getattr(dist, name) for name in _COLLECTIVES if hasattr(dist, name)}
-
-    def wrap(name: str) -> Callable[..., Any]:
-        kind, size_of = _COLLECTIVES[name]
-        fn = originals[name]
-
-        def call(*args: Any, **kwargs: Any) -> Any:
-            world = dist.get_world_size(kwargs.get("group"))
-            if world > 1:
-                sent[kind] = sent.get(kind, 0.0) + ring_bytes(kind, size_of(*args, **kwargs), world)
-                sent[kind + "_calls"] = sent.get(kind + "_calls", 0) + 1
-            return fn(*args, **kwargs)
-
-        return call
-
-    for name in originals:
-        setattr(dist, name, wrap(name))
-    try:
-        yield sent
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
+from tessera.plan.tracker import CollectiveTraffic, ring_bytes
 
 
 def _worker(rank: int, world: int, mode: Mode, buckets: int) -> dict[str, Any]:
@@ -83,11 +39,11 @@ def _worker(rank: int, world: int, mode: Mode, buckets: int) -> dict[str, Any]:
         trainer, opt = _tessera(cfg, shard, dp_group=whole, zero1_group=whole if zero == world else singles[rank],
                                 global_group=whole)
         trainer.train_step(shard)  # warm-up
-        with count_collective_bytes() as sent:
+        with CollectiveTraffic() as traffic:
             trainer.train_step(shard)
         grads = opt.gradients.flat_buffers.values()
         params = [b.param_flat for b in opt.buckets]
-        out[f"zero{zero}"] = {"sent": sent, "grad_bytes": sum(t.numel() * t.element_size() for t in grads),
+        out[f"zero{zero}"] = {"sent": traffic.by_kind(), "grad_bytes": sum(t.numel() * t.element_size() for t in grads),
                               "param_bytes": sum(t.numel() * t.element_size() for t in params),
                               "buckets": len(opt.buckets)}
     shard = _batches(_config(mode, "bf16", mode.micro_bsz // world, extra=extra), rank, world)
@@ -113,7 +69,7 @@ def _worker(rank: int, world: int, mode: Mode, buckets: int) -> dict[str, Any]:
 
 
 def measure_dp(mode: Mode, buckets: int = 8) -> dict[str, Any]:
-    from tessera.testing import run_distributed
+    from harness.distributed import run_distributed
 
     world = 2
     res = run_distributed(_worker, world, mode, buckets, timeout=1800.0)
@@ -142,7 +98,7 @@ def dp_markdown(res: dict[str, Any], command: str, machine: str) -> list[str]:
         f"Reproduce: `{command}` ({machine}). DP={w} gloo processes, one thread each, bf16 weights, fp32 main grads, "
         f"{res['params']:,} parameters in buckets of {res['bucket_size']:,} elements.",
         "",
-        "Bytes sent per rank per optimizer step, counted at each torch.distributed call (ring closed form per "
+        "Bytes sent per rank per optimizer step, counted at each c10d collective (ring closed form per "
         "call), against the closed form of the gradient reduction and parameter gather:",
         "",
         "| layout | reduce-scatter | all-gather | all-reduce | total | closed form | one DDP all-reduce |",

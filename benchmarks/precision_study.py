@@ -1,7 +1,7 @@
 """The precision study of issue 17: the demo trained under each optimizer / fp8 policy, same seed and data.
 
-    python tools/precision_study.py [--config configs/demo.py] [--only NAME ...] [--out BENCHMARKS.md]
-                                    [--workdir runs/precision_study] [key.sub=value ...]
+    python -m benchmarks precision-study [--config configs/demo.py] [--only NAME ...] [--out BENCHMARKS.md]
+                                         [--workdir runs/precision_study] [--render] [key.sub=value ...]
 
 Each policy is one full ``train.py`` run (torchrun, as many processes as the config's layout needs),
 started from scratch in its own folder. A run's final validation bits per byte, its median tokens/s
@@ -115,8 +115,8 @@ def markdown(rows: list[dict[str, Any]], command: str, machine: str) -> list[str
     return lines
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: Sequence[str] | None = None, prog: str = "python -m benchmarks precision-study") -> int:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default="configs/demo.py")
     ap.add_argument("--only", nargs="*", default=None, choices=list(STUDY), help="run only these policies")
     ap.add_argument("--out", default="BENCHMARKS.md")
@@ -142,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch
 
     machine = f"{info.get('cpu', 'CPU')}, {info.get('cores', '?')} cores, torch {torch.__version__}"
-    command = "python tools/precision_study.py" + (f" --config {args.config}" if args.config != "configs/demo.py" else "")
+    command = prog + (f" --config {args.config}" if args.config != "configs/demo.py" else "")
     write_section(args.out, "precision-study", "## 8. Precision study: the demo under each optimizer and fp8 policy",
                   markdown(rows, command, machine))
     print(f"wrote the precision-study section of {args.out}", file=sys.stderr)

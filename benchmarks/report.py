@@ -17,7 +17,7 @@ SECTIONS = (
     "## 6. GPU",
 )
 
-REPRODUCE_GPU = "python tools/bench.py --only-gpu --out BENCHMARKS_GPU.md"
+REPRODUCE_GPU = "python -m benchmarks --only-gpu --out BENCHMARKS_GPU.md"
 
 
 def _f(x: float | None, nd: int = 3) -> str:
@@ -323,7 +323,7 @@ def section_gpu(res: dict[str, Any], command: str) -> list[str]:
             REPRODUCE_GPU,
             "```",
             "",
-            "(`python tools/bench.py` measures this section too whenever `torch.cuda.is_available()`.)",
+            "(`python -m benchmarks` measures this section too whenever `torch.cuda.is_available()`.)",
             "",
         ]
         return lines

@@ -1,4 +1,4 @@
-"""Measurements behind ``tools/bench.py``: every figure is taken side by side in one run.
+"""Measurements behind ``python -m benchmarks``: every figure is taken side by side in one run.
 
 Why interleaving: the CPU machines this runs on are shared and noisy (other test runs, a loaded
 hypervisor). Each variant runs one step per round, the variants in a rotated order, and ratios are
@@ -41,7 +41,7 @@ import torch.distributed as dist
 from tessera.config import Config, apply_overrides, load_python_file
 from tessera.train.metrics import gpu_peak_tflops, measure_matmul_tflops
 from tessera.train.builder import Groups, build_training_stack
-from tessera.config.precision import apply_precision
+from tessera.config.precision import apply_precision, resolve_precision
 from tessera.train.precision_report import closed_form_bytes
 from tessera.train.step import Trainer
 from tessera.data import build_data
@@ -53,7 +53,7 @@ from tessera.parallel.shm_comm import ShmAllReduce
 __all__ = ["Mode", "MODES", "run_bench", "measure_gpu", "machine_info"]
 
 DTYPES = ("bf16", "fp16", "fp32", "tf32")
-_FULL_NAME = {"bf16": "torch.bfloat16", "fp16": "torch.float16", "fp32": "torch.float32", "tf32": "torch.tf32"}
+_FULL_NAME = {d: f"torch.{resolve_precision(d).name}" for d in DTYPES}  # bf16 -> torch.bfloat16
 _ENV = "TESSERA_CPU_LOWP_MATMUL"
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 
@@ -516,7 +516,7 @@ def _parallel_worker(rank: int, world: int, mode: Mode) -> dict[str, Any]:
 
 def measure_parallel(mode: Mode, log: Callable[[str], None]) -> dict[str, Any]:
     """Run ``_parallel_worker`` on ``mode.world`` spawned gloo processes and combine their timings."""
-    from tessera.testing import run_distributed
+    from harness.distributed import run_distributed
 
     world = mode.world
     res = run_distributed(_parallel_worker, world, mode, timeout=1800.0, env={_ENV: os.environ.get(_ENV, "auto")})

@@ -6,9 +6,11 @@
   ``importlib.import_module("tessera...")`` with a literal name. ``tessera/core/*`` only aliases the
   contract paths of ``../shared/DESIGN.md`` and sits on top: nothing inside tessera may import it.
 - No import cycle among tessera's packages (``tessera.<name>``, leaf modules included).
-- No ``sys.path`` edits in ``tools/``, ``tests/``, ``benchmarks/`` or ``train.py``: the package is
-  installed (``pip install -e .``), pytest puts the repository root on ``sys.path`` (pytest.ini), and
-  ``tools/bench.py`` runs ``python -m benchmarks`` with the root on that process's ``PYTHONPATH``.
+- No ``sys.path`` edits in ``tools/``, ``tests/``, ``benchmarks/``, ``harness/`` or ``train.py``: the
+  package is installed (``pip install -e .``), pytest puts the repository root on ``sys.path``
+  (pytest.ini), and ``python -m benchmarks`` runs from the root.
+- The installed package imports none of the repository's uninstalled folders (``harness``,
+  ``benchmarks``, ``tests``, ``tools``, ``train``): test and measurement helpers live outside it.
 - No file in the package above ``MAX_LINES`` lines; no module docstring narrating measurements.
 - One builder of the training stack (``BUILDER``): outside it, no function or module body constructs
   the trainer or the optimizer from a config (calls ``Trainer``/``build_optimizer``), nor puts a decoder
@@ -34,10 +36,12 @@ ROOT = Path(__file__).resolve().parents[1]
 # lowest first: a module may import its own layer and the layers before it, never a later one
 LAYERS = ("leaf", "parallel", "model", "config", "data", "dist", "optim", "train", "checkpoint", "plan", "top")
 # tessera/<name>.py modules that import no tessera package (stdlib / torch only); "__init__" is tessera/__init__.py
-LEAF_MODULES = frozenset({"__init__", "files", "cli_args", "testing", "fake_cuda"})
+LEAF_MODULES = frozenset({"__init__", "files", "cli_args"})
 TOP = frozenset({"core"})  # aliases of the documented contract paths (may import anything; nothing imports them)
 MAX_LINES = 450
-SCRIPT_PLACES = ("tools", "tests", "benchmarks", "train.py")
+SCRIPT_PLACES = ("tools", "tests", "benchmarks", "harness", "train.py")
+# top-level names of the repository that are not installed: the package must not import them
+UNINSTALLED = ("harness", "benchmarks", "tests", "tools", "train")
 BUILDER = "tessera/train/builder.py"  # the one place the training stack is assembled
 STACK_ONLY_IN_BUILDER = frozenset({"Trainer", "build_optimizer"})  # constructed from a config there only
 DECODER, OPTIMIZER = "build_model", "HybridZeroOptimizer"  # together in one function = a second builder
@@ -99,6 +103,20 @@ def tessera_imports(path: Path, root: Path, problems: list[str]) -> list[tuple[i
                    or isinstance(node.func, ast.Name) and node.func.id in ("import_module", "__import__"))):
             found.append((node.lineno, node.args[0].value))
     return [(line, name) for line, name in found if name == "tessera" or name.startswith("tessera.")]
+
+
+def uninstalled_imports(root: Path) -> list[str]:
+    """``file:line -> module`` for every import under root/tessera of a folder that is not installed."""
+    out: list[str] = []
+    for path in _py_files(root / "tessera"):
+        tree = _parse(path, root, out)
+        if tree is None:
+            continue
+        for node in ast.walk(tree):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            out += [f"{path.relative_to(root)}:{node.lineno} -> {n}" for n in names if n.split(".")[0] in UNINSTALLED]
+    return sorted(out)
 
 
 def layer_of(dotted: str) -> str | None:
@@ -315,6 +333,11 @@ def test_no_sys_path_edits_in_tools_tests_benchmarks():
     assert not edits, f"sys.path edits (install the package; pytest.ini sets pythonpath):{_fmt(edits)}"
 
 
+def test_the_package_imports_nothing_uninstalled():
+    found = uninstalled_imports(ROOT)
+    assert not found, f"the installed package imports folders setup.py does not install:{_fmt(found)}"
+
+
 def test_package_files_are_short():
     assert not long_files(ROOT), f"files above {MAX_LINES} lines:{_fmt(long_files(ROOT))}"
 
@@ -336,9 +359,8 @@ def test_every_layer_and_leaf_exists():
         if name not in ("leaf", "top"):
             assert (ROOT / "tessera" / name / "__init__.py").is_file(), name
     assert (ROOT / "tessera" / "core" / "__init__.py").is_file()
-    # the leaf modules that exist (files.py is being added) really import nothing from tessera
     present = [m for m in LEAF_MODULES if m != "__init__" and (ROOT / "tessera" / f"{m}.py").is_file()]
-    assert {"cli_args", "testing", "fake_cuda"} <= set(present)
+    assert {"cli_args", "files"} <= set(present)
 
 
 # ------------------------------------------------------------------------------------------ the checkers fail
@@ -417,6 +439,15 @@ def test_an_upward_import_added_to_a_copy_of_the_real_package_is_caught(tmp_path
     line = len(comm.read_text().splitlines())
     new = set(layering_violations(tmp_path)) - set(layering_violations(ROOT))
     assert new == {f"tessera/parallel/comm.py:{line} -> tessera.train (parallel imports train, a higher layer)"}
+
+
+def test_an_uninstalled_import_is_found(tmp_path):
+    _write(tmp_path, {
+        "tessera/train/a.py": "import harness.distributed\n\ndef f():\n    from benchmarks.dp import x\n",
+        "tessera/train/ok.py": "from . import a\nimport torch\nfrom tessera.files import y\n",
+    })
+    assert uninstalled_imports(tmp_path) == ["tessera/train/a.py:1 -> harness.distributed",
+                                             "tessera/train/a.py:4 -> benchmarks.dp"]
 
 
 def test_sys_path_edits_are_found(tmp_path):

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tessera.fake_cuda import fake_cuda_mode
+from harness.fake_cuda import fake_cuda_mode
 from tessera.model import attention
 from tessera.model.attention import _sdpa, attend, plan_attention
 

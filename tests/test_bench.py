@@ -1,4 +1,4 @@
-"""Smoke test of tools/bench.py in its tiny mode: every section is written and every number is finite.
+"""Smoke test of ``python -m benchmarks`` in its tiny mode: every section is written and every number is finite.
 
 No timing assertions: the figures depend on the machine and its load; only their presence and
 finiteness (and the memory closed form, which does not depend on timing) are checked.
@@ -6,18 +6,15 @@ finiteness (and the memory closed form, which does not depend on timing) are che
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import os
 import re
 
 import torch
 
+from benchmarks.cli import main as bench_main
 from benchmarks.report import SECTIONS
-from tessera.testing import run_distributed
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from harness.distributed import run_distributed
 
 
 def _numbers(obj):
@@ -33,21 +30,13 @@ def _numbers(obj):
             yield from _numbers(v)
 
 
-def _bench_main():
-    """tools/bench.py's main(), run in this process (saves an interpreter start and torch import)."""
-    spec = importlib.util.spec_from_file_location("tessera_tools_bench", os.path.join(ROOT, "tools", "bench.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main
-
-
 def test_bench_tiny(tmp_path):
     out, js = tmp_path / "BENCH.md", tmp_path / "bench.json"
-    assert _bench_main()(["--tiny", "--no-gpu", "--out", str(out), "--json", str(js)]) == 0
+    assert bench_main(["--tiny", "--no-gpu", "--out", str(out), "--json", str(js)]) == 0  # in this process
     text = out.read_text()
     for heading in SECTIONS:
         assert heading in text, heading
-    assert "python tools/bench.py --tiny" in text  # the exact command
+    assert "python -m benchmarks --tiny" in text  # the exact command
     assert "not measured: no CUDA device in this run" in text
     # every cell of every table is free of nan/inf
     cells = [c.strip() for line in text.splitlines() if line.startswith("|") for c in line.split("|")]
@@ -112,7 +101,9 @@ def test_a_section_run_replaces_only_its_section_and_a_full_run_keeps_it(tmp_pat
 
 
 def test_collective_byte_counter_matches_the_ring_closed_form():
-    """Two ranks: an all-reduce of n bytes sends n (2 (d-1)/d), a reduce-scatter and an all-gather n/2."""
+    """The one collective counter (the plan's, which the DP section uses) on real gloo tensors, two ranks:
+    an all-reduce of n bytes sends n (2 (d-1)/d), a reduce-scatter and an all-gather n/2; a group of one
+    rank sends nothing."""
     res = run_distributed(_count_worker, 2)
     n = 1000 * 4
     assert res[0] == {"all_reduce": n, "all_reduce_calls": 1, "reduce_scatter": n / 2, "reduce_scatter_calls": 1,
@@ -123,11 +114,13 @@ def _count_worker(rank, world):
     import torch
     import torch.distributed as dist
 
-    from benchmarks.dp import count_collective_bytes
+    from tessera.plan.tracker import CollectiveTraffic
 
     t = torch.ones(1000)
-    with count_collective_bytes() as sent:
+    alone = [dist.new_group([r]) for r in range(world)][rank]
+    with CollectiveTraffic() as traffic:
+        dist.all_reduce(t, group=alone)  # a group of one rank sends nothing
         dist.all_reduce(t)
         (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(torch.empty(500), t)
         dist.all_gather(list(torch.empty(1000).chunk(2)), torch.ones(500))
-    return dict(sent)
+    return traffic.by_kind()

@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from harness.distributed import WorkerError, free_port, run_distributed
 from tessera.config import ConfigError
 from tessera.dist.launch import expand_slurm_nodelist
-from tessera.testing import WorkerError, free_port, run_distributed
 
 
 def cfg_dict(tp=1, zero1=-1, dtype="torch.float32"):
@@ -75,6 +75,28 @@ def test_group_membership(world):
                 assert local_rank == want[mode].index(rank)
                 checked += 1
     assert checked == world * len(list(combos(world))) * 4
+
+
+def test_the_rank_layout_type_gives_the_same_groups():
+    """``tessera.dist.Layout`` (what the checkpoint code and the plan take) places each rank in the groups
+    ``gpc`` builds, and checkpoint/plan use that one type."""
+    from tessera.checkpoint import Layout as CheckpointLayout
+    from tessera.dist import Layout, ParallelMode
+
+    assert CheckpointLayout is Layout
+    for world in (1, 2, 4, 8):
+        for tp, zero1 in combos(world):
+            for rank in range(world):
+                lay = Layout.of(world, tp, zero1, rank)
+                want = expected_layout(rank, world, tp, zero1)
+                assert (lay.tp_rank, lay.dp_rank, lay.tp_size * lay.dp_size) == (rank % tp, rank // tp, world)
+                assert lay.zero1_size == len(want["zero1"])
+                mine = {mode.value: next(g for g in groups if rank in g) for mode, groups in lay.groups().items()}
+                assert mine == want, (world, tp, zero1, rank)
+                assert mine[ParallelMode.TENSOR.value].index(rank) == lay.tp_rank
+                assert mine[ParallelMode.DATA.value].index(rank) == lay.dp_rank
+    with pytest.raises(ConfigError):
+        Layout.of(6, 4)
 
 
 def _slurm_worker(rank, world, port):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from tessera.testing import run_distributed
+from harness.distributed import run_distributed
 
 
 def _worker(rank: int, world_size: int, cache: str) -> dict:

@@ -5,8 +5,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from harness.distributed import run_distributed
 from tessera.parallel.fp8 import fp8_linear
-from tessera.testing import run_distributed
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 

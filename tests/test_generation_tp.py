@@ -1,7 +1,7 @@
 """Sampling under tensor parallelism: KV-cache decoding equals full recomputation at TP=2 (greedy),
 and the seeded sample is identical on every TP rank (no broadcast needed)."""
 
-from tessera.testing import run_distributed
+from harness.distributed import run_distributed
 
 MODEL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_kv_attention_heads=2, vocab_size=258,
              mlp_ratio=2.0, multiple_of=16, dtype="torch.float32", use_flash_attn=False)

@@ -21,12 +21,12 @@ import numpy as np
 import pytest
 import torch
 
+from harness.distributed import run_torchrun
 from tessera.checkpoint import Layout, TrainState, load_checkpoint, read_meta
 from tessera.checkpoint.optim_shards import OptimizerShards
 from tessera.checkpoint.tree import read_tree
 from tessera.data.tokenizer import ByteTokenizer
 from tessera.model import build_model
-from tessera.testing import run_torchrun
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "tiny.py")

@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from harness.distributed import run_distributed
 from tessera.checkpoint import Layout, TrainState, load_checkpoint, save_checkpoint
-from tessera.testing import run_distributed
 from tessera.optim.hybrid_zero import HybridZeroOptimizer
 from tessera.optim.lowp_adamw import adamw_step, element_noise, stochastic_round_bf16
 

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from harness.distributed import run_distributed
 from tessera.config import Config
 from tessera.dist import gpc, launch_from_torch
 from tessera.model import build_model, count_parameters, flops_per_token, rotary_cos_sin
@@ -30,7 +31,6 @@ from tessera.model.rotary import apply_rotary
 from tessera.parallel import ColumnParallelLinear, MetaGroup, RowParallelLinear, vocab_parallel_cross_entropy
 from tessera.parallel.attrs import partition_dim
 from tessera.parallel.comm import gather_tensor
-from tessera.testing import run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REL_TOL = 1e-5

@@ -21,12 +21,12 @@ import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from harness.fake_cuda import fake_cuda_mode
 from tessera.checkpoint import Layout, find_resumable_checkpoint
 from tessera.checkpoint.training import _all_agree
 from tessera.config import Config
 from tessera.train.builder import Groups, build_training_stack
 from tessera.train.stop import StopRequest
-from tessera.fake_cuda import fake_cuda_mode
 from tessera.parallel.comm import collective_device, reduce_scalars
 
 CUDA = torch.device("cuda")

@@ -8,10 +8,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from harness.distributed import run_distributed
 from tessera.optim.hybrid_zero import HybridZeroOptimizer
-from tessera.train.naive_amp import NaiveAMPModel, unwrap_model
 from tessera.optim.params import build_param_groups
-from tessera.testing import run_distributed
+from tessera.train.naive_amp import NaiveAMPModel, unwrap_model
 from tests.test_optimizer import Net, rel  # the same small model and relative-difference helper
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -323,8 +323,8 @@ def test_overflow_on_one_rank_skips_everywhere_with_hysteresis(dp2):
 
 # ---------------------------------------------------------------- DP traffic of one step (issue 19)
 def _traffic_worker(rank, world, zero):
-    """Bytes each collective of one optimizer step moves, counted at the torch.distributed calls."""
-    from benchmarks.dp import count_collective_bytes
+    """Bytes each collective of one optimizer step moves, counted at the c10d collectives (the plan's counter)."""
+    from tessera.plan.tracker import CollectiveTraffic
 
     whole = dist.group.WORLD
     singles = [dist.new_group([r]) for r in range(world)]
@@ -332,8 +332,9 @@ def _traffic_worker(rank, world, zero):
     opt = _make_opt(model, dp_group=whole, zero1_group=whole if zero == 2 else singles[rank], global_group=whole)
     x, y = _batches(1)[0]
     opt.backward((model(x.chunk(world)[rank]) - y.chunk(world)[rank]).pow(2).mean())
-    with count_collective_bytes() as sent:
+    with CollectiveTraffic() as traffic:
         assert opt.step()[0]
+    sent = traffic.by_kind()
     grad_bytes = sum(buf.numel() * buf.element_size() for buf in opt.gradients.flat_buffers.values())
     return {k: sent.get(k, 0.0) for k in ("all_reduce", "reduce_scatter", "all_gather")}, grad_bytes
 

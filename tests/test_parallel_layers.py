@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from harness.distributed import run_distributed
 from tessera.parallel import (
     ColumnParallelLinear,
     MetaGroup,
@@ -22,7 +23,6 @@ from tessera.parallel import (
 )
 from tessera.parallel.attrs import is_tensor_parallel, partition_dim
 from tessera.parallel.comm import gather_tensor
-from tessera.testing import run_distributed
 
 F64 = torch.float64
 TOL = dict(rtol=1e-10, atol=1e-12)

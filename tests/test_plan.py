@@ -17,9 +17,9 @@ import time
 
 import pytest
 
+from harness.distributed import run_distributed
 from tessera.config import Config
 from tessera.plan import dry_run, make_plan, search_layouts
-from tessera.testing import run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "tiny.py")
@@ -181,7 +181,7 @@ def test_7b_plan_is_fast_small_and_exact():
     assert proc.returncode == 0, proc.stderr[-3000:]
     plan = json.loads(proc.stdout)
     assert elapsed < 180 and rss_gib < 2, (elapsed, rss_gib)
-    assert plan["layout"]["world"] == 8 and plan["layout"]["tp"] == 8
+    assert plan["layout"]["world_size"] == 8 and plan["layout"]["tp_size"] == 8
     assert plan["traced"]["persistent"] == pytest.approx(plan["closed_form"]["persistent"], rel=0.01)
     assert plan["traced"]["total_peak"] == pytest.approx(plan["closed_form"]["total_peak"], rel=0.10)
     assert plan["comm_traced"]["TENSOR"] == pytest.approx(plan["comm_closed_form"]["TENSOR"], rel=0.01)

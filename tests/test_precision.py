@@ -57,3 +57,23 @@ def test_unknown_dtype_lists_valid_names():
 def test_unsupported_torch_dtype():
     with pytest.raises(ConfigError, match="float64"):
         parse_dtype(torch.float64)
+
+
+def test_one_table_of_dtype_names_agrees_with_torch():
+    """Every dtype name tessera reads or writes comes from ``DTYPE_TABLE``; the table itself is checked
+    against torch's own names, and the tables derived from it say the same."""
+    from tessera.checkpoint import parse_dtype_name
+    from tessera.checkpoint.safetensors_io import DTYPE_NAMES, NAME_DTYPES
+    from tessera.config.precision import DTYPE_TABLE, dtype_from_name, dtype_name, dtypes_by_short_name
+
+    for row in DTYPE_TABLE:
+        assert str(row.dtype) == f"torch.{row.name}" and dtype_name(row.dtype) == row.name
+        assert all(getattr(torch, alias) is row.dtype for alias in row.aliases)
+        for spelling in (row.name, f"torch.{row.name}", row.name.upper(), *row.aliases, *filter(None, [row.short])):
+            assert dtype_from_name(spelling) is row.dtype, spelling
+        assert NAME_DTYPES[DTYPE_NAMES[row.dtype]] is row.dtype
+    assert DTYPE_NAMES[torch.bfloat16] == "BF16" and DTYPE_NAMES[torch.bool] == "BOOL"
+    assert dtypes_by_short_name("fp32", "bf16") == {"fp32": torch.float32, "bf16": torch.bfloat16}
+    assert parse_dtype_name("bf16") is torch.bfloat16 and parse_dtype_name("torch.float16") is torch.float16
+    with pytest.raises(ValueError, match="use fp32, bf16, fp16"):
+        parse_dtype_name("int8")  # a dtype of the table, but not one a model is exported in

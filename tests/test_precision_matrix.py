@@ -26,7 +26,7 @@ import traceback
 import pytest
 import torch
 
-from tessera.testing import run_distributed
+from harness.distributed import run_distributed
 
 # ---------------------------------------------------------------------------------------- the matrix
 MODEL = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_kv_attention_heads=2, vocab_size=64,

@@ -115,3 +115,10 @@ def test_policy_table_lists_every_buffer_with_measured_equal_to_the_closed_form(
     # bf16 weights 2 + fp32 grads 4 + masters shared 0 + Kahan 2 + bf16 moments 4 (issue 17's example at d=1)
     assert kahan["total"]["zero1"]["closed_form"] == pytest.approx(12)
     assert kahan["masters"]["dtype"] == "= weights (shared)" and kahan["compensation"]["dtype"] == "bfloat16"
+
+
+def test_zero1_outside_a_job_says_how_to_start_one():
+    """The package starts no processes: ZeRO over 2 needs a job of 2 (tools/precision_report.py starts one)."""
+    model, vocab = _decoder()
+    with pytest.raises(ValueError, match=r"zero1_size=2 needs a job of 2 processes \(torchrun --nproc_per_node=2"):
+        precision_report(model, "bf16", 2, batch=_batch(vocab))

@@ -12,7 +12,7 @@ tied embeddings, gathered logits, both checkpointing kinds and bf16 with fp32 no
 at TP=2; TP=4 runs the packed GQA case. Selective and
 full checkpointing are checked against no checkpointing in one process, and so is what selective
 recomputation runs again (no GEMM). The closed-form activation counts are checked against live tensor
-bytes measured during forward+backward (``tools/bench_activations.py``).
+bytes measured during forward+backward (``python -m benchmarks activations``).
 """
 
 from __future__ import annotations
@@ -23,13 +23,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from harness.distributed import run_distributed
 from tessera.config import Config, ConfigError
 from tessera.model import build_model
 from tessera.model.activations import activation_bytes
 from tessera.parallel import vocab_parallel_cross_entropy
 from tessera.parallel.attrs import is_tensor_parallel, partition_dim
 from tessera.parallel.comm import gather_tensor
-from tessera.testing import run_distributed
 
 REL_TOL = 1e-5
 SMALL = dict(num_layers=2, hidden_size=32, num_attention_heads=8, num_kv_attention_heads=4, vocab_size=64,
@@ -229,7 +229,7 @@ def test_config_accepts_msp_and_selective_and_checks_seq_len():
 
 # ---------------------------------------------------------------------------- activation memory
 def _measure_worker(rank: int, world: int, cases):
-    from tools.bench_activations import measure
+    from benchmarks.activations import measure
 
     return [measure(dist.group.WORLD, **case) for case in cases]
 

@@ -11,11 +11,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
 
+from harness.distributed import run_distributed
 from tessera.checkpoint import Layout, TrainState, load_checkpoint, save_checkpoint
 from tessera.checkpoint.optim_shards import OptimizerShards
 from tessera.checkpoint.safetensors_io import SafetensorsReader
 from tessera.optim.hybrid_zero import HybridZeroOptimizer
-from tessera.testing import run_distributed
 from tessera.train.naive_amp import NaiveAMPModel, unwrap_model
 from tessera.optim.params import build_param_groups
 from tests.test_optimizer import rel

@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from harness.distributed import run_distributed
 from tessera.parallel.shm_comm import ShmAllReduce, shm_unavailable_reason
-from tessera.testing import run_distributed
 
 pytestmark = pytest.mark.skipif(shm_unavailable_reason(2) is not None, reason=str(shm_unavailable_reason(2)))
 

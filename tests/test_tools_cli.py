@@ -70,7 +70,7 @@ def test_messages_say_the_value_and_the_allowed_range(fn, text, message):
 
 
 def test_cli_args_imports_nothing_from_tessera():
-    """The tools import it before torch (tools/bench.py parses its flags before loading anything heavy)."""
+    """The tools import it before torch (``python -m benchmarks`` parses its flags before loading anything heavy)."""
     code = ("import sys, tessera.cli_args; "
             "print(sorted(m for m in sys.modules if m.startswith('tessera') or m == 'torch'))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
@@ -81,6 +81,8 @@ def test_cli_args_imports_nothing_from_tessera():
 # ---------------------------------------------------------------------------------------- tools, in process
 @functools.cache
 def _tool_module(name: str) -> ModuleType:
+    if name == "benchmarks":  # ``python -m benchmarks``: its command line is benchmarks.cli.main
+        return importlib.import_module("benchmarks.cli")
     spec = importlib.util.spec_from_file_location(f"_cli_tool_{name[:-3]}", os.path.join(ROOT, "tools", name))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -122,8 +124,9 @@ BAD_FLAGS = [  # (tool, argv, the "argument --flag: value" that stderr must cont
      "argument --valid-fraction: -0.1 "),
     ("prepare_data.py", ["--input", MISSING, "--output", "out", "--valid-every-nth", "1"],
      "argument --valid-every-nth: 1 "),
-    ("bench.py", ["--threads", "0"], "argument --threads: 0 "),
-    ("bench.py", ["--only-gpu", "--no-gpu"], "argument --no-gpu: not allowed with argument --only-gpu"),
+    ("benchmarks", ["--threads", "0"], "argument --threads: 0 "),
+    ("benchmarks", ["--only-gpu", "--no-gpu"], "argument --no-gpu: not allowed with argument --only-gpu"),
+    ("benchmarks", ["activations", "--tp", "0"], "argument --tp: 0 "),
 ]
 
 
@@ -171,7 +174,7 @@ def test_flags_the_checkpoint_rules_out_give_an_error_line(capsys, ckpt, tmp_pat
 def test_flags_the_config_rules_out_give_an_error_line(capsys, tmp_path):
     code, _, err = _run(capsys, "model_summary.py", TINY, "--tp", "3")
     assert code == 2 and err.startswith("error: ") and "not divisible by tensor-parallel size 3" in err, err
-    code, _, err = _run(capsys, "bench.py", "--tiny", "--no-gpu", "--out", str(tmp_path / "b.md"),
+    code, _, err = _run(capsys, "benchmarks", "--tiny", "--no-gpu", "--out", str(tmp_path / "b.md"),
                         "model.hidden_size=-1")
     assert code == 2 and "error: model.hidden_size: must be > 0, got -1" in err and "Traceback" not in err, err
     assert not (tmp_path / "b.md").exists()
@@ -181,10 +184,20 @@ def test_flags_the_config_rules_out_give_an_error_line(capsys, tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["tools/generate.py", MISSING, "--max-new-tokens", "-4"],
      "generate.py: error: argument --max-new-tokens: -4 is not a positive integer (must be >= 1)"),
-    (["tools/bench.py", "--threads", "-2"], "bench.py: error: argument --threads: -2 is not a positive integer"),
+    (["-m", "benchmarks", "--threads", "-2"],
+     "python -m benchmarks: error: argument --threads: -2 is not a positive integer"),
 ])
 def test_command_line_exits_2_with_the_argparse_message(argv, message):
     proc = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=120,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr and proc.stdout == ""
+
+
+def test_python_m_benchmarks_lists_every_measurement():
+    """The benchmarks live in benchmarks/ only and run as ``python -m benchmarks`` from the repository root."""
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "--help"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "python -m benchmarks precision-study" in proc.stdout and "python -m benchmarks activations" in proc.stdout
+    assert not [f for f in os.listdir(os.path.join(ROOT, "tools")) if "bench" in f or "study" in f]

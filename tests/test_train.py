@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from tessera.testing import free_port, run_torchrun
+from harness.distributed import free_port, run_torchrun
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "tiny.py")

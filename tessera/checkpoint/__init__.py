@@ -2,7 +2,7 @@
 
     errors.py          CheckpointError
     tree.py            nested state <-> one safetensors file (JSON skeleton, tied tensors stored once)
-    meta.py            step-folder file names, Layout, meta.json: build, write last, read, verify
+    meta.py            step-folder file names, meta.json: build, write last, read, verify
     folders.py         step folders: discovery, atomic publishing, tidying up interrupted saves
     reshard.py         which tensor is TP-sharded along which dim; the one resharding routine
     state.py           TrainState: the resumable components of a run, registered once
@@ -11,7 +11,6 @@
     safetensors_io.py  streaming safetensors reader and writer
     convert.py         offline TP x DP conversion and consolidation into one file
     hf.py              Hugging Face Llama export and import
-    tokenizers.py      a checkpoint's tokenizer, and HF tokenizer files for it
     inference.py       any checkpoint into one process for inference
 
 The file primitives (sha256 of a file, fsync, atomic file write, atomic folder commit) live in
@@ -24,14 +23,15 @@ from tessera.checkpoint.folders import (clean_partial_checkpoints, list_checkpoi
                                         output_step_folder, resolve_step_folder, step_folder, step_of)
 from tessera.checkpoint.hf import export_hf, import_hf, parse_dtype_name
 from tessera.checkpoint.inference import load_for_inference
-from tessera.checkpoint.meta import (CHECKPOINT_FORMAT, Layout, file_entry, new_meta, read_meta, shard_files,
+from tessera.checkpoint.meta import (CHECKPOINT_FORMAT, file_entry, new_meta, read_meta, shard_files,
                                      verify_files, write_meta)
 from tessera.checkpoint.reshard import ParamLayout, param_layout, reshard
 from tessera.checkpoint.source import CheckpointSource
-from tessera.checkpoint.tokenizers import byte_tokenizer_json, tokenizer_for_checkpoint
 from tessera.checkpoint.state import Progress, RngStreams, Stateful, TrainState
 from tessera.checkpoint.training import find_resumable_checkpoint, load_checkpoint, save_checkpoint
 from tessera.checkpoint.tree import read_tree, write_tree
+from tessera.data.tokenizer import byte_tokenizer_json, tokenizer_for_checkpoint  # re-exported
+from tessera.dist.layout import Layout  # the rank layout, re-exported: checkpoint code takes it
 
 __all__ = [
     "CHECKPOINT_FORMAT", "CheckpointError", "CheckpointSource", "Layout", "ParamLayout", "Progress", "RngStreams",

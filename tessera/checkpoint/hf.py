@@ -36,12 +36,11 @@ from tessera.checkpoint.meta import file_entry, new_meta, shard_files, write_met
 from tessera.checkpoint.reshard import param_layout, reshard
 from tessera.checkpoint.safetensors_io import SafetensorsReader, SafetensorsWriter, read_header
 from tessera.checkpoint.source import CheckpointSource
-from tessera.checkpoint.tokenizers import tokenizer_for_checkpoint, write_hf_tokenizer_files
 from tessera.checkpoint.tree import flat_state_metadata
 from tessera.config import Config
-from tessera.config.precision import parse_dtype
+from tessera.config.precision import dtype_from_name, dtype_name, parse_dtype
 from tessera.data.errors import DataError
-from tessera.data.tokenizer import HFTokenizer
+from tessera.data.tokenizer import HFTokenizer, tokenizer_for_checkpoint, write_hf_tokenizer_files
 from tessera.model.mlp import ffn_hidden_size
 
 __all__ = ["to_hf_name", "from_hf_name", "hf_config_from_model_cfg", "model_cfg_from_hf_config", "export_hf",
@@ -62,17 +61,12 @@ _TOP = {"embedding": "model.embed_tokens", "norm": "model.norm", "output": "lm_h
 _LAYER_INV = {v: k for k, v in _LAYER.items()}
 _TOP_INV = {v: k for k, v in _TOP.items()}
 _VOCAB_ROWS = ("embedding.weight", "output.weight")  # vocab-indexed along dim 0
-_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-           "fp16": torch.float16, "float16": torch.float16}
-_HF_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_EXPORT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what an export or import may convert to
 
 
 def parse_dtype_name(name: str) -> torch.dtype:
     """``fp32|bf16|fp16`` (or the long names) -> torch dtype."""
-    key = str(name).lower().removeprefix("torch.")
-    if key not in _DTYPES:
-        raise ValueError(f"unknown dtype {name!r}: use fp32, bf16 or fp16")
-    return _DTYPES[key]
+    return dtype_from_name(name, among=_EXPORT_DTYPES)
 
 
 def run_dtype(model_cfg: Mapping[str, Any]) -> torch.dtype:
@@ -140,8 +134,8 @@ def hf_config_from_model_cfg(model_cfg: Mapping[str, Any], *, vocab_size: int | 
         "bos_token_id": bos_token_id,
         "eos_token_id": eos_token_id,
         "pad_token_id": None,
-        "torch_dtype": _HF_DTYPE_NAMES[dtype],
-        "dtype": _HF_DTYPE_NAMES[dtype],
+        "torch_dtype": dtype_name(dtype),
+        "dtype": dtype_name(dtype),
     }
 
 
@@ -187,7 +181,10 @@ def model_cfg_from_hf_config(hf: Mapping[str, Any], tp: int, where: str = "confi
                        if ffn_hidden_size(hidden, ratio, mo) == inter)
     vocab = int(need("vocab_size"))
     padded = -(-vocab // tp) * tp
-    dtype_name = str(hf.get("dtype") or hf.get("torch_dtype") or "float32").removeprefix("torch.")
+    try:  # the stored dtype when it is one tessera trains in, else bf16
+        stored = dtype_from_name(str(hf.get("dtype") or hf.get("torch_dtype") or "float32"), among=_EXPORT_DTYPES)
+    except ValueError:
+        stored = torch.bfloat16
     model = {
         "num_layers": int(need("num_hidden_layers")),
         "hidden_size": hidden,
@@ -196,7 +193,7 @@ def model_cfg_from_hf_config(hf: Mapping[str, Any], tp: int, where: str = "confi
         "vocab_size": padded,
         "mlp_ratio": ratio,
         "multiple_of": multiple_of,
-        "dtype": f"torch.{dtype_name}" if dtype_name in ("float32", "bfloat16", "float16") else "torch.bfloat16",
+        "dtype": f"torch.{dtype_name(stored)}",
         "layer_norm_epsilon": float(hf.get("rms_norm_eps", 1e-6)),
         "rope_base": rope,
         "max_position_embeddings": int(hf.get("max_position_embeddings", 2048)),

@@ -23,39 +23,17 @@ import hashlib
 import json
 import os
 import time
-from dataclasses import dataclass
 from typing import Any, Mapping
 
 import tessera
 from tessera.checkpoint.errors import CheckpointError
-from tessera.dist.context import ParallelMode, gpc
 from tessera.files import atomic_write_text, sha256_file
 
-__all__ = ["CHECKPOINT_FORMAT", "META_FILE", "Layout", "shard_name", "shard_files", "rng_name", "file_entry",
+__all__ = ["CHECKPOINT_FORMAT", "META_FILE", "shard_name", "shard_files", "rng_name", "file_entry",
            "new_meta", "write_meta", "read_meta", "verify_files"]
 
 CHECKPOINT_FORMAT = 1
 META_FILE = "meta.json"
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Where this process sits in the TP x DP grid (explicit, so the checkpoint code needs no globals)."""
-
-    global_rank: int = 0
-    world_size: int = 1
-    tp_rank: int = 0
-    tp_size: int = 1
-    dp_rank: int = 0
-    dp_size: int = 1
-    zero1_size: int = 1
-
-    @classmethod
-    def from_gpc(cls) -> "Layout":
-        return cls(gpc.get_global_rank(), gpc.get_world_size(ParallelMode.GLOBAL),
-                   gpc.get_local_rank(ParallelMode.TENSOR), gpc.get_world_size(ParallelMode.TENSOR),
-                   gpc.get_local_rank(ParallelMode.DATA), gpc.get_world_size(ParallelMode.DATA),
-                   gpc.get_world_size(ParallelMode.ZERO1))
 
 
 def shard_name(kind: str, tp_rank: int) -> str:
@@ -80,7 +58,8 @@ def file_entry(path: str) -> dict[str, Any]:
 def new_meta(*, step: int, layout: Mapping[str, Any], has_optimizer: bool, trainer_state: Mapping[str, Any],
              config: Mapping[str, Any] | None, files: Mapping[str, Any], **extra: Any) -> dict[str, Any]:
     """A meta.json dict. ``layout``: ``tp_size``, ``dp_size``, ``zero1_size`` (and ``world_size``, default
-    tp x dp), e.g. ``dataclasses.asdict(Layout)``; the per-rank fields are recorded as None."""
+    tp x dp), e.g. ``dataclasses.asdict(layout)`` of a ``tessera.dist.Layout``; its per-rank fields are
+    recorded as None."""
     tp, dp = int(layout["tp_size"]), int(layout["dp_size"])
     return {
         "format": CHECKPOINT_FORMAT,

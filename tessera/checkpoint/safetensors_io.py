@@ -20,16 +20,13 @@ from typing import Any, Iterable
 
 import torch
 
+from tessera.config.precision import SAFETENSORS_CODES
 from tessera.files import publish_file
 
 __all__ = ["DTYPE_NAMES", "SafetensorsReader", "SafetensorsWriter", "read_header", "tensor_bytes"]
 
-# safetensors dtype names <-> torch dtypes (what tessera and HF checkpoints use)
-DTYPE_NAMES: dict[torch.dtype, str] = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
+# safetensors dtype codes <-> torch dtypes, from the one table of dtype names (tessera.config.precision)
+DTYPE_NAMES: dict[torch.dtype, str] = SAFETENSORS_CODES
 NAME_DTYPES: dict[str, torch.dtype] = {v: k for k, v in DTYPE_NAMES.items()}
 _MAX_HEADER = 100 * 1024 * 1024
 

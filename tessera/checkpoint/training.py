@@ -21,12 +21,13 @@ import torch.distributed as dist
 
 from tessera.checkpoint.errors import CheckpointError
 from tessera.checkpoint.folders import PARTIAL, clean_partial_checkpoints, list_checkpoints, step_folder
-from tessera.checkpoint.meta import (Layout, new_meta, read_meta, rng_name, shard_files, shard_name, verify_files,
+from tessera.checkpoint.meta import (new_meta, read_meta, rng_name, shard_files, shard_name, verify_files,
                                      write_meta)
 from tessera.checkpoint.optim_shards import OptimizerShards, optim_shard_files, optim_shard_name
 from tessera.checkpoint.reshard import model_param_dims, reshard_tree
 from tessera.checkpoint.state import TrainState
 from tessera.checkpoint.tree import read_tree, write_tree
+from tessera.dist.layout import Layout
 from tessera.files import commit_folder, discard_folder, hidden_sibling
 from tessera.parallel.comm import reduce_scalars
 

@@ -1,4 +1,9 @@
-"""Precision names -> storage dtype + TF32 switch.
+"""Precision names -> storage dtype + TF32 switch, and the one table of dtype names.
+
+``DTYPE_TABLE`` names every dtype tessera reads or writes: torch's name, the short name of configs and
+tools (``bf16``), the safetensors code (``BF16``) and torch's other names (``half``). The precision
+aliases, the safetensors codes, the Hugging Face ``torch_dtype`` names and the optimizer's dtype keys
+are all derived from it.
 
 ``torch.tf32`` is not a storage type: the parameters stay fp32 and TF32 is a compute mode of CUDA
 matmuls and cuDNN convolutions. We flip it only through the legacy ``allow_tf32`` setters: on torch
@@ -13,6 +18,62 @@ from dataclasses import dataclass
 import torch
 
 from tessera.config.errors import ConfigError
+
+__all__ = ["DTYPE_TABLE", "SAFETENSORS_CODES", "VALID_NAMES", "Precision", "apply_precision", "dtype_from_name",
+           "dtype_name", "dtypes_by_short_name", "parse_dtype", "resolve_precision", "set_tf32"]
+
+
+@dataclass(frozen=True)
+class DTypeNames:
+    dtype: torch.dtype
+    name: str  # torch's: str(dtype) without "torch."
+    short: str | None  # configs' and tools' short name
+    safetensors: str  # the safetensors header's code
+    aliases: tuple[str, ...] = ()  # torch's other names for it (torch.half is torch.float16)
+
+
+DTYPE_TABLE: tuple[DTypeNames, ...] = (
+    DTypeNames(torch.float64, "float64", "fp64", "F64", ("double",)),
+    DTypeNames(torch.float32, "float32", "fp32", "F32", ("float",)),
+    DTypeNames(torch.float16, "float16", "fp16", "F16", ("half",)),
+    DTypeNames(torch.bfloat16, "bfloat16", "bf16", "BF16"),
+    DTypeNames(torch.int64, "int64", None, "I64", ("long",)),
+    DTypeNames(torch.int32, "int32", None, "I32", ("int",)),
+    DTypeNames(torch.int16, "int16", None, "I16", ("short",)),
+    DTypeNames(torch.int8, "int8", None, "I8"),
+    DTypeNames(torch.uint8, "uint8", None, "U8"),
+    DTypeNames(torch.bool, "bool", None, "BOOL"),
+)
+_BY_DTYPE = {row.dtype: row for row in DTYPE_TABLE}
+SAFETENSORS_CODES: dict[torch.dtype, str] = {row.dtype: row.safetensors for row in DTYPE_TABLE}
+
+
+def _names(row: DTypeNames) -> set[str]:
+    """Every spelling of ``row``'s dtype: torch's names with and without ``torch.``, and the short name."""
+    torch_names = (row.name, *row.aliases)
+    return {*torch_names, *(f"torch.{n}" for n in torch_names), *((row.short,) if row.short else ())}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch's name of ``dtype`` (``torch.bfloat16`` -> ``"bfloat16"``, as Hugging Face configs write it)."""
+    return _BY_DTYPE[dtype].name
+
+
+def dtype_from_name(name: str, among: tuple[torch.dtype, ...] | None = None) -> torch.dtype:
+    """``"bf16"``, ``"bfloat16"``, ``"torch.bfloat16"`` (any case) -> ``torch.bfloat16``; restricted to
+    ``among`` when given. An unknown name is a ValueError listing the short names allowed."""
+    rows = [_BY_DTYPE[d] for d in among] if among is not None else DTYPE_TABLE
+    key = str(name).strip().lower()
+    for row in rows:
+        if key in _names(row):
+            return row.dtype
+    raise ValueError(f"unknown dtype {name!r}: use {', '.join(r.short or r.name for r in rows)}")
+
+
+def dtypes_by_short_name(*short: str) -> dict[str, torch.dtype]:
+    """``{"fp32": torch.float32, "bf16": torch.bfloat16}`` for ``dtypes_by_short_name("fp32", "bf16")``."""
+    by_short = {row.short: row.dtype for row in DTYPE_TABLE if row.short}
+    return {n: by_short[n] for n in short}
 
 
 @dataclass(frozen=True)
@@ -32,18 +93,12 @@ class Precision:
         return self.dtype in (torch.float16, torch.bfloat16)
 
 
-_CANONICAL = {
-    "float16": (torch.float16, False),
-    "bfloat16": (torch.bfloat16, False),
-    "float32": (torch.float32, False),
-    "tf32": (torch.float32, True),
-}
-_ALIASES = {
-    "torch.float16": "float16", "torch.half": "float16", "float16": "float16", "half": "float16", "fp16": "float16",
-    "torch.bfloat16": "bfloat16", "bfloat16": "bfloat16", "bf16": "bfloat16",
-    "torch.float32": "float32", "torch.float": "float32", "float32": "float32", "float": "float32", "fp32": "float32",
-    "torch.tf32": "tf32", "tf32": "tf32",
-}
+# model.dtype: the three storage dtypes of training, and tf32 (fp32 storage, TF32 compute)
+_CANONICAL = {dtype_name(d): (d, False) for d in (torch.float16, torch.bfloat16, torch.float32)}
+_CANONICAL["tf32"] = (torch.float32, True)
+_ALIASES = {alias: dtype_name(d) for d in (torch.float16, torch.bfloat16, torch.float32)
+            for alias in _names(_BY_DTYPE[d])}
+_ALIASES.update({"tf32": "tf32", "torch.tf32": "tf32"})
 VALID_NAMES = sorted(_ALIASES)
 
 

@@ -1,6 +1,5 @@
-"""Compatibility paths of the public API (``tessera.core.config``, ``.context``, ``.precision``,
-``.naive_amp``, ``.grad_scaler``, ``.optimizer``): ``.optimizer`` and ``.grad_scaler`` re-export the
-documented names from ``tessera.optim``; the others are the moved module itself. New code imports from
-``tessera.config``, ``tessera.dist``, ``tessera.optim`` and ``tessera.train``; nothing inside tessera
-imports this.
+"""The import paths of DESIGN.md's public API: ``tessera.core.config``, ``.context``, ``.precision``,
+``.naive_amp``, ``.grad_scaler`` and ``.optimizer`` re-export the contract names from where the code
+lives (``tessera.config``, ``tessera.dist``, ``tessera.train``, ``tessera.optim``). New code imports from
+the real modules; nothing inside tessera imports this package.
 """

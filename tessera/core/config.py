@@ -1,10 +1,8 @@
-"""``tessera.config``, kept importable as ``tessera.core.config`` (the public API of DESIGN.md).
+"""``from tessera.core.config import Config, ConfigError``: the DESIGN.md path of the config API.
 
-The module object is the same one, so names, state and monkeypatching agree under both paths.
+Re-exports of ``tessera.config``, where the config code lives; patch and extend it there.
 """
 
-import sys
+from tessera.config import Config, ConfigError
 
-import tessera.config as _moved
-
-sys.modules[__name__] = _moved
+__all__ = ["Config", "ConfigError"]

@@ -1,10 +1,9 @@
-"""``tessera.dist``, kept importable as ``tessera.core.context`` (the public API of DESIGN.md).
+"""``from tessera.core.context import gpc, ParallelMode, launch_from_torch, launch_from_slurm``: the
+DESIGN.md path of the parallel context.
 
-The module object is the same one, so names, state and monkeypatching agree under both paths.
+Re-exports of ``tessera.dist``, where the context and the launchers live; patch them there.
 """
 
-import sys
+from tessera.dist import ParallelMode, gpc, launch_from_slurm, launch_from_torch
 
-import tessera.dist as _moved
-
-sys.modules[__name__] = _moved
+__all__ = ["gpc", "ParallelMode", "launch_from_torch", "launch_from_slurm"]

@@ -1,10 +1,9 @@
-"""``tessera.train.naive_amp``, kept importable as ``tessera.core.naive_amp`` (the public API of DESIGN.md).
+"""``from tessera.core.naive_amp import NaiveAMPModel, set_fp32_attr_to_module, module_has_fp32_attr``:
+the DESIGN.md path of the mixed-precision wrapper.
 
-The module object is the same one, so names, state and monkeypatching agree under both paths.
+Re-exports of ``tessera.train.naive_amp``, where the wrapper lives; patch it there.
 """
 
-import sys
+from tessera.train.naive_amp import NaiveAMPModel, module_has_fp32_attr, set_fp32_attr_to_module
 
-import tessera.train.naive_amp as _moved
-
-sys.modules[__name__] = _moved
+__all__ = ["NaiveAMPModel", "set_fp32_attr_to_module", "module_has_fp32_attr"]

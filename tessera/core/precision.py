@@ -1,10 +1,8 @@
-"""``tessera.config.precision``, kept importable as ``tessera.core.precision`` (the public API of DESIGN.md).
+"""``from tessera.core.precision import parse_dtype``: the DESIGN.md path of the dtype parser.
 
-The module object is the same one, so names, state and monkeypatching agree under both paths.
+Re-export of ``tessera.config.precision``, where the precision names live; patch it there.
 """
 
-import sys
+from tessera.config.precision import parse_dtype
 
-import tessera.config.precision as _moved
-
-sys.modules[__name__] = _moved
+__all__ = ["parse_dtype"]

@@ -1,8 +1,21 @@
-"""Tokenizers behind one small interface: a built-in byte-level one and a Hugging Face wrapper.
+"""Tokenizers behind one small interface: a built-in byte-level one and a Hugging Face wrapper; and
+every way of loading one (the one tokenizer module: data, checkpoints and tools import it).
 
 Why a common interface: token files record which tokenizer made them (meta.json), the loader needs
 ``eod_id`` and per-token byte lengths (for bits per byte), and generation needs ``encode``/``decode``,
 whatever the tokenizer is.
+
+Loading: ``build_tokenizer`` from a name or file, ``load_tokenizer`` from a token folder's meta.json,
+``tokenizer_for_checkpoint`` for a checkpoint. A checkpoint does not store its tokenizer; its config
+does say where the data came from: ``data.type='stdlib'`` is always the byte tokenizer,
+``data.type='tokens'`` names token folders whose meta.json describes (and, for HF tokenizers, holds a
+copy of) the tokenizer, and synthetic data has none. A checkpoint imported from Hugging Face records
+its tokenizer in its own meta.json.
+
+For the byte tokenizer there is no upstream HF file, so ``byte_tokenizer_json`` builds an equivalent
+one: a byte-level BPE with no merges whose vocabulary maps each byte to its own value as id, plus the
+end-of-document token at 256 — ``AutoTokenizer`` then encodes text to exactly the ids tessera trained
+on. ``write_hf_tokenizer_files`` writes the files ``AutoTokenizer.from_pretrained`` reads.
 """
 
 from __future__ import annotations
@@ -14,6 +27,11 @@ from typing import Any, Mapping, Protocol, Sequence
 import numpy as np
 
 from tessera.data.errors import DataError
+
+__all__ = ["BYTE_EOD_TOKEN", "ByteTokenizer", "HFTokenizer", "Tokenizer", "build_tokenizer", "byte_tokenizer_json",
+           "load_tokenizer", "tokenizer_for_checkpoint", "write_hf_tokenizer_files"]
+
+BYTE_EOD_TOKEN = "<|endoftext|>"  # the byte tokenizer's end of document in its Hugging Face files
 
 
 class Tokenizer(Protocol):
@@ -187,3 +205,64 @@ def load_tokenizer(meta: Mapping[str, Any], folder: str | os.PathLike | None = N
             )
         return tok
     raise DataError(f"meta.json in {folder}: unknown tokenizer kind {desc['kind']!r} (expected 'byte' or 'hf')")
+
+
+def tokenizer_for_checkpoint(path: str, meta: Mapping[str, Any], override: str | None = None
+                             ) -> tuple[ByteTokenizer | HFTokenizer | None, str]:
+    """``(tokenizer or None, where it came from / why there is none)`` for checkpoint folder ``path``
+    whose meta.json is ``meta``. ``override``: ``"byte"`` or a ``tokenizer.json`` path, used as is."""
+    from tessera.data.token_file import find_shards  # token_file imports this module
+
+    if override:
+        return build_tokenizer(override), f"--tokenizer {override}"
+    if isinstance(meta.get("tokenizer"), dict):  # recorded by tools/import_hf.py, file inside the step folder
+        return load_tokenizer({"tokenizer": meta["tokenizer"]}, path), f"{path}/meta.json"
+    data = (meta.get("config") or {}).get("data") or {}
+    kind = data.get("type")
+    if kind == "stdlib":
+        return ByteTokenizer(), "data.type='stdlib' (byte tokenizer)"
+    if kind == "tokens":
+        folder = data.get("train_folder")
+        try:
+            shard = find_shards(folder)[0]
+            with open(os.path.join(shard, "meta.json"), encoding="utf-8") as f:
+                return load_tokenizer(json.load(f), shard), f"data.train_folder={folder}"
+        except (DataError, OSError, ValueError, TypeError) as e:
+            return None, (f"the run's data.train_folder={folder!r} is not readable from here ({e}); "
+                          "pass --tokenizer byte|PATH/tokenizer.json")
+    return None, f"data.type={kind!r} has no tokenizer; pass --tokenizer byte|PATH/tokenizer.json"
+
+
+def byte_tokenizer_json(eod_token: str = BYTE_EOD_TOKEN) -> str:
+    """A Hugging Face ``tokenizer.json`` equivalent to ``ByteTokenizer`` (ids 0..255 = bytes, 256 = EOD)."""
+    try:
+        from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    except ImportError:
+        raise DataError("writing a tokenizer.json needs the 'tokenizers' package: pip install tessera[hf]") from None
+    vocab = {char: byte for char, byte in _gpt2_unicode_to_byte().items()}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    # no regex split and no prefix space: the text's bytes map one to one onto tokens
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(eod_token, special=True, normalized=False)])
+    if tok.token_to_id(eod_token) != ByteTokenizer.eod_id:
+        raise RuntimeError("byte tokenizer.json: the end-of-document token did not land on id 256")
+    return tok.to_str()
+
+
+def write_hf_tokenizer_files(tokenizer: ByteTokenizer | HFTokenizer, out_dir: str, model_max_length: int) -> list[str]:
+    """``tokenizer.json`` + ``tokenizer_config.json`` for ``AutoTokenizer.from_pretrained(out_dir)``."""
+    tok_path = os.path.join(out_dir, "tokenizer.json")
+    if isinstance(tokenizer, ByteTokenizer):
+        with open(tok_path, "w", encoding="utf-8") as f:
+            f.write(byte_tokenizer_json())
+        eos = BYTE_EOD_TOKEN
+    else:
+        with open(tokenizer.path, "rb") as src, open(tok_path, "wb") as dst:
+            dst.write(src.read())
+        eos = tokenizer.eod_token
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "model_max_length": model_max_length,
+              "clean_up_tokenization_spaces": False}
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2)
+    return ["tokenizer.json", "tokenizer_config.json"]

@@ -1,8 +1,7 @@
 """Parallel context: process groups per parallel mode and RNG streams (``gpc``); launching is in ``launch``.
 
-Layout (world = tp x dp): TP groups are contiguous ranks ({0,1},{2,3},... for tp=2) so they stay
-inside a node under torchrun/slurm; DP groups are strided (rank r has tp_rank = r % tp and
-dp_rank = r // tp); ZERO1 groups split every DP group into consecutive chunks of ``zero1`` ranks.
+The groups are those of the rank layout (``tessera.dist.layout``: contiguous TP, strided DP, ZERO1 in
+consecutive chunks of each DP group).
 
 RNG contract:
 - the global seed seeds Python's ``random`` and NumPy identically on every rank;
@@ -21,39 +20,19 @@ import contextlib
 import logging
 import random
 from datetime import timedelta
-from enum import Enum
 from typing import Any, Iterator, Mapping
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from tessera.config import Config, parallel_sizes
+from tessera.config import Config
+from tessera.dist.layout import ParallelMode, group_layout
 from tessera.parallel.comm import use_fast_all_reduce
 from tessera.parallel.defaults import LaunchDefaults, register_launch_defaults
 from tessera.parallel.seeds import derive_seed
 
 logger = logging.getLogger("tessera")
-
-
-class ParallelMode(str, Enum):
-    GLOBAL = "global"
-    DATA = "data"
-    TENSOR = "tensor"
-    ZERO1 = "zero1"
-
-
-def group_layout(world_size: int, tp: int, zero1: int) -> dict[ParallelMode, list[list[int]]]:
-    """All groups of every mode, as lists of global ranks (the single source of the layout).
-
-    ``zero1=-1`` means the whole data-parallel group.
-    """
-    _, dp, zero1 = parallel_sizes(world_size, tp, zero1)
-    tensor = [list(range(i * tp, (i + 1) * tp)) for i in range(dp)]
-    data = [list(range(j, world_size, tp)) for j in range(tp)]
-    zero = [g[k : k + zero1] for g in data for k in range(0, dp, zero1)]
-    return {ParallelMode.GLOBAL: [list(range(world_size))], ParallelMode.TENSOR: tensor,
-            ParallelMode.DATA: data, ParallelMode.ZERO1: zero}
 
 
 class ParallelContext:

@@ -2,7 +2,7 @@
 (mtp / msp) and checkpointing (none / "selective" / full), counted from what tessera's layers keep.
 
 Why a closed form: it says what sequence parallelism and recomputation buy before a run, and
-``tools/bench_activations.py`` checks it against live tensor bytes measured during a real step.
+``python -m benchmarks activations`` checks it against live tensor bytes measured during a real step.
 
 Notation: T = micro_bsz * seq_len tokens; s_r = T / tp under msp (each rank's sequence chunk), T under
 mtp; h hidden; q = heads * head_dim, k = kv_heads * head_dim; f the SwiGLU width; V vocab; x_t = x/tp;

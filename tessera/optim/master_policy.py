@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tessera.config.precision import Precision, resolve_precision
+from tessera.config.precision import Precision, dtypes_by_short_name, resolve_precision
 from tessera.optim.bucket import Bucket
 from tessera.optim.lowp_adamw import COMPENSATIONS, adamw_step, element_noise, name_key
 from tessera.optim.params import LOW_PRECISION
@@ -25,7 +25,7 @@ from tessera.optim.settings import ZeroSettings
 
 __all__ = ["MasterPolicy", "resolve_optimizer_dtype"]
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+_DTYPES = dtypes_by_short_name("fp32", "bf16")
 
 
 def resolve_optimizer_dtype(dtype: Any, params: list[nn.Parameter]) -> Precision:

@@ -21,10 +21,10 @@ __all__ = ["make_plan", "search_layouts", "Candidate", "with_layout"]
 def make_plan(cfg: Config, world: int, *, config_name: str = "config", gpu: str | None = None, mfu: float = 0.4,
               headroom: float = 0.1, trace: bool = True, rank: int = 0, counts: tuple[int, int] | None = None) -> Plan:
     """The plan of ``cfg`` on ``world`` ranks: closed forms, and (``trace``) one dry-run iteration."""
-    lay = _layout(cfg, world)
-    mem, comm, low, fp32 = closed_form_plan(cfg, lay, counts)
-    plan = Plan(config_name, lay, low + fp32, closed_form=mem, comm_closed_form=comm,
-                flops_per_rank=step_flops_per_rank(cfg, lay), mfu=mfu, headroom=headroom)
+    lay, shape = _layout(cfg, world, rank)
+    mem, comm, low, fp32 = closed_form_plan(cfg, lay, shape, counts)
+    plan = Plan(config_name, lay, shape, low + fp32, closed_form=mem, comm_closed_form=comm,
+                flops_per_rank=step_flops_per_rank(cfg, lay, shape), mfu=mfu, headroom=headroom)
     if gpu:
         plan.gpu = gpu
         plan.gpu_memory, plan.peak_tflops = gpu_spec(gpu, resolve_precision(cfg.model.dtype).name)

@@ -16,14 +16,16 @@ import torch
 
 from tessera.config import Config
 from tessera.config.precision import resolve_precision
+from tessera.dist.layout import Layout
 from tessera.model import flops_per_token
 from tessera.model.activations import activation_bytes
 from tessera.model.args import ModelArgs
+from tessera.plan.tracker import ring_bytes
 from tessera.train.metrics import gpu_peak_tflops
 from tessera.train.memory_check import param_counts
 from tessera.train.precision_report import closed_form_bytes
 
-__all__ = ["GPUS", "Layout", "Plan", "closed_form_plan", "step_flops_per_rank", "gpu_spec", "gpu_for_device_name"]
+__all__ = ["GPUS", "StepShape", "Plan", "closed_form_plan", "step_flops_per_rank", "gpu_spec", "gpu_for_device_name"]
 
 GIB = 2**30
 
@@ -60,11 +62,10 @@ def gpu_spec(name: str, precision_name: str) -> tuple[float, float]:
 
 
 @dataclass(frozen=True)
-class Layout:
-    world: int
-    tp: int
-    dp: int
-    zero1: int
+class StepShape:
+    """What a rank runs in one step beside its place in the rank layout (``tessera.dist.Layout``): the
+    batch, the recomputation and the tensor-parallel mode."""
+
     micro_bsz: int
     micro_num: int
     seq_len: int
@@ -72,12 +73,11 @@ class Layout:
     mode: str
 
 
-def _layout(cfg: Config, world: int) -> Layout:
-    from tessera.config import parallel_sizes
-
-    tp, dp, zero1 = parallel_sizes(world, cfg.parallel.tensor.size, cfg.parallel.zero1.size)
-    return Layout(world, tp, dp, zero1, cfg.data.micro_bsz, cfg.data.micro_num, cfg.data.seq_len,
-                  cfg.model.checkpoint, cfg.parallel.tensor.mode)
+def _layout(cfg: Config, world: int, rank: int = 0) -> tuple[Layout, StepShape]:
+    """The rank layout of rank ``rank`` of ``cfg`` on ``world`` ranks, and its step shape."""
+    lay = Layout.of(world, cfg.parallel.tensor.size, cfg.parallel.zero1.size, rank)
+    return lay, StepShape(cfg.data.micro_bsz, cfg.data.micro_num, cfg.data.seq_len, cfg.model.checkpoint,
+                          cfg.parallel.tensor.mode)
 
 
 def _param_counts(cfg: Config, tp: int) -> tuple[int, int]:
@@ -89,21 +89,21 @@ def _policy(cfg: Config) -> dict[str, str]:
     return {k: hzo[k] for k in ("master_dtype", "master_compensation", "optimizer_state_dtype") if hzo.get(k)}
 
 
-def step_flops_per_rank(cfg: Config, lay: Layout) -> float:
+def step_flops_per_rank(cfg: Config, lay: Layout, shape: StepShape) -> float:
     """Training FLOPs of one rank in one step, recomputation included (full: one more forward;
     selective: the attention core's forward again)."""
-    tokens = lay.micro_bsz * lay.micro_num * lay.seq_len  # one DP replica's tokens, split over its TP ranks
-    per_token = flops_per_token(cfg.model, lay.seq_len)
+    tokens = shape.micro_bsz * shape.micro_num * shape.seq_len  # one DP replica's tokens, split over its TP ranks
+    per_token = flops_per_token(cfg.model, shape.seq_len)
     a = ModelArgs.from_config(cfg.model)
-    if lay.checkpoint is True:
+    if shape.checkpoint is True:
         per_token += per_token / 3
-    elif lay.checkpoint == "selective":
-        per_token += 2 * 2 * lay.seq_len * a.num_attention_heads * a.head_dim * a.num_layers
-    return per_token * tokens / lay.tp
+    elif shape.checkpoint == "selective":
+        per_token += 2 * 2 * shape.seq_len * a.num_attention_heads * a.head_dim * a.num_layers
+    return per_token * tokens / lay.tp_size
 
 
-# units of (tp-1)/tp * T*h*E bytes (one all-gather or reduce-scatter of the [T, h] activations; an
-# all-reduce is two) per layer, by tensor mode and checkpointing. mtp: two all-reduces forward (after
+# units of one all-gather or reduce-scatter of the [T, h] activations over TP (ring: (tp-1)/tp * T*h*E
+# bytes; an all-reduce is two) per layer, by tensor mode and checkpointing. mtp: two all-reduces forward (after
 # attention and MLP), two backward; msp: those become all-gather / reduce-scatter pairs, and backward
 # re-gathers the two sequence chunks the column-parallel GEMMs kept. Recomputation repeats what it re-runs:
 # selective re-runs the norms (under msp with their gathers), full re-runs the layer up to its last saved
@@ -115,7 +115,8 @@ _TP_UNITS_PER_LAYER = {("mtp", False): 8, ("mtp", "selective"): 8, ("mtp", True)
 _TP_UNITS_OUTSIDE = {"mtp": 4, "msp": 5}
 
 
-def comm_closed_form(cfg: Config, lay: Layout, low_params: int, fp32_params: int) -> dict[str, float]:
+def comm_closed_form(cfg: Config, lay: Layout, shape: StepShape, low_params: int, fp32_params: int
+                     ) -> dict[str, float]:
     """Bytes one rank sends per step, per group, for the large collectives (ring algorithms).
 
     TENSOR: ``_TP_UNITS_PER_LAYER`` and ``_TP_UNITS_OUTSIDE`` per micro-batch. ZERO1: the gradients
@@ -124,24 +125,25 @@ def comm_closed_form(cfg: Config, lay: Layout, low_params: int, fp32_params: int
     """
     a = ModelArgs.from_config(cfg.model)
     e = resolve_precision(cfg.model.dtype).dtype.itemsize
-    t, d = lay.tp, lay.zero1
-    T = lay.micro_bsz * lay.seq_len
+    t, d = lay.tp_size, lay.zero1_size
+    T = shape.micro_bsz * shape.seq_len
     out: dict[str, float] = {}
-    checkpoint = lay.checkpoint if lay.checkpoint in (False, True, "selective") else None
+    checkpoint = shape.checkpoint if shape.checkpoint in (False, True, "selective") else None
     if t > 1 and checkpoint is not None:
-        mode = lay.mode if lay.mode in ("mtp", "msp") else "mtp"
+        mode = shape.mode if shape.mode in ("mtp", "msp") else "mtp"
         units = a.num_layers * _TP_UNITS_PER_LAYER[(mode, checkpoint)] + _TP_UNITS_OUTSIDE[mode]
-        out["TENSOR"] = lay.micro_num * units * (t - 1) / t * T * a.hidden_size * e
+        out["TENSOR"] = shape.micro_num * units * ring_bytes("all_gather", T * a.hidden_size * e, t)
     low_w = e if resolve_precision(cfg.model.dtype).is_low_precision else 4
     grad_bytes = 4 * (low_params + fp32_params)
     if cfg.hybrid_zero_optimizer.get("reduce_dtype") == "model":
         grad_bytes = low_w * low_params + 4 * fp32_params
     weight_bytes = low_w * low_params + 4 * fp32_params
     if d > 1:
-        out["ZERO1"] = (d - 1) / d * (grad_bytes + weight_bytes)
-        out["ZERO1 weights all-gather"] = (d - 1) / d * weight_bytes  # after the step: not overlapped
-    if lay.dp > d:  # replicas of a ZeRO group: an all-reduce of the shard over them
-        out["DATA"] = 2 * (lay.dp // d - 1) / (lay.dp // d) * grad_bytes / d
+        gather = ring_bytes("all_gather", weight_bytes, d)  # after the step: not overlapped
+        out["ZERO1"] = ring_bytes("reduce_scatter", grad_bytes, d) + gather
+        out["ZERO1 weights all-gather"] = gather
+    if lay.dp_size > d:  # replicas of a ZeRO group: an all-reduce of the shard over them
+        out["DATA"] = ring_bytes("all_reduce", grad_bytes / d, lay.dp_size // d)
     return out
 
 
@@ -150,7 +152,8 @@ class Plan:
     """Per-rank memory (traced and closed form), communication and time of one layout."""
 
     config: str
-    layout: Layout
+    layout: Layout  # the rank this plan is about
+    shape: StepShape
     params_per_rank: int
     traced: dict[str, float] = field(default_factory=dict)
     closed_form: dict[str, float] = field(default_factory=dict)
@@ -171,14 +174,14 @@ class Plan:
     def tp_comm_time(self) -> float:
         """The TP collectives, on the critical path (not overlapped): their bytes at NVLink speed, or at
         the inter-node speed when a TP group spans nodes."""
-        bw = NVLINK_BYTES_S if self.layout.tp <= GPUS_PER_NODE else INTER_NODE_BYTES_S
+        bw = NVLINK_BYTES_S if self.layout.tp_size <= GPUS_PER_NODE else INTER_NODE_BYTES_S
         return self.comm_closed_form.get("TENSOR", 0.0) / bw
 
     @property
     def zero_gather_time(self) -> float:
         """The ZeRO all-gather of the updated weights, after the step (the gradient reduction overlaps
         the backward): its bytes at NVLink speed, or at the inter-node speed when the job spans nodes."""
-        bw = NVLINK_BYTES_S if self.layout.world <= GPUS_PER_NODE else INTER_NODE_BYTES_S
+        bw = NVLINK_BYTES_S if self.layout.world_size <= GPUS_PER_NODE else INTER_NODE_BYTES_S
         return self.comm_closed_form.get("ZERO1 weights all-gather", 0.0) / bw
 
     @property
@@ -188,9 +191,9 @@ class Plan:
 
     @property
     def tokens_per_gpu_per_s(self) -> float | None:
-        lay = self.layout
+        shape = self.shape
         t = self.predicted_step_time
-        return lay.micro_bsz * lay.micro_num * lay.seq_len / lay.tp / t if t else None
+        return shape.micro_bsz * shape.micro_num * shape.seq_len / self.layout.tp_size / t if t else None
 
     @property
     def peak(self) -> float:
@@ -212,11 +215,12 @@ class Plan:
         return json.dumps(self.to_dict(), indent=1, default=str)
 
     def format(self) -> str:
-        lay = self.layout
+        lay, shape = self.layout, self.shape
         g = lambda b: f"{b / GIB:9.2f}" if b is not None else "        -"  # noqa: E731
-        lines = [f"plan for {self.config}: world {lay.world} = tp {lay.tp} x dp {lay.dp}, zero1 {lay.zero1}, "
-                 f"tensor mode {lay.mode}, checkpoint {lay.checkpoint!r}, micro_bsz {lay.micro_bsz} x micro_num "
-                 f"{lay.micro_num} x seq {lay.seq_len}; {self.params_per_rank:,} parameters on this rank",
+        lines = [f"plan for {self.config}: world {lay.world_size} = tp {lay.tp_size} x dp {lay.dp_size}, zero1 "
+                 f"{lay.zero1_size}, tensor mode {shape.mode}, checkpoint {shape.checkpoint!r}, micro_bsz "
+                 f"{shape.micro_bsz} x micro_num {shape.micro_num} x seq {shape.seq_len}; {self.params_per_rank:,} "
+                 f"parameters on rank {lay.global_rank}",
                  "", f"{'memory per rank (GiB)':<44}{'traced':>9}{'closed form':>13}"]
         rows = [("weights", "weights"), ("main grads", "main_grads"), ("master weights", "masters"),
                 ("master compensation (Kahan)", "compensation"), ("optimizer states (Adam moments)", "optimizer_states"),
@@ -241,36 +245,37 @@ class Plan:
                 link = lambda spans: "inter-node 50" if spans else "NVLink 450"  # noqa: E731
                 lines.append(f"step time: compute {self.step_time:.2f} s at {self.peak_tflops:.0f} TFLOP/s datasheet "
                              f"peak x MFU {self.mfu:.0%}, + TP collectives {self.tp_comm_time:.2f} s "
-                             f"({link(self.layout.tp > GPUS_PER_NODE)} GB/s, not overlapped) + ZeRO weight "
-                             f"all-gather {self.zero_gather_time:.2f} s ({link(self.layout.world > GPUS_PER_NODE)} "
+                             f"({link(self.layout.tp_size > GPUS_PER_NODE)} GB/s, not overlapped) + ZeRO weight "
+                             f"all-gather {self.zero_gather_time:.2f} s ({link(self.layout.world_size > GPUS_PER_NODE)} "
                              f"GB/s) = {self.predicted_step_time:.2f} s, {self.tokens_per_gpu_per_s:,.0f} tokens/s per GPU")
         lines.append("planned, not measured: traced = live tensor bytes of one dry-run iteration on meta tensors")
         return "\n".join(lines)
 
 
-def closed_form_plan(cfg: Config, lay: Layout, counts: tuple[int, int] | None = None,
+def closed_form_plan(cfg: Config, lay: Layout, shape: StepShape, counts: tuple[int, int] | None = None,
                      ) -> tuple[dict[str, float], dict[str, float], int, int]:
     """(memory closed forms, communication closed forms, model-dtype params, fp32 params) of TP rank 0;
     ``counts``: the parameter counts when known (they depend on the model and the TP size only)."""
-    low, fp32 = counts or _param_counts(cfg, lay.tp)
+    low, fp32 = counts or _param_counts(cfg, lay.tp_size)
     n = low + fp32
-    per = closed_form_bytes(cfg.model.dtype, lay.zero1, low, fp32, cfg.hybrid_zero_optimizer.get("reduce_dtype", "fp32"),
+    per = closed_form_bytes(cfg.model.dtype, lay.zero1_size, low, fp32, cfg.hybrid_zero_optimizer.get("reduce_dtype", "fp32"),
                             _policy(cfg))
     mem = {role: per[role] * n for role in ROLES}
     mem["persistent"] = per["total"] * n
-    if lay.checkpoint in (False, True, "selective") and not (cfg.model.get("fp8") or {}).get("enabled"):
-        act = activation_bytes(cfg.model, lay.micro_bsz, lay.seq_len, lay.tp, lay.mode, lay.checkpoint,
+    tp = lay.tp_size
+    if shape.checkpoint in (False, True, "selective") and not (cfg.model.get("fp8") or {}).get("enabled"):
+        act = activation_bytes(cfg.model, shape.micro_bsz, shape.seq_len, tp, shape.mode, shape.checkpoint,
                                resolve_precision(cfg.model.dtype).dtype)
-        v_t = ModelArgs.from_config(cfg.model).vocab_size // lay.tp
+        v_t = ModelArgs.from_config(cfg.model).vocab_size // tp
         a_h = ModelArgs.from_config(cfg.model).hidden_size
         act_e = resolve_precision(cfg.model.dtype).dtype.itemsize
         mem["backward_extra"] = act["peak"]
-        mem["loss"] = 4.0 * lay.micro_bsz * lay.seq_len * v_t
+        mem["loss"] = 4.0 * shape.micro_bsz * shape.seq_len * v_t
         # TP collectives work on the [micro_bsz x seq, hidden] activations in the model dtype: mtp's
         # all-reduce in place, msp's gather / reduce-scatter on the full tensor in chunks plus this rank's
         # chunk; the gradient reductions and ZeRO's weight gathers work in place in the persistent buffers
-        full = float(lay.micro_bsz * lay.seq_len * a_h * act_e)
-        mem["comm_buffer"] = 0.0 if lay.tp == 1 else full * (1 + 1 / lay.tp) if lay.mode == "msp" else full
+        full = float(shape.micro_bsz * shape.seq_len * a_h * act_e)
+        mem["comm_buffer"] = 0.0 if tp == 1 else full * (1 + 1 / tp) if shape.mode == "msp" else full
         mem["save_extra"] = 0.0  # views of the live buffers; copies go to host memory
         mem["total_peak"] = mem["persistent"] + act["peak"]
-    return mem, comm_closed_form(cfg, lay, low, fp32), low, fp32
+    return mem, comm_closed_form(cfg, lay, shape, low, fp32), low, fp32

@@ -8,8 +8,9 @@ storage first met that way was made outside the block (``track`` it) or inside a
 reduce-scatter splits its private full-size copy of the input on the caller's thread when the work
 is waited on, and that copy lives as long as gloo's worker thread keeps it, a matter of timing; NCCL
 makes no such copy).
-``CollectiveTraffic`` sees every c10d operator and adds the bytes a ring algorithm sends per rank,
-keyed by the name of the group it ran on, and the largest communication buffer: the bytes of a
+``CollectiveTraffic`` sees every c10d operator and adds the bytes a ring algorithm sends per rank
+(``ring_bytes``, the one ring formula of the plan's closed forms and of the benchmarks), keyed by the
+name of the group it ran on, and the largest communication buffer: the bytes of a
 collective's tensors that are not persistent state (gradient reductions and weight gathers work in
 place in the persistent buffers; TP collectives work on activation-sized buffers of their own).
 """
@@ -171,3 +172,11 @@ class CollectiveTraffic(TorchDispatchMode):
                     entry[kind + "_calls"] = entry.get(kind + "_calls", 0) + 1
                     self.largest_buffer = max(self.largest_buffer, _buffer_bytes(args, self.persistent))
         return func(*args, **(kwargs or {}))
+
+    def by_kind(self) -> dict[str, float]:
+        """``sent`` summed over the groups: ``{kind: bytes, kind + "_calls": n}``."""
+        out: dict[str, float] = {}
+        for kinds in self.sent.values():
+            for kind, value in kinds.items():
+                out[kind] = out.get(kind, 0) + value
+        return out

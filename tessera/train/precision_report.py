@@ -18,7 +18,6 @@ from torch import nn
 
 from tessera.config.precision import resolve_precision
 from tessera.optim.hybrid_zero import HybridZeroOptimizer
-from tessera.testing import run_distributed
 from tessera.train.naive_amp import NaiveAMPModel, fp32_module_names, unwrap_model
 from tessera.optim.params import build_param_groups
 
@@ -171,14 +170,6 @@ def _build_and_measure(
     )
 
 
-def _report_worker(rank: int, world: int, model: nn.Module, dtype: Any, batch: Any, loss_fn: Any,
-                   fp32_modules: list[str], use_fp32_norm: bool, reduce_dtype: str,
-                   policy: dict[str, str] | None = None) -> PrecisionReport:
-    group = dist.group.WORLD
-    return _build_and_measure(model, dtype, batch, loss_fn, fp32_modules, use_fp32_norm, reduce_dtype,
-                              {"dp_group": group, "zero1_group": group, "global_group": group}, policy)
-
-
 def precision_report(
     model: nn.Module,
     dtype: Any,
@@ -190,16 +181,15 @@ def precision_report(
     use_fp32_norm: bool = False,
     reduce_dtype: str = "fp32",
     policy: dict[str, str] | None = None,
-    timeout: float = 300.0,
 ) -> PrecisionReport:
     """Wrap ``model`` (an unwrapped fp32 module; it is cast in place), run one optimizer step on
     ``batch`` and report dtypes per module and measured vs closed-form bytes per parameter.
     ``policy``: the optimizer's precision keys (``master_dtype``, ``master_compensation``,
     ``optimizer_state_dtype``; see ``POLICIES``).
 
-    ``zero1_size > 1`` needs that many data-parallel processes: inside a job whose default group has
-    exactly that size the default group is used; otherwise the report runs on ``zero1_size`` spawned CPU
-    processes (gloo), so ``model`` and ``loss_fn`` must be picklable, and rank 0's report is returned.
+    ``zero1_size > 1`` runs in a job whose default process group has exactly that many ranks, ZeRO over
+    that group (every rank calls it and gets its own rank's report): ``torchrun --nproc_per_node=N``,
+    which ``tools/precision_report.py --zero1 N`` starts itself. The package starts no processes.
     """
     if isinstance(model, NaiveAMPModel):
         raise TypeError("precision_report: pass the unwrapped model; the report wraps it itself")
@@ -209,14 +199,16 @@ def precision_report(
     if zero1_size == 1:
         return _build_and_measure(model, dtype, batch, loss_fn, fp32_modules, use_fp32_norm, reduce_dtype, {},
                                   policy)
-    if dist.is_available() and dist.is_initialized():
-        if dist.get_world_size() != zero1_size:
-            raise ValueError(f"precision_report: zero1_size={zero1_size} but the default process group has "
-                             f"{dist.get_world_size()} ranks")
-        return _report_worker(dist.get_rank(), zero1_size, model, dtype, batch, loss_fn, fp32_modules,
-                              use_fp32_norm, reduce_dtype, policy)
-    return run_distributed(_report_worker, zero1_size, model, dtype, batch, loss_fn, fp32_modules,
-                           use_fp32_norm, reduce_dtype, policy, timeout=timeout)[0]
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(f"precision_report: zero1_size={zero1_size} needs a job of {zero1_size} processes "
+                         f"(torchrun --nproc_per_node={zero1_size}, or tools/precision_report.py --zero1 "
+                         f"{zero1_size}, which starts one)")
+    if dist.get_world_size() != zero1_size:
+        raise ValueError(f"precision_report: zero1_size={zero1_size} but the default process group has "
+                         f"{dist.get_world_size()} ranks")
+    group = dist.group.WORLD
+    return _build_and_measure(model, dtype, batch, loss_fn, fp32_modules, use_fp32_norm, reduce_dtype,
+                              {"dp_group": group, "zero1_group": group, "global_group": group}, policy)
 
 
 _BUFFERS = (  # role -> (what it is, its dtype under a policy)
@@ -233,7 +225,8 @@ _BUFFERS = (  # role -> (what it is, its dtype under a policy)
 def policy_table(model_factory: Callable[[], nn.Module], zero1_size: int, *, batch: Any,
                  policies: dict[str, dict[str, str]] | None = None) -> tuple[str, list[dict[str, Any]]]:
     """Every persistent buffer of each optimizer precision policy (bf16 model): dtype and bytes per
-    parameter, measured and closed form, without ZeRO and with ZeRO over ``zero1_size`` ranks.
+    parameter, measured and closed form, without ZeRO and with ZeRO over ``zero1_size`` ranks (in a job
+    of that many processes, as ``precision_report``).
 
     ``model_factory()`` builds a fresh unwrapped fp32 model (each measurement casts one). Returns the
     table as text and the rows as dicts (for JSON)."""

@@ -1,68 +1,38 @@
 """Activation memory and step time per TP rank: mtp vs msp, checkpointing none / selective / full.
 
-    python tools/bench_activations.py                 # TP=2 on 2 spawned gloo processes, the table below
-    python tools/bench_activations.py --layers 2 --hidden 64 --seq 64 --steps 1   # a quick look
+    python -m benchmarks activations                 # TP=2 on 2 spawned gloo processes (BENCHMARKS.md section 9)
+    python -m benchmarks activations --layers 2 --hidden 64 --seq 64 --steps 1   # a quick look
 
 Measured: the peak of live tensor bytes during one forward + backward (cross-entropy on the vocab-
-sharded logits included) minus what was live before the forward. Every storage an operator creates is
-tracked (a TorchDispatchMode, which also sees the backward and the recomputation) through a weak
+sharded logits included) minus what was live before the forward, by the plan's tracker
+(``tessera.plan.tracker.LiveBytes``: every storage an operator creates, followed through a weak
 reference to the C++ storage, so a tensor autograd keeps for backward counts for as long as it lives;
-the live total is taken after every operator. Gradients of the parameters are allocated before the
-forward, so they are not activations here. Step time: the median over ``--steps`` forward+backward
-passes without the tracker (after one warm-up). The closed form (``tessera.model.activations``) is
-printed beside each measurement, with the relative difference.
+a TorchDispatchMode, so it also sees the backward and the recomputation). Gradients of the parameters
+are allocated before the forward, so they are not activations here. Step time: the median over
+``--steps`` forward+backward passes without the tracker (after one warm-up). The closed form
+(``tessera.model.activations``) is printed beside each measurement, with the relative difference.
 """
 
 from __future__ import annotations
 
 import argparse
 import platform
+import shlex
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
+from tessera.cli_args import positive_int
 from tessera.config import Config
 from tessera.model import build_model
 from tessera.model.activations import activation_bytes
 from tessera.parallel import vocab_parallel_cross_entropy
-
-
-class LiveBytes(TorchDispatchMode):
-    """Live bytes of the storages created while active, sampled after every operator; ``peak`` is their max."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.storages: dict[int, tuple[StorageWeakRef, int]] = {}
-        self.live = 0
-        self.peak = 0
-        self.peak_op = ""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        for key, (ref, n) in list(self.storages.items()):  # first: a freed address may be reused below
-            if ref.expired():
-                del self.storages[key]
-                self.live -= n
-        # a new allocation is an output storage that no input has (views and in-place ops return an input's)
-        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                st = t.untyped_storage()
-                key = st.data_ptr()
-                if key and key not in inputs and key not in self.storages:
-                    self.storages[key] = (StorageWeakRef(st), st.nbytes())
-                    self.live += st.nbytes()
-        if self.live > self.peak:
-            self.peak, self.peak_op = self.live, str(func)
-        return out
+from tessera.plan.tracker import LiveBytes
 
 
 def _model_cfg(model: dict[str, Any], seq_len: int, tp: int, mode: str, checkpoint: Any):
@@ -97,7 +67,7 @@ def measure(group: Any, *, model: dict[str, Any], micro_bsz: int, seq_len: int, 
         start = time.perf_counter()
         step()
         times.append(time.perf_counter() - start)
-    return {"peak_bytes": tracker.peak, "peak_op": tracker.peak_op, "step_s": statistics.median(times)}
+    return {"peak_bytes": tracker.peak, "step_s": statistics.median(times)}
 
 
 def _worker(rank: int, world: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -116,19 +86,21 @@ def _cpu_name() -> str:
     return platform.processor() or "unknown CPU"
 
 
-def main(argv: list[str] | None = None) -> None:
-    from tessera.testing import run_distributed
+def main(argv: Sequence[str] | None = None, prog: str = "python -m benchmarks activations") -> int:
+    """Measure every mode x checkpointing case and print the markdown table; returns the exit status."""
+    from harness.distributed import run_distributed
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tp", type=int, default=2)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--kv-heads", type=int, default=4)
-    ap.add_argument("--vocab", type=int, default=1024)
-    ap.add_argument("--seq", type=int, default=512)
-    ap.add_argument("--micro-bsz", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=5)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tp", type=positive_int, default=2)
+    ap.add_argument("--layers", type=positive_int, default=4)
+    ap.add_argument("--hidden", type=positive_int, default=256)
+    ap.add_argument("--heads", type=positive_int, default=8)
+    ap.add_argument("--kv-heads", type=positive_int, default=4)
+    ap.add_argument("--vocab", type=positive_int, default=1024)
+    ap.add_argument("--seq", type=positive_int, default=512)
+    ap.add_argument("--micro-bsz", type=positive_int, default=2)
+    ap.add_argument("--steps", type=positive_int, default=5)
     args = ap.parse_args(argv)
     model = dict(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
                  num_kv_attention_heads=args.kv_heads, vocab_size=args.vocab, mlp_ratio=8 / 3, multiple_of=64)
@@ -137,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
              for mode in ("mtp", "msp") for _, ck in checkpoints]
     results = run_distributed(_worker, args.tp, cases, timeout=3600)
     mib = 2**20
-    print(f"command: python tools/bench_activations.py {' '.join(argv if argv is not None else sys.argv[1:])}".rstrip())
+    print(f"command: {' '.join([prog, *(shlex.quote(a) for a in argv)])}")
     print(f"machine: {_cpu_name()}, {torch.get_num_threads()} threads here, {args.tp} gloo processes (1 thread each), "
           f"torch {torch.__version__}")
     print(f"model: {args.layers} layers, hidden {args.hidden}, {args.heads} heads ({args.kv_heads} KV), vocab "
@@ -154,7 +126,8 @@ def main(argv: list[str] | None = None) -> None:
                                   torch.float32)["peak"]
         print(f"| {case['mode']} | {name} | {max(peaks) / mib:.2f} | {closed / mib:.2f} | {max(peaks) / closed:.3f} | "
               f"{step_s:.3f} |")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,0 +1,11 @@
+"""What tests and benchmarks run tessera in; not part of the installed package (setup.py installs
+``tessera`` only).
+
+    distributed.py  ``run_distributed``: a function on N spawned CPU processes (gloo), bounded by a
+                    timeout, the failing rank's traceback raised; ``run_torchrun``; ``free_port``
+    fake_cuda.py    ``fake_cuda_mode``: CUDA tensors without a GPU (the NCCL-rule tests)
+
+Importable wherever the repository root is on ``sys.path``: under pytest (``pythonpath = .`` in
+pytest.ini) and under ``python -m benchmarks`` started from the root. Spawned workers inherit the
+parent's ``sys.path``, so they import it too.
+"""
