@@ -35,18 +35,16 @@ from tessera.model.norm import RMSNorm
 from tessera.model.recompute import full_checkpoint, selective_checkpoint
 from tessera.model.rotary import positions_from_cu_seqlens, rotary_cos_sin
 from tessera.parallel.comm import group_size
-from tessera.parallel.sequence import sequence_dropout
+from tessera.parallel.sequence import TENSOR_MODES, sequence_dropout
 from tessera.parallel.defaults import launch_defaults
 from tessera.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
 logger = logging.getLogger("tessera")
 
-__all__ = ["DecoderLayer", "Transformer", "build_model", "check_tensor_parallel_sizes", "logits_are_vocab_sharded",
-           "TENSOR_MODES"]
+__all__ = ["DecoderLayer", "Transformer", "build_model", "check_tensor_parallel_sizes", "logits_are_vocab_sharded"]
 
 TensorRNG = Callable[[], ContextManager[Any]]
 _INIT_MODULES = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, RMSNorm)
-TENSOR_MODES = ("mtp", "msp")
 
 
 class DecoderLayer(nn.Module):

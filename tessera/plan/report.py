@@ -19,6 +19,7 @@ from tessera.config.precision import resolve_precision
 from tessera.model import flops_per_token
 from tessera.model.activations import activation_bytes
 from tessera.model.args import ModelArgs
+from tessera.parallel.sequence import TENSOR_MODES
 from tessera.train.metrics import gpu_peak_tflops
 from tessera.train.memory_check import param_counts
 from tessera.train.precision_report import closed_form_bytes
@@ -129,7 +130,7 @@ def comm_closed_form(cfg: Config, lay: Layout, low_params: int, fp32_params: int
     out: dict[str, float] = {}
     checkpoint = lay.checkpoint if lay.checkpoint in (False, True, "selective") else None
     if t > 1 and checkpoint is not None:
-        mode = lay.mode if lay.mode in ("mtp", "msp") else "mtp"
+        mode = lay.mode if lay.mode in TENSOR_MODES else "mtp"
         units = a.num_layers * _TP_UNITS_PER_LAYER[(mode, checkpoint)] + _TP_UNITS_OUTSIDE[mode]
         out["TENSOR"] = lay.micro_num * units * (t - 1) / t * T * a.hidden_size * e
     low_w = e if resolve_precision(cfg.model.dtype).is_low_precision else 4
