@@ -32,12 +32,12 @@ import torch.nn as nn
 from tessera.parallel import lowp
 
 from tessera.model.args import check_sizes
-from tessera.model.recompute import keep_gemm_outputs
+from tessera.model.recompute import RNGReplay, keep_gemm_outputs
 from tessera.model.rotary import apply_rotary, document_ids
 from tessera.parallel.comm import group_size, to_host
 from tessera.parallel.layers import ColumnParallelLinear, RowParallelLinear, column_parallel_linears, divide
 
-__all__ = ["Attention", "AttentionPlan", "KVCacheLayer", "plan_attention", "check_cu_seqlens", "RNGReplay",
+__all__ = ["Attention", "AttentionPlan", "KVCacheLayer", "plan_attention", "check_cu_seqlens",
            "attend", "attend_cached", "select_backend"]
 
 logger = logging.getLogger("tessera")
@@ -200,32 +200,6 @@ def attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int) 
         mask = (torch.arange(total, device=q.device).unsqueeze(0) <= qpos).view(1, 1, s, total)
     out = _sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, s > 1 and past == 0, 0.0)
     return out.transpose(1, 2)
-
-
-class RNGReplay:
-    """Replays the attention-dropout RNG state when a checkpointed layer is recomputed.
-
-    The TENSOR stream lives outside torch's ambient generator (``gpc`` swaps it in), so
-    ``torch.utils.checkpoint``'s own RNG stashing does not cover it. The first run records the
-    state at the dropout; the recomputation replays it inside ``fork_rng`` so the stream is not
-    advanced twice.
-    """
-
-    def __init__(self) -> None:
-        self.state: dict[str, torch.Tensor] | None = None
-
-    def run(self, fn: Callable[[], torch.Tensor], device: torch.device) -> torch.Tensor:
-        cuda = device.type == "cuda"
-        if self.state is None:
-            self.state = {"cpu": torch.get_rng_state()}
-            if cuda:
-                self.state["cuda"] = torch.cuda.get_rng_state(device)
-            return fn()
-        with torch.random.fork_rng(devices=[device] if cuda else []):
-            torch.set_rng_state(self.state["cpu"])
-            if cuda:
-                torch.cuda.set_rng_state(self.state["cuda"], device)
-            return fn()
 
 
 class Attention(nn.Module):

@@ -29,10 +29,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tessera.model.args import ModelArgs, check_tensor_parallel_sizes
-from tessera.model.attention import Attention, AttentionPlan, KVCacheLayer, RNGReplay, check_cu_seqlens, plan_attention
+from tessera.model.attention import Attention, AttentionPlan, KVCacheLayer, check_cu_seqlens, plan_attention
 from tessera.model.mlp import FeedForward
 from tessera.model.norm import RMSNorm
-from tessera.model.recompute import full_checkpoint, selective_checkpoint
+from tessera.model.recompute import RNGReplay, full_checkpoint, selective_checkpoint
 from tessera.model.rotary import positions_from_cu_seqlens, rotary_cos_sin
 from tessera.parallel.comm import group_size
 from tessera.parallel.sequence import TENSOR_MODES, sequence_dropout
