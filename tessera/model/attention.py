@@ -24,7 +24,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Protocol
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Protocol
 
 import torch
 import torch.nn as nn
@@ -32,12 +32,15 @@ import torch.nn as nn
 from tessera.parallel import lowp
 
 from tessera.model.args import check_sizes
-from tessera.model.recompute import RNGReplay, keep_gemm_outputs
+from tessera.model.recompute import keep_gemm_outputs
 from tessera.model.rotary import apply_rotary, document_ids
 from tessera.parallel.comm import group_size, to_host
 from tessera.parallel.layers import ColumnParallelLinear, RowParallelLinear, column_parallel_linears, divide
 
-__all__ = ["Attention", "AttentionPlan", "KVCacheLayer", "plan_attention", "check_cu_seqlens",
+if TYPE_CHECKING:  # the context holds an AttentionPlan: imported for annotations only, no import cycle at run time
+    from tessera.model.context import ForwardContext
+
+__all__ = ["Attention", "AttentionPlan", "KVCacheLike", "plan_attention", "check_cu_seqlens",
            "attend", "attend_cached", "select_backend"]
 
 logger = logging.getLogger("tessera")
@@ -74,12 +77,13 @@ def select_backend(device: torch.device, dtype: torch.dtype, use_flash_attn: boo
     return "sdpa", why
 
 
-class KVCacheLayer(Protocol):
-    """One layer's view of a KV cache (``tessera.model.kv_cache.KVCache.layer``)."""
+class KVCacheLike(Protocol):
+    """A KV cache as attention uses it (``tessera.model.kv_cache.KVCache``): one cache for all layers,
+    each attention appending at its own ``layer_index``."""
 
-    past: int  # positions already cached before the current queries
+    length: int  # positions already cached before the current queries (the model advances it after a forward)
 
-    def extend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 @dataclass
@@ -206,7 +210,8 @@ class Attention(nn.Module):
     """Multi-head attention with grouped KV heads: ``wq``/``wk``/``wv`` column-parallel, ``wo`` row-parallel.
 
     ``tensor_rng``: a factory of context managers that switch to the per-TP-rank RNG stream for the
-    attention-probability dropout (sharded heads need different masks per rank).
+    attention-probability dropout (sharded heads need different masks per rank). ``layer_index``: where
+    this layer's keys/values go in a KV cache shared by all layers (``ForwardContext.cache``).
     """
 
     def __init__(
@@ -221,6 +226,7 @@ class Attention(nn.Module):
         init_std: float = 0.02,
         out_init_std: float | None = None,
         tensor_rng: Callable[[], ContextManager[Any]] | None = None,
+        layer_index: int = 0,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -233,6 +239,7 @@ class Attention(nn.Module):
         self.num_kv_heads_per_rank = divide(num_kv_heads, tp, "num_kv_attention_heads")
         self.attn_dropout = attn_dropout
         self.tensor_rng = tensor_rng
+        self.layer_index = layer_index
         kw = dict(process_group=process_group, init_seed=None, device=device, dtype=dtype)
         q_dim, kv_dim = num_heads * self.head_dim, num_kv_heads * self.head_dim
         self.wq = ColumnParallelLinear(hidden_size, q_dim, bias, init_std=init_std, **kw)
@@ -241,36 +248,28 @@ class Attention(nn.Module):
         out_std = init_std if out_init_std is None else out_init_std
         self.wo = RowParallelLinear(q_dim, hidden_size, bias, init_std=out_std, **kw)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        plan: AttentionPlan,
-        rng_replay: RNGReplay | None = None,
-        cache: KVCacheLayer | None = None,
-        sequence_parallel: bool = False,
-    ) -> torch.Tensor:
-        """``sequence_parallel``: ``x`` is this rank's sequence chunk (msp); the projections gather the full
-        sequence, attention runs on it, and ``wo`` reduce-scatters back into chunks."""
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """Under ``ctx.sequence_parallel`` ``x`` is this rank's sequence chunk (msp): the projections gather the
+        full sequence, attention runs on it, and ``wo`` reduce-scatters back into chunks."""
+        sp = ctx.sequence_parallel
         with keep_gemm_outputs():  # entering the TP region once for q, k and v (one gradient collective)
-            q, k, v = column_parallel_linears(x, [self.wq, self.wk, self.wv], sequence_parallel=sequence_parallel)
+            q, k, v = column_parallel_linears(x, [self.wq, self.wk, self.wv], sequence_parallel=sp)
         b, s = q.shape[:2]  # the full sequence, also under sequence parallelism
         q = q.view(b, s, self.num_heads_per_rank, self.head_dim)
         k = k.view(b, s, self.num_kv_heads_per_rank, self.head_dim)
         v = v.view(b, s, self.num_kv_heads_per_rank, self.head_dim)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = apply_rotary(q, ctx.cos, ctx.sin), apply_rotary(k, ctx.cos, ctx.sin)
         p = self.attn_dropout if self.training else 0.0
-        if cache is not None:
-            past = cache.past
-            k, v = cache.extend(k, v)
+        if ctx.cache is not None:
+            past = ctx.cache.length
+            k, v = ctx.cache.append(self.layer_index, k, v)
             out = attend_cached(q, k, v, past)
         elif p == 0.0 or self.tensor_rng is None:
-            out = attend(q, k, v, plan, p)
+            out = attend(q, k, v, ctx.plan, p)
         else:
             with self.tensor_rng():
-                if rng_replay is None:
-                    out = attend(q, k, v, plan, p)
+                if ctx.rng_replay is None:
+                    out = attend(q, k, v, ctx.plan, p)
                 else:
-                    out = rng_replay.run(lambda: attend(q, k, v, plan, p), q.device)
-        return self.wo(out.reshape(b, s, self.num_heads_per_rank * self.head_dim), sequence_parallel=sequence_parallel)
+                    out = ctx.rng_replay.run(lambda: attend(q, k, v, ctx.plan, p), q.device)
+        return self.wo(out.reshape(b, s, self.num_heads_per_rank * self.head_dim), sequence_parallel=sp)
