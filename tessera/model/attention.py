@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable, ContextManager, Protocol
 
 import torch
 import torch.nn as nn
+from einops import rearrange
 
 from tessera.parallel import lowp
 
@@ -161,6 +162,8 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
         why = "a packed-document mask" if mask is not None else f"{q.dtype} q/k/v"
         _log_once(f"attention: K/V heads expanded {groups}x for SDPA on cuda ({why}: its GQA-capable flash "
                   "kernel does not take it, the memory-efficient kernel needs equal head counts)")
+        # torch, not einops.repeat: KV-cache decoding runs this per token, where einops' Python overhead per call
+        # is a measurable share of a step on short caches
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         groups = 1
     return lowp.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal,
@@ -180,19 +183,16 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPla
         if not plan.packed:
             return flash_attn_func(q, k, v, dropout_p=dropout_p, causal=True)
         cu, max_seqlen = plan.varlen(q.device)
-        b, s = q.shape[:2]
-        out = flash_attn_varlen_func(
-            q.reshape(b * s, *q.shape[2:]), k.reshape(b * s, *k.shape[2:]), v.reshape(b * s, *v.shape[2:]),
-            cu, cu, max_seqlen, max_seqlen, dropout_p=dropout_p, causal=True,
-        )
-        return out.view_as(q)
+        q_, k_, v_ = (rearrange(t, "b s h d -> (b s) h d") for t in (q, k, v))
+        out = flash_attn_varlen_func(q_, k_, v_, cu, cu, max_seqlen, max_seqlen, dropout_p=dropout_p, causal=True)
+        return rearrange(out, "(b s) h d -> b s h d", b=q.shape[0])
     _log_once(
         f"attention backend: torch scaled_dot_product_attention on {q.device.type} for {q.dtype} (is_causal for "
         f"one document per row, block-diagonal causal mask for packed rows); flash_attn not used: {why}"
     )
     mask = plan.mask(q.device) if plan.packed else None
-    out = _sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, mask is None, dropout_p)
-    return out.transpose(1, 2)
+    q, k, v = (rearrange(t, "b s h d -> b h s d") for t in (q, k, v))
+    return rearrange(_sdpa(q, k, v, mask, mask is None, dropout_p), "b h s d -> b s h d")
 
 
 def attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int) -> torch.Tensor:
@@ -202,6 +202,8 @@ def attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int) 
     if s > 1 and past > 0:  # query i (absolute past+i) sees keys 0..past+i
         qpos = torch.arange(past, past + s, device=q.device).unsqueeze(1)
         mask = (torch.arange(total, device=q.device).unsqueeze(0) <= qpos).view(1, 1, s, total)
+    # torch transposes, not einops (as in ``attend``): this runs per decoded token and layer, where einops' Python
+    # overhead per call is a measurable share of the step
     out = _sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, s > 1 and past == 0, 0.0)
     return out.transpose(1, 2)
 
@@ -254,6 +256,8 @@ class Attention(nn.Module):
         sp = ctx.sequence_parallel
         with keep_gemm_outputs():  # entering the TP region once for q, k and v (one gradient collective)
             q, k, v = column_parallel_linears(x, [self.wq, self.wk, self.wv], sequence_parallel=sp)
+        # torch views, not einops: KV-cache decoding runs this per token and layer, where einops' Python overhead
+        # per call is a measurable share of the step
         b, s = q.shape[:2]  # the full sequence, also under sequence parallelism
         q = q.view(b, s, self.num_heads_per_rank, self.head_dim)
         k = k.view(b, s, self.num_kv_heads_per_rank, self.head_dim)
