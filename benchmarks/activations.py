@@ -32,6 +32,7 @@ from tessera.config import Config
 from tessera.model import build_model
 from tessera.model.activations import activation_bytes
 from tessera.parallel import vocab_parallel_cross_entropy
+from tessera.parallel.sequence import TENSOR_MODES
 from tessera.plan.tracker import LiveBytes
 
 
@@ -106,7 +107,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m benchmarks ac
                  num_kv_attention_heads=args.kv_heads, vocab_size=args.vocab, mlp_ratio=8 / 3, multiple_of=64)
     checkpoints = [("none", False), ("selective", "selective"), ("full", True)]
     cases = [dict(model=model, micro_bsz=args.micro_bsz, seq_len=args.seq, mode=mode, checkpoint=ck, steps=args.steps)
-             for mode in ("mtp", "msp") for _, ck in checkpoints]
+             for mode in TENSOR_MODES for _, ck in checkpoints]
     results = run_distributed(_worker, args.tp, cases, timeout=3600)
     mib = 2**20
     print(f"command: {' '.join([prog, *(shlex.quote(a) for a in argv)])}")

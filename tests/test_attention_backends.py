@@ -65,9 +65,11 @@ def test_packed_rows_use_varlen_flash_or_a_mask(calls):
     cu = torch.tensor([0, 3, 8, 16], dtype=torch.int32)  # row 0 holds two documents
     plan = plan_attention(cu, 2, 8, use_flash_attn=True)
     with fake_cuda_mode():
-        attend(*_qkv(torch.float16, CUDA), plan, 0.0)
+        out = attend(*_qkv(torch.float16, CUDA), plan, 0.0)
         attend(*_qkv(torch.float32, CUDA), plan, 0.0)
     assert [c[0] for c in calls] == ["flash_attn_varlen", "sdpa"]
+    # varlen takes the B*S tokens flattened, [total, H, d]; the result is [B, S, H, d] again
+    assert tuple(calls[0][1].shape) == (16, 4, 16) and tuple(out.shape) == (2, 8, 4, 16)
     mask = calls[1][3]["attn_mask"]
     assert tuple(mask.shape) == (2, 1, 8, 8) and mask.dtype == torch.bool
 

@@ -240,6 +240,32 @@ def test_activation_checkpointing_gives_identical_gradients(dropout):
         assert not torch.equal(_grads_with(False, False)[1], loss)
 
 
+@pytest.mark.parametrize("checkpoint", [False, True, "selective"])
+def test_blocks_share_one_forward_context_and_recomputation_sees_it_again(checkpoint, monkeypatch):
+    seen = []  # (layer index, context) per attention call, recomputations included
+    original = attention_module.Attention.forward
+
+    def spy(self, x, ctx):
+        seen.append((self.layer_index, ctx))
+        return original(self, x, ctx)
+
+    monkeypatch.setattr(attention_module.Attention, "forward", spy)
+    model = build_model(_model_cfg(checkpoint=checkpoint, attn_dropout=0.2), seed=9, tensor_rng=_TensorStream(4))
+    ids, _, cu = _batch(1)
+    model(ids, cu_seqlens=cu).float().square().mean().backward()
+    forward, recomputed = seen[:2], sorted(seen[2:], key=lambda call: call[0])  # backward runs the layers in reverse
+    assert [i for i, _ in forward] == [0, 1]
+    # built once: every layer gets the same angles and plan (so the packed mask is built once)
+    assert forward[0][1].cos is forward[1][1].cos and forward[0][1].plan is forward[1][1].plan
+    if checkpoint is False:
+        assert forward[0][1] is forward[1][1] and forward[0][1].rng_replay is None and not recomputed
+        return
+    # each checkpointed region has its own RNG replay, and its recomputation gets the very same context
+    assert forward[0][1].rng_replay is not forward[1][1].rng_replay
+    assert [i for i, _ in recomputed] == [0, 1]
+    assert all(again is first for (_, again), (_, first) in zip(recomputed, forward))
+
+
 # ---------------------------------------------------------------------------- sizes and errors
 @pytest.mark.parametrize("overrides, message", [
     ({"hidden_size": 48, "num_attention_heads": 6, "num_kv_attention_heads": 6},

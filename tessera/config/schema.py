@@ -16,8 +16,9 @@ import torch
 from tessera.config.errors import ConfigError
 from tessera.config.precision import parse_dtype
 from tessera.model.args import ModelArgs
+from tessera.parallel.sequence import TENSOR_MODES
 
-__all__ = ["Key", "Section", "SCHEMA", "REQUIRED", "NORM_TYPES", "TENSOR_MODES"]
+__all__ = ["Key", "Section", "SCHEMA", "REQUIRED", "NORM_TYPES"]
 
 REQUIRED: Any = object()  # the default of a key the file must set
 
@@ -88,7 +89,6 @@ def _str_list(v: Any) -> str | None:
 
 NORM_TYPES = ("rmsnorm",)
 DEFAULT_REDUCE_BUCKET_SIZE = 2**25  # elements (128 MiB of fp32 main grads), Megatron-sized
-TENSOR_MODES = ("mtp", "msp")  # DESIGN's values: replicated activations / sequence parallelism
 
 
 def _norm_type(v: Any) -> str | None:

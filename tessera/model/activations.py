@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from tessera.model.args import ModelArgs
+from tessera.parallel.sequence import TENSOR_MODES
 
 __all__ = ["activation_bytes"]
 
@@ -50,8 +51,8 @@ def activation_bytes(model_cfg: Any, micro_bsz: int, seq_len: int, tp: int, mode
     """Bytes per TP rank: ``per_layer`` (kept by one layer), ``kept`` (everything kept at the end of the
     forward, loss included), ``peak`` (kept + the backward's largest working set); see the module doc."""
     a = ModelArgs.from_config(model_cfg)
-    if mode not in ("mtp", "msp"):
-        raise ValueError(f"mode={mode!r}: must be 'mtp' or 'msp'")
+    if mode not in TENSOR_MODES:
+        raise ValueError(f"mode={mode!r}: must be one of {list(TENSOR_MODES)}")
     if checkpoint not in (False, True, "selective"):
         raise ValueError(f"checkpoint={checkpoint!r}: the closed form covers False, True and 'selective'")
     e = _bytes(dtype)

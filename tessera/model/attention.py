@@ -24,10 +24,11 @@ from __future__ import annotations
 import importlib.util
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Protocol
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Protocol
 
 import torch
 import torch.nn as nn
+from einops import rearrange
 
 from tessera.parallel import lowp
 
@@ -37,7 +38,10 @@ from tessera.model.rotary import apply_rotary, document_ids
 from tessera.parallel.comm import group_size, to_host
 from tessera.parallel.layers import ColumnParallelLinear, RowParallelLinear, column_parallel_linears, divide
 
-__all__ = ["Attention", "AttentionPlan", "KVCacheLayer", "plan_attention", "check_cu_seqlens", "RNGReplay",
+if TYPE_CHECKING:  # the context holds an AttentionPlan: imported for annotations only, no import cycle at run time
+    from tessera.model.context import ForwardContext
+
+__all__ = ["Attention", "AttentionPlan", "KVCacheLike", "plan_attention", "check_cu_seqlens",
            "attend", "attend_cached", "select_backend"]
 
 logger = logging.getLogger("tessera")
@@ -74,12 +78,13 @@ def select_backend(device: torch.device, dtype: torch.dtype, use_flash_attn: boo
     return "sdpa", why
 
 
-class KVCacheLayer(Protocol):
-    """One layer's view of a KV cache (``tessera.model.kv_cache.KVCache.layer``)."""
+class KVCacheLike(Protocol):
+    """A KV cache as attention uses it (``tessera.model.kv_cache.KVCache``): one cache for all layers,
+    each attention appending at its own ``layer_index``."""
 
-    past: int  # positions already cached before the current queries
+    length: int  # positions already cached before the current queries (the model advances it after a forward)
 
-    def extend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 @dataclass
@@ -157,6 +162,8 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
         why = "a packed-document mask" if mask is not None else f"{q.dtype} q/k/v"
         _log_once(f"attention: K/V heads expanded {groups}x for SDPA on cuda ({why}: its GQA-capable flash "
                   "kernel does not take it, the memory-efficient kernel needs equal head counts)")
+        # torch, not einops.repeat: KV-cache decoding runs this per token, where einops' Python overhead per call
+        # is a measurable share of a step on short caches
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         groups = 1
     return lowp.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal,
@@ -176,19 +183,16 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPla
         if not plan.packed:
             return flash_attn_func(q, k, v, dropout_p=dropout_p, causal=True)
         cu, max_seqlen = plan.varlen(q.device)
-        b, s = q.shape[:2]
-        out = flash_attn_varlen_func(
-            q.reshape(b * s, *q.shape[2:]), k.reshape(b * s, *k.shape[2:]), v.reshape(b * s, *v.shape[2:]),
-            cu, cu, max_seqlen, max_seqlen, dropout_p=dropout_p, causal=True,
-        )
-        return out.view_as(q)
+        q_, k_, v_ = (rearrange(t, "b s h d -> (b s) h d") for t in (q, k, v))
+        out = flash_attn_varlen_func(q_, k_, v_, cu, cu, max_seqlen, max_seqlen, dropout_p=dropout_p, causal=True)
+        return rearrange(out, "(b s) h d -> b s h d", b=q.shape[0])
     _log_once(
         f"attention backend: torch scaled_dot_product_attention on {q.device.type} for {q.dtype} (is_causal for "
         f"one document per row, block-diagonal causal mask for packed rows); flash_attn not used: {why}"
     )
     mask = plan.mask(q.device) if plan.packed else None
-    out = _sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, mask is None, dropout_p)
-    return out.transpose(1, 2)
+    q, k, v = (rearrange(t, "b s h d -> b h s d") for t in (q, k, v))
+    return rearrange(_sdpa(q, k, v, mask, mask is None, dropout_p), "b h s d -> b s h d")
 
 
 def attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int) -> torch.Tensor:
@@ -198,41 +202,18 @@ def attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int) 
     if s > 1 and past > 0:  # query i (absolute past+i) sees keys 0..past+i
         qpos = torch.arange(past, past + s, device=q.device).unsqueeze(1)
         mask = (torch.arange(total, device=q.device).unsqueeze(0) <= qpos).view(1, 1, s, total)
+    # torch transposes, not einops (as in ``attend``): this runs per decoded token and layer, where einops' Python
+    # overhead per call is a measurable share of the step
     out = _sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, s > 1 and past == 0, 0.0)
     return out.transpose(1, 2)
-
-
-class RNGReplay:
-    """Replays the attention-dropout RNG state when a checkpointed layer is recomputed.
-
-    The TENSOR stream lives outside torch's ambient generator (``gpc`` swaps it in), so
-    ``torch.utils.checkpoint``'s own RNG stashing does not cover it. The first run records the
-    state at the dropout; the recomputation replays it inside ``fork_rng`` so the stream is not
-    advanced twice.
-    """
-
-    def __init__(self) -> None:
-        self.state: dict[str, torch.Tensor] | None = None
-
-    def run(self, fn: Callable[[], torch.Tensor], device: torch.device) -> torch.Tensor:
-        cuda = device.type == "cuda"
-        if self.state is None:
-            self.state = {"cpu": torch.get_rng_state()}
-            if cuda:
-                self.state["cuda"] = torch.cuda.get_rng_state(device)
-            return fn()
-        with torch.random.fork_rng(devices=[device] if cuda else []):
-            torch.set_rng_state(self.state["cpu"])
-            if cuda:
-                torch.cuda.set_rng_state(self.state["cuda"], device)
-            return fn()
 
 
 class Attention(nn.Module):
     """Multi-head attention with grouped KV heads: ``wq``/``wk``/``wv`` column-parallel, ``wo`` row-parallel.
 
     ``tensor_rng``: a factory of context managers that switch to the per-TP-rank RNG stream for the
-    attention-probability dropout (sharded heads need different masks per rank).
+    attention-probability dropout (sharded heads need different masks per rank). ``layer_index``: where
+    this layer's keys/values go in a KV cache shared by all layers (``ForwardContext.cache``).
     """
 
     def __init__(
@@ -247,6 +228,7 @@ class Attention(nn.Module):
         init_std: float = 0.02,
         out_init_std: float | None = None,
         tensor_rng: Callable[[], ContextManager[Any]] | None = None,
+        layer_index: int = 0,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -259,6 +241,7 @@ class Attention(nn.Module):
         self.num_kv_heads_per_rank = divide(num_kv_heads, tp, "num_kv_attention_heads")
         self.attn_dropout = attn_dropout
         self.tensor_rng = tensor_rng
+        self.layer_index = layer_index
         kw = dict(process_group=process_group, init_seed=None, device=device, dtype=dtype)
         q_dim, kv_dim = num_heads * self.head_dim, num_kv_heads * self.head_dim
         self.wq = ColumnParallelLinear(hidden_size, q_dim, bias, init_std=init_std, **kw)
@@ -267,36 +250,30 @@ class Attention(nn.Module):
         out_std = init_std if out_init_std is None else out_init_std
         self.wo = RowParallelLinear(q_dim, hidden_size, bias, init_std=out_std, **kw)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        plan: AttentionPlan,
-        rng_replay: RNGReplay | None = None,
-        cache: KVCacheLayer | None = None,
-        sequence_parallel: bool = False,
-    ) -> torch.Tensor:
-        """``sequence_parallel``: ``x`` is this rank's sequence chunk (msp); the projections gather the full
-        sequence, attention runs on it, and ``wo`` reduce-scatters back into chunks."""
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """Under ``ctx.sequence_parallel`` ``x`` is this rank's sequence chunk (msp): the projections gather the
+        full sequence, attention runs on it, and ``wo`` reduce-scatters back into chunks."""
+        sp = ctx.sequence_parallel
         with keep_gemm_outputs():  # entering the TP region once for q, k and v (one gradient collective)
-            q, k, v = column_parallel_linears(x, [self.wq, self.wk, self.wv], sequence_parallel=sequence_parallel)
+            q, k, v = column_parallel_linears(x, [self.wq, self.wk, self.wv], sequence_parallel=sp)
+        # torch views, not einops: KV-cache decoding runs this per token and layer, where einops' Python overhead
+        # per call is a measurable share of the step
         b, s = q.shape[:2]  # the full sequence, also under sequence parallelism
         q = q.view(b, s, self.num_heads_per_rank, self.head_dim)
         k = k.view(b, s, self.num_kv_heads_per_rank, self.head_dim)
         v = v.view(b, s, self.num_kv_heads_per_rank, self.head_dim)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = apply_rotary(q, ctx.cos, ctx.sin), apply_rotary(k, ctx.cos, ctx.sin)
         p = self.attn_dropout if self.training else 0.0
-        if cache is not None:
-            past = cache.past
-            k, v = cache.extend(k, v)
+        if ctx.cache is not None:
+            past = ctx.cache.length
+            k, v = ctx.cache.append(self.layer_index, k, v)
             out = attend_cached(q, k, v, past)
         elif p == 0.0 or self.tensor_rng is None:
-            out = attend(q, k, v, plan, p)
+            out = attend(q, k, v, ctx.plan, p)
         else:
             with self.tensor_rng():
-                if rng_replay is None:
-                    out = attend(q, k, v, plan, p)
+                if ctx.rng_replay is None:
+                    out = attend(q, k, v, ctx.plan, p)
                 else:
-                    out = rng_replay.run(lambda: attend(q, k, v, plan, p), q.device)
-        return self.wo(out.reshape(b, s, self.num_heads_per_rank * self.head_dim), sequence_parallel=sequence_parallel)
+                    out = ctx.rng_replay.run(lambda: attend(q, k, v, ctx.plan, p), q.device)
+        return self.wo(out.reshape(b, s, self.num_heads_per_rank * self.head_dim), sequence_parallel=sp)

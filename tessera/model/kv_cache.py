@@ -25,8 +25,10 @@ __all__ = ["KVCache", "forward_with_cache", "generate_ids_cached"]
 class KVCache:
     """Per-layer keys/values ``[B, capacity, Hkv_local, d]``; ``length`` positions are filled.
 
-    Buffers are allocated on first use and grown by doubling, so appending is amortized O(1). The
-    model advances ``length`` after each forward.
+    Buffers are allocated on first use and grown by doubling, so appending is amortized O(1). One
+    cache serves every layer: the model's forward carries it in its ``ForwardContext`` and each
+    attention appends at its own layer index (``tessera.model.attention.KVCacheLike``); the model
+    advances ``length`` after each forward.
     """
 
     length: int = 0
@@ -51,23 +53,6 @@ class KVCache:
         self.keys[layer][:, self.length:end] = k
         self.values[layer][:, self.length:end] = v
         return self.keys[layer][:, :end], self.values[layer][:, :end]
-
-    def layer(self, index: int) -> "_LayerView":
-        """What layer ``index``'s attention sees (``tessera.model.attention.KVCacheLayer``)."""
-        return _LayerView(self, index)
-
-
-@dataclass
-class _LayerView:
-    cache: KVCache
-    index: int
-
-    @property
-    def past(self) -> int:
-        return self.cache.length
-
-    def extend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.cache.append(self.index, k, v)
 
 
 @torch.no_grad()

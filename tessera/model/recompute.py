@@ -27,6 +27,10 @@ its all-gather before the column-parallel GEMMs (only the chunk is kept). With r
 the row-parallel GEMMs and their reductions run again too (the masks come after them). With the CPU
 low-precision upcast (``tessera.parallel.lowp``) the kept GEMM outputs are the fp32 GEMM results (the
 cast back is recomputed), twice the bytes of a bf16 output; GPUs keep them in the model dtype.
+
+Attention dropout draws from the per-TP-rank TENSOR stream, which the checkpoint's own RNG stashing
+does not cover: each checkpointed region carries an ``RNGReplay`` (in its ``ForwardContext``) so its
+recomputation draws the same masks.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-__all__ = ["keep_gemm_outputs", "selective_checkpoint", "full_checkpoint"]
+__all__ = ["keep_gemm_outputs", "selective_checkpoint", "full_checkpoint", "RNGReplay"]
 
 _STATE = threading.local()
 _aten = torch.ops.aten
@@ -75,3 +79,29 @@ def selective_checkpoint(fn: Callable[..., torch.Tensor], *args: Any, **kwargs: 
 def full_checkpoint(fn: Callable[..., torch.Tensor], *args: Any, **kwargs: Any) -> torch.Tensor:
     """``fn(*args, **kwargs)`` keeping only its inputs; backward recomputes all of it."""
     return checkpoint(fn, *args, use_reentrant=False, **kwargs)
+
+
+class RNGReplay:
+    """Replays the attention-dropout RNG state when a checkpointed layer is recomputed.
+
+    The TENSOR stream lives outside torch's ambient generator (``gpc`` swaps it in), so
+    ``torch.utils.checkpoint``'s own RNG stashing does not cover it. The first run records the
+    state at the dropout; the recomputation replays it inside ``fork_rng`` so the stream is not
+    advanced twice.
+    """
+
+    def __init__(self) -> None:
+        self.state: dict[str, torch.Tensor] | None = None
+
+    def run(self, fn: Callable[[], torch.Tensor], device: torch.device) -> torch.Tensor:
+        cuda = device.type == "cuda"
+        if self.state is None:
+            self.state = {"cpu": torch.get_rng_state()}
+            if cuda:
+                self.state["cuda"] = torch.cuda.get_rng_state(device)
+            return fn()
+        with torch.random.fork_rng(devices=[device] if cuda else []):
+            torch.set_rng_state(self.state["cpu"])
+            if cuda:
+                torch.cuda.set_rng_state(self.state["cuda"], device)
+            return fn()

@@ -29,32 +29,32 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tessera.model.args import ModelArgs, check_tensor_parallel_sizes
-from tessera.model.attention import Attention, AttentionPlan, KVCacheLayer, RNGReplay, check_cu_seqlens, plan_attention
+from tessera.model.attention import Attention, KVCacheLike, check_cu_seqlens, plan_attention
+from tessera.model.context import ForwardContext
 from tessera.model.mlp import FeedForward
 from tessera.model.norm import RMSNorm
 from tessera.model.recompute import full_checkpoint, selective_checkpoint
 from tessera.model.rotary import positions_from_cu_seqlens, rotary_cos_sin
 from tessera.parallel.comm import group_size
-from tessera.parallel.sequence import sequence_dropout
+from tessera.parallel.sequence import TENSOR_MODES, sequence_dropout
 from tessera.parallel.defaults import launch_defaults
 from tessera.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
 logger = logging.getLogger("tessera")
 
-__all__ = ["DecoderLayer", "Transformer", "build_model", "check_tensor_parallel_sizes", "logits_are_vocab_sharded",
-           "TENSOR_MODES"]
+__all__ = ["DecoderLayer", "Transformer", "build_model", "check_tensor_parallel_sizes", "logits_are_vocab_sharded"]
 
 TensorRNG = Callable[[], ContextManager[Any]]
 _INIT_MODULES = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, RMSNorm)
-TENSOR_MODES = ("mtp", "msp")
 
 
 class DecoderLayer(nn.Module):
     """``h = x + drop(attention(attention_norm(x)))``; ``out = h + drop(feed_forward(ffn_norm(h)))``.
 
-    With ``sequence_parallel`` (msp) ``x``, ``h`` and ``out`` are this rank's sequence chunks; the
-    attention and MLP gather the full sequence themselves. ``selective``: each half runs under the
-    selective checkpoint of ``tessera.model.recompute``.
+    Everything but ``x`` comes from the forward's ``ForwardContext``: with ``ctx.sequence_parallel``
+    (msp) ``x``, ``h`` and ``out`` are this rank's sequence chunks and the attention and MLP gather the
+    full sequence themselves; with ``ctx.selective`` each half runs under the selective checkpoint of
+    ``tessera.model.recompute``. ``layer_index``: this layer's slot in a KV cache.
     """
 
     def __init__(
@@ -62,6 +62,7 @@ class DecoderLayer(nn.Module):
         args: ModelArgs,
         process_group: Any = None,
         *,
+        layer_index: int = 0,
         tensor_rng: TensorRNG | None = None,
         device: torch.device | str | None = None,
     ) -> None:
@@ -74,7 +75,7 @@ class DecoderLayer(nn.Module):
         self.attention = Attention(
             args.hidden_size, args.num_attention_heads, args.num_kv_attention_heads, process_group,
             bias=args.bias, attn_dropout=args.attn_dropout, init_std=args.init_std, out_init_std=out_std,
-            tensor_rng=tensor_rng, device=device,
+            tensor_rng=tensor_rng, layer_index=layer_index, device=device,
         )
         self.ffn_norm = RMSNorm(args.hidden_size, args.layer_norm_epsilon, **norm)
         self.feed_forward = FeedForward(
@@ -82,29 +83,19 @@ class DecoderLayer(nn.Module):
             bias=args.bias, init_std=args.init_std, out_init_std=out_std, device=device,
         )
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        plan: AttentionPlan,
-        rng_replay: RNGReplay | None = None,
-        cache: KVCacheLayer | None = None,
-        sequence_parallel: bool = False,
-        selective: bool = False,
-    ) -> torch.Tensor:
-        if selective:
-            h = selective_checkpoint(self._attention_block, x, cos, sin, plan, RNGReplay(), None, sequence_parallel)
-            return selective_checkpoint(self._mlp_block, h, sequence_parallel)
-        h = self._attention_block(x, cos, sin, plan, rng_replay, cache, sequence_parallel)
-        return self._mlp_block(h, sequence_parallel)
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        if ctx.selective:
+            h = selective_checkpoint(self._attention_block, x, ctx.replaying())
+            return selective_checkpoint(self._mlp_block, h, ctx)
+        h = self._attention_block(x, ctx)
+        return self._mlp_block(h, ctx)
 
-    def _attention_block(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: AttentionPlan,
-                         rng_replay: RNGReplay | None, cache: KVCacheLayer | None, sp: bool) -> torch.Tensor:
-        normed = self.attention_norm(x, sequence_parallel=sp)
-        return x + self._drop(self.attention(normed, cos, sin, plan, rng_replay, cache, sequence_parallel=sp), sp)
+    def _attention_block(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        sp = ctx.sequence_parallel
+        return x + self._drop(self.attention(self.attention_norm(x, sequence_parallel=sp), ctx), sp)
 
-    def _mlp_block(self, h: torch.Tensor, sp: bool) -> torch.Tensor:
+    def _mlp_block(self, h: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        sp = ctx.sequence_parallel
         return h + self._drop(self.feed_forward(self.ffn_norm(h, sequence_parallel=sp), sequence_parallel=sp), sp)
 
     def _drop(self, x: torch.Tensor, sp: bool) -> torch.Tensor:
@@ -162,7 +153,8 @@ class Transformer(nn.Module):
             args.vocab_size, args.hidden_size, process_group, init_std=args.init_std, init_seed=None, device=device
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(args, process_group, tensor_rng=tensor_rng, device=device) for _ in range(args.num_layers)
+            DecoderLayer(args, process_group, layer_index=i, tensor_rng=tensor_rng, device=device)
+            for i in range(args.num_layers)
         )
         self.norm = RMSNorm(args.hidden_size, args.layer_norm_epsilon, process_group=process_group, device=device)
         self.output = ColumnParallelLinear(
@@ -187,7 +179,7 @@ class Transformer(nn.Module):
         input_ids: torch.Tensor,
         cu_seqlens: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
-        cache: Any = None,
+        cache: KVCacheLike | None = None,
     ) -> torch.Tensor:
         batch, seqlen = input_ids.shape
         past = 0
@@ -209,19 +201,19 @@ class Transformer(nn.Module):
             else:
                 position_ids = torch.arange(past, past + seqlen, device=h.device).expand(batch, seqlen)
         cos, sin = rotary_cos_sin(position_ids.to(h.device), self.args.head_dim, self.args.rope_base)
-        plan = plan_attention(cu_seqlens, batch, seqlen, self.args.use_flash_attn)
         recompute = self.training and torch.is_grad_enabled()
+        ctx = ForwardContext(cos, sin, plan_attention(cu_seqlens, batch, seqlen, self.args.use_flash_attn),
+                             sequence_parallel=sp, selective=recompute and self.selective_checkpoint, cache=cache)
         for i, layer in enumerate(self.layers):
-            if recompute and i < self.num_checkpoint_layers:
-                h = full_checkpoint(layer, h, cos, sin, plan, RNGReplay(), None, sp)
+            if recompute and i < self.num_checkpoint_layers:  # full and selective exclude each other (ModelArgs)
+                h = full_checkpoint(layer, h, ctx.replaying())
             else:
-                h = layer(h, cos, sin, plan, None, cache.layer(i) if cache is not None else None, sp,
-                          selective=recompute and self.selective_checkpoint)
+                h = layer(h, ctx)
         if cache is not None:
             cache.length = past + seqlen
         return self.output(self.norm(h, sequence_parallel=sp), sequence_parallel=sp)
 
-    def sequence_parallel_forward(self, cache: Any = None) -> bool:
+    def sequence_parallel_forward(self, cache: KVCacheLike | None = None) -> bool:
         """Whether a forward now runs sequence-parallel: msp over more than one rank, recording autograd,
         without a KV cache (see the class docstring)."""
         return self.tensor_mode == "msp" and self.tp_size > 1 and cache is None and torch.is_grad_enabled()

@@ -45,6 +45,7 @@ from tessera.parallel.comm import (
 from tessera.parallel.lowp import linear, linear_grads, linear_no_autograd
 
 __all__ = [
+    "TENSOR_MODES",
     "SEQUENCE_DIM",
     "sequence_chunk",
     "all_gather_sequence",
@@ -56,6 +57,9 @@ __all__ = [
     "sequence_dropout",
 ]
 
+# parallel.tensor.mode's values, defined here, the lowest layer that needs them (model and config import it):
+# "mtp" keeps activations replicated over TP between layers, "msp" shards them along the sequence (this module)
+TENSOR_MODES = ("mtp", "msp")
 SEQUENCE_DIM = -2  # activations are [..., seq, features]
 
 

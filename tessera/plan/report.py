@@ -20,6 +20,7 @@ from tessera.dist.layout import Layout
 from tessera.model import flops_per_token
 from tessera.model.activations import activation_bytes
 from tessera.model.args import ModelArgs
+from tessera.parallel.sequence import TENSOR_MODES
 from tessera.plan.tracker import ring_bytes
 from tessera.train.metrics import gpu_peak_tflops
 from tessera.train.memory_check import param_counts
@@ -130,7 +131,7 @@ def comm_closed_form(cfg: Config, lay: Layout, shape: StepShape, low_params: int
     out: dict[str, float] = {}
     checkpoint = shape.checkpoint if shape.checkpoint in (False, True, "selective") else None
     if t > 1 and checkpoint is not None:
-        mode = shape.mode if shape.mode in ("mtp", "msp") else "mtp"
+        mode = shape.mode if shape.mode in TENSOR_MODES else "mtp"
         units = a.num_layers * _TP_UNITS_PER_LAYER[(mode, checkpoint)] + _TP_UNITS_OUTSIDE[mode]
         out["TENSOR"] = shape.micro_num * units * ring_bytes("all_gather", T * a.hidden_size * e, t)
     low_w = e if resolve_precision(cfg.model.dtype).is_low_precision else 4
