@@ -320,7 +320,7 @@ def test_overflow_on_one_rank_skips_everywhere_with_hysteresis(dp2):
         assert torch.equal(a, b)
 
 
-# ---------------------------------------------------------------- DP traffic of one step (issue 19)
+# ---------------------------------------------------------------- DP traffic of one step
 def _traffic_worker(rank, world, zero):
     """Bytes each collective of one optimizer step moves, counted at the torch.distributed calls."""
     from benchmarks.dp import count_collective_bytes

@@ -1,4 +1,4 @@
-"""Precision-config matrix (issue 14): dtype x fp32 marks x tied embeddings x TP, on CPU with gloo.
+"""Precision-config matrix: dtype x fp32 marks x tied embeddings x TP, on CPU with gloo.
 
 Every cell goes through the real training path: ``build_model`` -> ``naive_amp_from_config`` ->
 ``build_optimizer`` -> ``Trainer.train_step`` with explicit TP/DP groups, then a checkpoint

@@ -1,4 +1,4 @@
-"""Issue 7, reliability: restarts, crash-safe checkpoints, non-finite losses, no hangs, no unpickling.
+"""Reliability: restarts, crash-safe checkpoints, non-finite losses, no hangs, no unpickling.
 
 The multi-process tests run ``tests/fault_train.py`` (train.py plus faults chosen by environment
 variables) under torchrun on CPU with gloo, TP=2, and compare against one uninterrupted reference run
