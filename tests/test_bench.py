@@ -12,6 +12,7 @@ import math
 import os
 import re
 
+import pytest
 import torch
 
 from benchmarks.report import SECTIONS
@@ -41,6 +42,7 @@ def _bench_main():
     return module.main
 
 
+@pytest.mark.slow
 def test_bench_tiny(tmp_path):
     out, js = tmp_path / "BENCH.md", tmp_path / "bench.json"
     assert _bench_main()(["--tiny", "--no-gpu", "--out", str(out), "--json", str(js)]) == 0

@@ -84,7 +84,8 @@ def group_runs():
     return get
 
 
-@pytest.mark.parametrize("world,tp", LAYOUTS, ids=[f"world{w}-tp{t}" for w, t in LAYOUTS])
+@pytest.mark.parametrize("world,tp", [pytest.param(w, t, marks=[pytest.mark.slow] if w == 8 else [])  # 8 processes
+                                      for w, t in LAYOUTS], ids=[f"world{w}-tp{t}" for w, t in LAYOUTS])
 def test_group_membership(group_runs, world, tp):
     results = group_runs(world)
     checked = 0
