@@ -1,4 +1,4 @@
-"""Attention backend choice per call (issue 14, points 5 and 6), checked on fake CUDA tensors.
+"""Attention backend chosen per call from the tensors it gets (flash_attn, SDPA, GQA expansion), on fake CUDA tensors.
 
 flash_attn is not installed here, so a stand-in module records what reaches it; the SDPA route is
 observed by wrapping ``tessera.parallel.lowp.scaled_dot_product_attention``. Numerics of the K/V

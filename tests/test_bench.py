@@ -10,6 +10,7 @@ import json
 import math
 import re
 
+import pytest
 import torch
 
 from benchmarks.cli import main as bench_main
@@ -30,6 +31,7 @@ def _numbers(obj):
             yield from _numbers(v)
 
 
+@pytest.mark.slow
 def test_bench_tiny(tmp_path):
     out, js = tmp_path / "BENCH.md", tmp_path / "bench.json"
     assert bench_main(["--tiny", "--no-gpu", "--out", str(out), "--json", str(js)]) == 0  # in this process

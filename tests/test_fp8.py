@@ -1,4 +1,4 @@
-"""fp8 linears (issue 17): forward and every gradient against a quantize-dequantize reference written
+"""fp8 linears: forward and every gradient against a quantize-dequantize reference written
 out here, and TP=2 against TP=1 for both recipes."""
 
 import pytest

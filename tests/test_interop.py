@@ -99,6 +99,7 @@ def run(tmp_path_factory):
 
 
 # ---------------------------------------------------------------------------------------- export
+@pytest.mark.slow
 def test_export_tp2_checkpoint_matches_transformers(run, tmp_path):
     transformers = pytest.importorskip("transformers")
     out = str(tmp_path / "hf")
@@ -258,6 +259,7 @@ def _flatten(tree, prefix=""):
     return out
 
 
+@pytest.mark.slow
 def test_convert_tp2dp2_to_tp1dp1_and_back_reproduces_next_step_loss(run, tmp_path):
     from safetensors.torch import load_file
 
@@ -298,6 +300,7 @@ def test_convert_tp2dp2_to_tp1dp1_and_back_reproduces_next_step_loss(run, tmp_pa
             assert sorted(flat_a) == sorted(flat_b) and all(torch.equal(flat_a[k], flat_b[k]) for k in flat_a), t
 
 
+@pytest.mark.slow
 def test_convert_keeps_rng_only_for_the_same_layout_and_consolidates(run, tmp_path):
     from safetensors import safe_open
     from safetensors.torch import load_file
@@ -320,6 +323,7 @@ def test_convert_keeps_rng_only_for_the_same_layout_and_consolidates(run, tmp_pa
 
 
 # ---------------------------------------------------------------------------------------- generation
+@pytest.mark.slow
 def test_kv_cache_decoding_matches_full_recompute(run):
     from tessera.checkpoint import load_for_inference
     from tessera.model.generation import generate_ids
@@ -343,6 +347,7 @@ def test_kv_cache_decoding_matches_full_recompute(run):
         assert max(got) < 257
 
 
+@pytest.mark.slow
 def test_generate_tool_is_reproducible_and_its_kv_cache_agrees(run):
     from tessera.model.generation import generate_ids
 

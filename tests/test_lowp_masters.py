@@ -1,4 +1,4 @@
-"""Low-precision masters and optimizer states (issue 17), against independent references: torch's own
+"""Low-precision masters and optimizer states, against independent references: torch's own
 AdamW in fp64 / fp32, exact bf16 neighbours, and the same run without a checkpoint."""
 
 import os

@@ -128,6 +128,7 @@ def _tp_worker(rank: int, world_size: int) -> None:
         assert torch.equal(p, q), name
 
 
+@pytest.mark.slow
 def test_tensor_parallel_model_matches_tp1():
     run_distributed(_tp_worker, 4)
 

@@ -52,7 +52,7 @@ def test_design_example_bf16():
     # independent reference: bf16 first layer, fp32 second layer, computed by hand
     h = (x.bfloat16() @ w1.bfloat16().t()).float()
     # the marked module's output is the model's output and output_to_fp32 asks for fp32: it comes back
-    # as computed, not rounded to bf16 and upcast (issue 14, point 7)
+    # as computed, not rounded to bf16 and upcast
     ref = h @ w2.t()
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
     out.sum().backward()
@@ -182,7 +182,7 @@ def test_sync_buffer_is_a_no_op_without_distributed():
     amp(torch.randint(0, 16, (1, 3)))  # no process group: must simply run
 
 
-# ---------------------------------------------------------------- the decoder's precision corners (issue 14)
+# ---------------------------------------------------------------- the decoder's precision corners
 from tessera.model import build_model  # noqa: E402
 from tessera.model.generation import generate_ids  # noqa: E402
 from tessera.model.kv_cache import KVCache, forward_with_cache, generate_ids_cached  # noqa: E402

@@ -207,6 +207,7 @@ def _tp_worker(rank, world, full, x, t, clip):
     return {"ok": ok, "norm": norm, "params": params, "tp_rank": tp_rank, "skipped": skipped}
 
 
+@pytest.mark.slow
 def test_global_grad_norm_tp2_dp2_counts_replicated_once():
     full = _tp_full()
     g = torch.Generator().manual_seed(5)
@@ -321,7 +322,7 @@ def test_overflow_on_one_rank_skips_everywhere_with_hysteresis(dp2):
         assert torch.equal(a, b)
 
 
-# ---------------------------------------------------------------- DP traffic of one step (issue 19)
+# ---------------------------------------------------------------- DP traffic of one step
 def _traffic_worker(rank, world, zero):
     """Bytes each collective of one optimizer step moves, counted at the c10d collectives (the plan's counter)."""
     from tessera.plan.tracker import CollectiveTraffic
@@ -345,6 +346,7 @@ def _ring_bytes(kind, nbytes, world):
     return {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1}[kind] * (world - 1) / world * nbytes
 
 
+@pytest.mark.slow
 def test_zero_over_the_dp_group_moves_what_one_ddp_all_reduce_moves():
     """DP=2: with ZeRO over the DP group the gradients are reduce-scattered into the shards, so a step
     sends (reduce-scatter + all-gather) bytes = one DDP all-reduce of the gradients, not 1.5x; without

@@ -49,8 +49,10 @@ CALIBRATION = [  # (world, overrides): TP 1 and 2, DP 2, ZeRO 1 and 2, checkpoin
     (2, ["parallel.zero1.size=2", "model.checkpoint=True", "model.dtype='torch.bfloat16'"]),
     (2, ["parallel.tensor.size=2", "model.checkpoint='selective'", "model.dtype='torch.bfloat16'",
          "parallel.tensor.mode='msp'"]),
-    (4, ["parallel.tensor.size=2", "parallel.zero1.size=2", "model.checkpoint=False", "model.dtype='torch.bfloat16'"]),
-    (4, ["parallel.tensor.size=2", "parallel.zero1.size=1", "model.checkpoint=True", "model.dtype='torch.float32'"]),
+    pytest.param(4, ["parallel.tensor.size=2", "parallel.zero1.size=2", "model.checkpoint=False",
+                     "model.dtype='torch.bfloat16'"], marks=pytest.mark.slow),
+    pytest.param(4, ["parallel.tensor.size=2", "parallel.zero1.size=1", "model.checkpoint=True",
+                     "model.dtype='torch.float32'"], marks=pytest.mark.slow),
 ]
 
 

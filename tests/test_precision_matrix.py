@@ -1,4 +1,4 @@
-"""Precision-config matrix (issue 14): dtype x fp32 marks x tied embeddings x TP, on CPU with gloo.
+"""Precision-config matrix: dtype x fp32 marks x tied embeddings x TP, on CPU with gloo.
 
 Every cell goes through the real training path: ``build_model`` -> ``naive_amp_from_config`` ->
 ``build_optimizer`` -> ``Trainer.train_step`` with explicit TP/DP groups, then a checkpoint
@@ -374,6 +374,7 @@ def _check_cell(dtype: str, marks: str, tied: bool, ranks: list[dict], fp32_rank
 
 
 @pytest.mark.parametrize("tp", TP_SIZES, ids=[f"tp{t}" for t in TP_SIZES])
+@pytest.mark.slow
 def test_precision_matrix(jobs, tp):
     ranks = jobs(tp)
     cells = [r["cells"] for r in ranks]
@@ -386,6 +387,7 @@ def test_precision_matrix(jobs, tp):
     assert not failures, f"{len(failures)} failed expectation(s):\n" + "\n".join(failures)
 
 
+@pytest.mark.slow
 def test_parallel_output_true_and_false_agree_at_tp2(jobs):
     """Vocab-sharded logits + parallel loss vs gathered logits + plain loss: the same losses, the same
     main gradients before every update, the same weights after STEPS optimizer steps (fp32)."""

@@ -112,7 +112,7 @@ def test_policy_table_lists_every_buffer_with_measured_equal_to_the_closed_form(
     for row in rows:
         assert row["zero1"]["measured"] == pytest.approx(row["zero1"]["closed_form"], rel=0.01, abs=1e-3), row
     kahan = {r["buffer"]: r for r in rows if r["policy"] == "bf16 masters + Kahan + bf16 moments"}
-    # bf16 weights 2 + fp32 grads 4 + masters shared 0 + Kahan 2 + bf16 moments 4 (issue 17's example at d=1)
+    # bf16 weights 2 + fp32 grads 4 + masters shared 0 + Kahan 2 + bf16 moments 4 (12 bytes per parameter at d=1)
     assert kahan["total"]["zero1"]["closed_form"] == pytest.approx(12)
     assert kahan["masters"]["dtype"] == "= weights (shared)" and kahan["compensation"]["dtype"] == "bfloat16"
 

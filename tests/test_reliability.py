@@ -1,4 +1,4 @@
-"""Issue 7, reliability: restarts, crash-safe checkpoints, non-finite losses, no hangs, no unpickling.
+"""Reliability: restarts, crash-safe checkpoints, non-finite losses, no hangs, no unpickling.
 
 The multi-process tests run ``tests/fault_train.py`` (train.py plus faults chosen by environment
 variables) under torchrun on CPU with gloo, TP=2, and compare against one uninterrupted reference run
@@ -166,6 +166,7 @@ def resumed_from(run: Run):
 
 
 # ------------------------------------------------------------------------------------------ restart
+@pytest.mark.slow
 def test_sigkill_rank1_then_torchrun_restart_resumes_bitwise(tmp_path, ref):
     seed = int(os.environ.get("TESSERA_RELIABILITY_SEED", "7005"))  # any seed must pass
     kill_step = random.Random(seed).randint(3, N - 1)
@@ -196,6 +197,7 @@ def test_sigkill_rank1_then_torchrun_restart_resumes_bitwise(tmp_path, ref):
 
 
 # ------------------------------------------------------------------------------------------ crash-safe saving
+@pytest.mark.slow
 def test_kill_during_save_resumes_from_previous_checkpoint(tmp_path, ref):
     """Two interrupted saves in a row, then a clean finish: (1) rank 1 is killed while writing its
     shards of step 4; (2) the next launch resumes from step 2 and rank 0 is killed with every file of
@@ -386,6 +388,7 @@ def test_keep_last_bounds_the_number_of_checkpoints(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ damaged checkpoints
+@pytest.mark.slow
 def test_flipped_bytes_in_a_shard_are_reported_and_the_run_falls_back(tmp_path, ref):
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
@@ -477,6 +480,7 @@ def test_all_checkpoints_damaged_is_an_error_not_a_silent_fresh_start(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ no unpickling
+@pytest.mark.slow
 def test_loading_never_unpickles(tmp_path, monkeypatch, ref):
     """Load a real TP=2 training checkpoint (resharded to TP=1) and a ZeRO optimizer state with every
     unpickling entry point patched to raise."""
@@ -630,6 +634,7 @@ def test_a_hung_rank_is_caught_by_the_collective_timeout(tmp_path, route):
 
 
 # ------------------------------------------------------------------------------------------ stop requests
+@pytest.mark.slow
 def test_sigterm_and_stop_file_save_and_exit_then_resume(tmp_path, ref):
     ckpt = str(tmp_path / "ckpt")
     every = ["ckpt.checkpoint_every=100"]  # only the stop requests (and the end) save

@@ -170,6 +170,7 @@ def test_msp_matches_mtp_tp2():
     run_distributed(_tp2_worker, 2)
 
 
+@pytest.mark.slow
 def test_msp_matches_mtp_tp4():
     run_distributed(_tp4_worker, 4)
 

@@ -1,4 +1,4 @@
-"""Optimizer checkpoints written one file per ZeRO rank (issue 19): what is written, what each rank
+"""Optimizer checkpoints written one file per ZeRO rank: what is written, what each rank
 reads back, bitwise resume into the same and other DP / ZeRO layouts, and the memory a save needs.
 
 References: the same run continued without a checkpoint (bitwise), and the gathered state dict of the

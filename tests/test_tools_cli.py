@@ -1,4 +1,4 @@
-"""Command-line validation of the scripts under tools/ (issue 14, point 9).
+"""Command-line validation of the scripts under tools/: a bad flag value is a clear error, not a traceback.
 
 Every numeric flag is range-checked by argparse (``tessera.cli_args``): an out-of-range value exits
 with status 2 and a message naming the flag and the value, before any checkpoint is read. Flags whose

@@ -39,6 +39,7 @@ def losses(log_dir):
     return {r["step"]: r["loss"] for r in records(log_dir)}
 
 
+@pytest.mark.slow
 def test_resume_gives_identical_losses_and_metrics_files(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     tp2 = ["parallel.tensor.size=2"]
@@ -83,6 +84,7 @@ def test_resume_gives_identical_losses_and_metrics_files(tmp_path):
 
 
 @pytest.mark.parametrize("before, after", [((2, 4), (1, 2)), ((1, 2), (2, 4))], ids=["tp2dp1-to-tp1dp2", "tp1dp2-to-tp2dp1"])
+@pytest.mark.slow
 def test_resume_on_another_layout(tmp_path, before, after):
     """Save at TP=2 x DP=1, resume at TP=1 x DP=2 (and the reverse): same global batch, same next loss."""
     (tp_a, bsz_a), (tp_b, bsz_b) = before, after
@@ -151,6 +153,7 @@ def test_bad_data_stops_every_rank_with_a_clear_message(tmp_path, case):
         assert any("200" in line for line in reports), reports
 
 
+@pytest.mark.slow
 def test_two_agents_nnodes_2(tmp_path):
     """Two torchrun agents (--nnodes=2) on this machine, 2 processes each, TP=2 x DP=2."""
     import subprocess
