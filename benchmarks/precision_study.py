@@ -1,4 +1,4 @@
-"""The precision study of issue 17: the demo trained under each optimizer / fp8 policy, same seed and data.
+"""The precision study: the demo trained under each optimizer / fp8 policy, same seed and data.
 
     python -m benchmarks precision-study [--config configs/demo.py] [--only NAME ...] [--out BENCHMARKS.md]
                                          [--workdir runs/precision_study] [--render] [key.sub=value ...]

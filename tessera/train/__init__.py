@@ -1,2 +1,2 @@
-"""Training: the precision wrapper, the optimizer built from the config (``tessera.optim`` holds the
-optimizer itself), LR schedule, the step, metrics."""
+"""Training: the precision wrapper, the one builder of the training stack (``builder``; the optimizer
+itself lives in ``tessera.optim``), the LR schedule, the step, metrics, stop requests, the memory check."""
