@@ -16,20 +16,29 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from tessera.checkpoint import (CheckpointError, Layout, Progress, RngStreams, TrainState, find_resumable_checkpoint,
-                                list_checkpoints, load_checkpoint, save_checkpoint)
+from tessera.checkpoint import (
+    CheckpointError,
+    Layout,
+    Progress,
+    RngStreams,
+    TrainState,
+    find_resumable_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    save_checkpoint,
+)
 from tessera.config import Config, ConfigError
-from tessera.dist import ParallelMode, gpc, launch_from_slurm, launch_from_torch
-from tessera.train.memory_check import check_memory
-from tessera.train.metrics import MetricsWriter, gpu_peak_tflops, measure_matmul_tflops, peak_memory_gib, setup_logging
-from tessera.train.builder import build_training_stack
-from tessera.optim.skips import TooManySkippedSteps
 from tessera.config.precision import resolve_precision
-from tessera.train.stop import StopRequest
 from tessera.data import build_data
 from tessera.data.errors import DataError
+from tessera.dist import ParallelMode, gpc, launch_from_slurm, launch_from_torch
 from tessera.model import flops_per_token
 from tessera.model.kv_cache import generate_ids_cached
+from tessera.optim.skips import TooManySkippedSteps
+from tessera.train.builder import build_training_stack
+from tessera.train.memory_check import check_memory
+from tessera.train.metrics import MetricsWriter, gpu_peak_tflops, measure_matmul_tflops, peak_memory_gib, setup_logging
+from tessera.train.stop import StopRequest
 
 logger = logging.getLogger("tessera")
 

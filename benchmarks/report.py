@@ -436,8 +436,9 @@ def to_markdown(res: dict[str, Any], command: str) -> str:
 
 def gpu_only_markdown(res: dict[str, Any], command: str) -> str:
     """``--only-gpu``: the command, date, machine and section 6 alone."""
-    from benchmarks.runner import machine_info
     import datetime
+
+    from benchmarks.runner import machine_info
 
     m = machine_info()
     lines = ["# tessera benchmarks: GPU section", "",

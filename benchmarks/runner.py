@@ -32,23 +32,24 @@ import platform
 import statistics
 import subprocess
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from tessera.config import Config, apply_overrides, load_python_file
-from tessera.train.metrics import gpu_peak_tflops, measure_matmul_tflops
-from tessera.train.builder import Groups, build_training_stack
 from tessera.config.precision import apply_precision, resolve_precision
-from tessera.train.precision_report import closed_form_bytes
-from tessera.train.step import Trainer
 from tessera.data import build_data
 from tessera.model import ModelArgs, build_model, flops_per_token
 from tessera.parallel import lowp
 from tessera.parallel.comm import use_fast_all_reduce
 from tessera.parallel.shm_comm import ShmAllReduce
+from tessera.train.builder import Groups, build_training_stack
+from tessera.train.metrics import gpu_peak_tflops, measure_matmul_tflops
+from tessera.train.precision_report import closed_form_bytes
+from tessera.train.step import Trainer
 
 __all__ = ["Mode", "MODES", "run_bench", "measure_gpu", "machine_info"]
 
@@ -90,7 +91,7 @@ class Mode:
     # measures the same model even if a file changes on disk during the run
     snapshot: dict[str, Any] | None = field(default=None, compare=False, hash=False, repr=False)
 
-    def frozen(self) -> "Mode":
+    def frozen(self) -> Mode:
         """This mode with its config files read now."""
         return replace(self, snapshot={p: load_python_file(_path(p)) for p in {self.config, self.gpu_config}})
 

@@ -24,7 +24,8 @@ import json
 import logging
 import os
 import shutil
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 

@@ -13,7 +13,7 @@ import logging
 import os
 import re
 import shutil
-from typing import Iterator
+from collections.abc import Iterator
 
 from tessera.checkpoint.errors import CheckpointError
 from tessera.checkpoint.meta import META_FILE

@@ -26,7 +26,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 

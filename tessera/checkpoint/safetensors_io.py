@@ -16,7 +16,8 @@ import json
 import math
 import os
 import struct
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -117,7 +118,7 @@ class SafetensorsReader:
             os.close(self._fd)
             self._fd = -1
 
-    def __enter__(self) -> "SafetensorsReader":
+    def __enter__(self) -> SafetensorsReader:
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -13,16 +13,16 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+from collections.abc import Callable, Mapping
 from dataclasses import asdict
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from tessera.checkpoint.errors import CheckpointError
 from tessera.checkpoint.folders import PARTIAL, clean_partial_checkpoints, list_checkpoints, step_folder
-from tessera.checkpoint.meta import (new_meta, read_meta, rng_name, shard_files, shard_name, verify_files,
-                                     write_meta)
+from tessera.checkpoint.meta import new_meta, read_meta, rng_name, shard_files, shard_name, verify_files, write_meta
 from tessera.checkpoint.optim_shards import OptimizerShards, optim_shard_files, optim_shard_name
 from tessera.checkpoint.reshard import model_param_dims, reshard_tree
 from tessera.checkpoint.state import TrainState

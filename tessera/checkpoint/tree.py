@@ -10,7 +10,8 @@ stored once; the file's ``aliases`` metadata maps the other paths to the stored 
 from __future__ import annotations
 
 import json
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 from safetensors import safe_open

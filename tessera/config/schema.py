@@ -8,8 +8,9 @@ Checks that involve several keys live in ``tessera.config.checks``.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -37,7 +38,7 @@ class Key:
 class Section:
     """A dict-valued key whose own keys are validated recursively."""
 
-    keys: dict[str, "Key | Section"]
+    keys: dict[str, Key | Section]
     doc: str = ""
     optional: bool = True  # may be absent from the file (then all defaults)
     extra: dict[str, Any] = field(default_factory=dict)

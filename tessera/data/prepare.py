@@ -13,8 +13,9 @@ import math
 import os
 import shutil
 import uuid
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any
 
 from tessera.data.errors import DataError
 from tessera.data.token_file import META_FILE, TokenFileWriter

@@ -22,7 +22,8 @@ import hashlib
 import json
 import os
 import shutil
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 

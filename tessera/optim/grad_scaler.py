@@ -6,7 +6,8 @@ log), and a float keeps ``state_dict()`` loadable with ``torch.load(weights_only
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from tessera.config import ConfigError
 from tessera.config.precision import Precision, resolve_precision

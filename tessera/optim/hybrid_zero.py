@@ -26,7 +26,8 @@ Every setting comes from the ``hybrid_zero_optimizer`` config section (``zero_cf
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist

@@ -7,7 +7,8 @@ of wrappers: checkpoints key the state by the model's own parameter names.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping, Union
+from collections.abc import Iterable, Mapping
+from typing import Any, Union
 
 import torch
 from torch import nn

@@ -94,7 +94,7 @@ def _check_can_communicate(x: torch.Tensor, group: Any) -> bool:
 # group -> an object with ``supports(x, op)`` and ``all_reduce(x, op)`` used instead of torch.distributed
 # (the shared-memory all-reduce of ``tessera.parallel.shm_comm`` for node-local CPU groups). Weak keys:
 # a destroyed group drops its route with it.
-_FAST_ALL_REDUCE: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+_FAST_ALL_REDUCE: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 
 def use_fast_all_reduce(group: Any, impl: Any | None) -> None:

@@ -9,8 +9,10 @@ launched) gets no TP, seed 1024 and the CPU.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager
+from typing import Any
 
 import torch
 
@@ -22,7 +24,7 @@ class LaunchDefaults:
     tp_group: Any = None
     seed: int | None = None
     device: torch.device | None = None
-    tensor_rng: Callable[[], ContextManager[Any]] | None = None
+    tensor_rng: Callable[[], AbstractContextManager[Any]] | None = None
     tensor_mode: str | None = None  # parallel.tensor.mode: "mtp" or "msp" (sequence parallelism)
 
 

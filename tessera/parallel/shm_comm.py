@@ -87,7 +87,7 @@ class ShmAllReduce:
 
     @classmethod
     def create(cls, group: Any, *, slot_bytes: int = 1 << 20,
-               timeout_s: float = 1800.0) -> tuple["ShmAllReduce | None", str | None]:
+               timeout_s: float = 1800.0) -> tuple[ShmAllReduce | None, str | None]:
         """Collective over ``group``: ``(instance, None)``, or ``(None, why)`` on every rank alike.
 
         Rank 0 of the group creates the segment, the others map it, all agree that everyone

@@ -12,8 +12,6 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import torch
-
 from tessera.config import Config
 from tessera.config.precision import resolve_precision
 from tessera.dist.layout import Layout
@@ -21,8 +19,8 @@ from tessera.model import flops_per_token
 from tessera.model.activations import activation_bytes
 from tessera.model.args import ModelArgs
 from tessera.plan.tracker import ring_bytes
-from tessera.train.metrics import gpu_peak_tflops
 from tessera.train.memory_check import param_counts
+from tessera.train.metrics import gpu_peak_tflops
 from tessera.train.precision_report import closed_form_bytes
 
 __all__ = ["GPUS", "StepShape", "Plan", "closed_form_plan", "step_flops_per_rank", "gpu_spec", "gpu_for_device_name"]

@@ -11,7 +11,8 @@ import logging
 import os
 import resource
 import time
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -143,7 +144,7 @@ class MetricsWriter:
         if not self.enabled:
             return
         self._write("valid", step, values)
-        self._print("valid step {} | ".format(step) + " ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
+        self._print(f"valid step {step} | " + " ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
                                                             for k, v in values.items()))
 
     def log_event(self, message: str, **values: Any) -> None:

@@ -12,15 +12,16 @@ from __future__ import annotations
 
 import fnmatch
 import logging
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from tessera.config import ConfigError
-from tessera.dist.context import ParallelMode, gpc
 from tessera.config.precision import Precision, resolve_precision
+from tessera.dist.context import ParallelMode, gpc
 from tessera.parallel.fp8 import RECIPES
 from tessera.parallel.layers import ColumnParallelLinear, RowParallelLinear
 
