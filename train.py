@@ -190,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
         }, line=step % cfg.metrics.log_every == 0 or step == cfg.data.total_steps)
         if cfg.data.valid_every and step % cfg.data.valid_every == 0 and step < cfg.data.total_steps:
             validate(step)
-        if saving and cfg.ckpt.checkpoint_every and step % cfg.ckpt.checkpoint_every == 0 and step < cfg.data.total_steps:
+        if (saving and cfg.ckpt.checkpoint_every and step % cfg.ckpt.checkpoint_every == 0
+                and step < cfg.data.total_steps):
             save()
         requested, reason = stop.should_stop()
         if requested:
@@ -208,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.generate.max_new_tokens and data.tokenizer is not None:
             ids = generate_ids_cached(stack.inner_model, data.tokenizer.encode(cfg.generate.prompt),
                                       cfg.generate.max_new_tokens, temperature=cfg.generate.temperature,
-                                      top_k=cfg.generate.top_k, top_p=cfg.generate.top_p, tp_group=gpc.get_group(ParallelMode.TENSOR),
+                                      top_k=cfg.generate.top_k, top_p=cfg.generate.top_p,
+                                      tp_group=gpc.get_group(ParallelMode.TENSOR),
                                       device=device, seed=seed, max_seq_len=cfg.model.max_position_embeddings,
                                       vocab_size=data.tokenizer.vocab_size)
             sample = data.tokenizer.decode(ids)

@@ -494,7 +494,8 @@ def _parallel_worker(rank: int, world: int, mode: Mode) -> dict[str, Any]:
     t_start = time.perf_counter()
     r = 0
     def more() -> bool:
-        return r < mode.par_max_rounds and (r < mode.par_min_rounds or time.perf_counter() - t_start < mode.par_budget_s)
+        return r < mode.par_max_rounds and (r < mode.par_min_rounds
+                                            or time.perf_counter() - t_start < mode.par_budget_s)
 
     while _agree(more()):
         k = r % len(names)
@@ -583,8 +584,8 @@ def _measure_gpu(mode: Mode, device: torch.device | str, log: Callable[[str], No
     x = torch.cat([b["input_ids"] for b in batches]).to(device)
     y = torch.cat([b["labels"] for b in batches]).to(device)
 
-    def plain_step() -> float:
-        loss = plain(x, y)
+    def plain_step(step: PlainStep = plain) -> float:  # bound now: `plain` is deleted below to free it
+        loss = step(x, y)
         sync()
         return loss
 
@@ -593,7 +594,7 @@ def _measure_gpu(mode: Mode, device: torch.device | str, log: Callable[[str], No
     log(f"GPU A: tessera bf16 vs plain bf16 autocast, {tokens} tokens per step")
     timed = _interleave(variants, mode.gpu_steps, mode.gpu_steps, 0.0, log)
     peak_mem_a = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None
-    del variants, plain, plain_model
+    del variants, plain_step, plain, plain_model
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)

@@ -85,7 +85,7 @@ def _reshard_file_set(src: CheckpointSource, kind: str, tp: int, out: str) -> di
                                       f"which does not split over tensor-parallel size {tp}")
             shape[dim] = full // tp
         plan.append((key, dim, tuple(shape), info["dtype"]))
-    for key, dim, shape, _ in plan:  # the new shards must fit the model the config describes at the new TP
+    for key, _, shape, _ in plan:  # the new shards must fit the model the config describes at the new TP
         for part in key.split("/"):
             want = new_layout.shapes.get(part)
             if want is not None and len(shape) == len(want) and shape != want:

@@ -406,7 +406,8 @@ def import_hf(hf_dir: str, dst: str, *, tp: int, dtype: str | torch.dtype | None
                     files[name] = file_entry(os.path.join(out, name))
             extra["tokenizer"] = _tokenizer_record(os.path.join(out, "tokenizer.json"), hf)
         meta = new_meta(step=step, layout={"tp_size": tp, "dp_size": 1, "zero1_size": 1}, has_optimizer=False,
-                        trainer_state={"progress": {"step": step, "consumed_tokens": 0}}, config=config, files=files, **extra)
+                        trainer_state={"progress": {"step": step, "consumed_tokens": 0}}, config=config, files=files,
+                        **extra)
         write_meta(out, meta)
     return final
 

@@ -119,7 +119,7 @@ class CheckpointSource:
             raise CheckpointError(str(e).strip('"')) from None
 
     def _check_model_files(self) -> None:
-        for r, name in enumerate(self.model_files):
+        for name in self.model_files:
             tensors, _ = self.header(name)
             aliases = self.aliases(name)
             for key in self.layout.state_keys:

@@ -96,7 +96,7 @@ def load_python_file(path: str | os.PathLike) -> dict[str, Any]:
     except SyntaxError as e:
         raise ConfigError(f"syntax error in config file {path}, line {e.lineno}: {e.msg}\n"
                           f"  {(e.text or '').rstrip()}") from None
-    except Exception as e:  # noqa: BLE001 - any error while running user code is a config error
+    except Exception as e:  # any error while running user code is a config error
         raise ConfigError(f"error while running config file {path}: {type(e).__name__}: {e}") from e
     out: dict[str, Any] = {}
     for name, value in vars(module).items():

@@ -200,7 +200,8 @@ SCHEMA = Section(
                 "micro_num": Key(INT, 1, _positive, doc="micro-batches accumulated per optimizer step"),
                 "total_steps": Key(INT, 1000, _positive),
                 "type": Key(STR, "tokens", _one_of("tokens", "synthetic", "stdlib"),
-                            doc="tokens: prepared token folders; synthetic: random tokens; stdlib: Python's own source"),
+                            doc="tokens: prepared token folders; synthetic: random tokens; "
+                                "stdlib: Python's own source"),
                 "train_folder": Key(STR, None, nullable=True),
                 "valid_folder": Key(STR, None, nullable=True),
                 "cache_folder": Key(STR, "data_cache", doc="where type='stdlib' prepares its token files"),
@@ -283,7 +284,8 @@ SCHEMA = Section(
         ),
         "metrics": Section(
             {
-                "log_every": Key(INT, 1, _positive, doc="print a line every N steps (metrics.jsonl and TensorBoard get every step)"),
+                "log_every": Key(INT, 1, _positive,
+                                 doc="print a line every N steps (metrics.jsonl and TensorBoard get every step)"),
                 "tensorboard": Key(BOOL, True),
                 "progress_bar": Key(BOOL, True),
                 "peak_tflops": Key(FLOAT, None, _positive, nullable=True,

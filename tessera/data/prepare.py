@@ -180,7 +180,7 @@ def _publish(tmp: str, output: str, exist_ok: bool, overwrite: bool) -> None:
     """Commit the finished temporary folder as ``output`` (an old one is replaced only with ``overwrite``)."""
     try:
         commit_folder(tmp, output, replace=overwrite)
-    except OSError:
+    except OSError as e:
         if exist_ok and os.path.isfile(os.path.join(output, "train", META_FILE)):
             return  # a concurrent preparer finished first; theirs is equivalent
-        raise DataError(f"cannot move prepared data into {output}: it exists and is not a complete token folder")
+        raise DataError(f"cannot move prepared data into {output}: it exists and is not a complete token folder") from e

@@ -126,7 +126,7 @@ class HFTokenizer:
             raise DataError(f"tokenizer file not found: {self.path}")
         try:
             self._tok = tokenizers.Tokenizer.from_file(self.path)
-        except Exception as e:  # noqa: BLE001 - the library raises its own exception types
+        except Exception as e:  # the library raises its own exception types
             raise DataError(f"cannot read tokenizer file {self.path}: {e}") from e
         self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
         self.eod_token = eod_token or self._find_eod()

@@ -47,7 +47,7 @@ class ConstantGradScaler(BaseGradScaler):
     def __init__(self, scale: float = 1.0) -> None:
         super().__init__(scale)
 
-    def update(self, found_inf: bool) -> None:  # noqa: ARG002 - the scale never changes
+    def update(self, found_inf: bool) -> None:  # found_inf unused: the scale never changes
         return None
 
 

@@ -218,7 +218,7 @@ class HybridZeroOptimizer(torch.optim.Optimizer):
         finally:
             self._grads.disarm()
 
-    def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: ARG002 - main grads are always zeroed
+    def zero_grad(self, set_to_none: bool = True) -> None:  # set_to_none unused: main grads are always zeroed
         self._grads.zero()  # also waits for reductions a backward launched that no step() consumed
         for p in self._params:
             p.grad = None

@@ -8,7 +8,7 @@ of wrappers: checkpoints key the state by the model's own parameter names.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any, Union
+from typing import Any
 
 import torch
 from torch import nn
@@ -18,7 +18,7 @@ __all__ = ["LOW_PRECISION", "ParamNames", "build_param_groups", "trainable_param
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 # a module (its named_parameters()), {Parameter: name} / {name: Parameter}, or (name, Parameter) pairs
-ParamNames = Union[nn.Module, Mapping[Any, Any], Iterable[tuple[str, torch.Tensor]], None]
+ParamNames = nn.Module | Mapping[Any, Any] | Iterable[tuple[str, torch.Tensor]] | None
 
 
 def trainable_params(optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
@@ -83,7 +83,7 @@ def build_param_groups(
     decay: list[nn.Parameter] = []
     no_decay: list[nn.Parameter] = []
     seen: set[int] = set()
-    for mod_name, module in model.named_modules():
+    for _, module in model.named_modules():
         is_norm = "norm" in type(module).__name__.lower()
         for name, p in module.named_parameters(recurse=False):
             if id(p) in seen or not p.requires_grad:

@@ -168,7 +168,8 @@ def trace_iteration(cfg: Config, seed: int, save_dir: str | None = None) -> Step
                 find_resumable_checkpoint(save_dir, Layout.from_gpc(), load=lambda path: path)
     return StepTrace(persistent=persistent, persistent_total=after, built=built, step_peak=step_peak,
                      backward_peak=phases["backward"], optimizer_peak=phases["optimizer"],
-                     save_peak=save_peak, comm=traffic.sent, comm_buffer=traffic.largest_buffer, tokens=result.tokens // max(1, gpc.data_parallel_size),
+                     save_peak=save_peak, comm=traffic.sent, comm_buffer=traffic.largest_buffer,
+                     tokens=result.tokens // max(1, gpc.data_parallel_size),
                      num_params=sum(p.numel() for p in optimizer.params))
 
 

@@ -221,7 +221,8 @@ class Plan:
                  f"parameters on rank {lay.global_rank}",
                  "", f"{'memory per rank (GiB)':<44}{'traced':>9}{'closed form':>13}"]
         rows = [("weights", "weights"), ("main grads", "main_grads"), ("master weights", "masters"),
-                ("master compensation (Kahan)", "compensation"), ("optimizer states (Adam moments)", "optimizer_states"),
+                ("master compensation (Kahan)", "compensation"),
+                ("optimizer states (Adam moments)", "optimizer_states"),
                 ("= persistent state", "persistent"),
                 ("activations + backward working set (peak)", "backward_extra"),
                 ("  of which the loss's fp32 softmax", "loss"),
@@ -244,8 +245,9 @@ class Plan:
                 lines.append(f"step time: compute {self.step_time:.2f} s at {self.peak_tflops:.0f} TFLOP/s datasheet "
                              f"peak x MFU {self.mfu:.0%}, + TP collectives {self.tp_comm_time:.2f} s "
                              f"({link(self.layout.tp_size > GPUS_PER_NODE)} GB/s, not overlapped) + ZeRO weight "
-                             f"all-gather {self.zero_gather_time:.2f} s ({link(self.layout.world_size > GPUS_PER_NODE)} "
-                             f"GB/s) = {self.predicted_step_time:.2f} s, {self.tokens_per_gpu_per_s:,.0f} tokens/s per GPU")
+                             f"all-gather {self.zero_gather_time:.2f} s "
+                             f"({link(self.layout.world_size > GPUS_PER_NODE)} GB/s) = "
+                             f"{self.predicted_step_time:.2f} s, {self.tokens_per_gpu_per_s:,.0f} tokens/s per GPU")
         lines.append("planned, not measured: traced = live tensor bytes of one dry-run iteration on meta tensors")
         return "\n".join(lines)
 
@@ -256,8 +258,8 @@ def closed_form_plan(cfg: Config, lay: Layout, shape: StepShape, counts: tuple[i
     ``counts``: the parameter counts when known (they depend on the model and the TP size only)."""
     low, fp32 = counts or _param_counts(cfg, lay.tp_size)
     n = low + fp32
-    per = closed_form_bytes(cfg.model.dtype, lay.zero1_size, low, fp32, cfg.hybrid_zero_optimizer.get("reduce_dtype", "fp32"),
-                            _policy(cfg))
+    per = closed_form_bytes(cfg.model.dtype, lay.zero1_size, low, fp32,
+                            cfg.hybrid_zero_optimizer.get("reduce_dtype", "fp32"), _policy(cfg))
     mem = {role: per[role] * n for role in ROLES}
     mem["persistent"] = per["total"] * n
     tp = lay.tp_size

@@ -199,7 +199,7 @@ class NaiveAMPModel(nn.Module):
             fp32_ids.update(id(m) for m in root.modules())
         for module in model.modules():
             target = torch.float32 if id(module) in fp32_ids else self.dtype
-            for name, p in module.named_parameters(recurse=False):
+            for _, p in module.named_parameters(recurse=False):
                 if p.is_floating_point() and p.dtype != target:
                     p.data = p.data.to(target)
             for name, b in module.named_buffers(recurse=False):

@@ -57,7 +57,8 @@ class Trainer:
         self.label_smoothing = label_smoothing
         self.dp_size = dp_size
 
-    def _loss(self, batch: Mapping[str, Any], reduction: str = "mean", label_smoothing: float | None = None) -> torch.Tensor:
+    def _loss(self, batch: Mapping[str, Any], reduction: str = "mean",
+              label_smoothing: float | None = None) -> torch.Tensor:
         logits = self.model(batch["input_ids"], cu_seqlens=batch.get("cu_seqlens"),
                             position_ids=batch.get("position_ids"))
         return vocab_parallel_cross_entropy(
