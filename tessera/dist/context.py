@@ -19,8 +19,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import random
+from collections.abc import Iterator, Mapping
 from datetime import timedelta
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -168,7 +169,8 @@ class ParallelContext:
         py = states["python"]
         random.setstate((py["version"], tuple(int(x) for x in py["state"].tolist()), py["gauss"]))
         n = states["numpy"]
-        np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"]))
+        np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+                             n["cached_gaussian"]))
         self._rng_states = {ParallelMode(k): v for k, v in states["torch"].items()}
         self._current_rng_mode = ParallelMode(states["current_mode"])
         _set_torch_rng(self._rng_states[self._current_rng_mode])
