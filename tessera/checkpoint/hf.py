@@ -287,8 +287,8 @@ def _hf_weight_files(hf_dir: str) -> dict[str, str]:
                 "model.save_pretrained(..., safe_serialization=True))") if bins else ""
         raise CheckpointError(f"{hf_dir} holds no .safetensors weights{hint}")
     out: dict[str, str] = {}
-    for f in files:
-        path = os.path.join(hf_dir, f)
+    for file in files:
+        path = os.path.join(hf_dir, file)
         for name in read_header(path)[0]:
             out[name] = path
     return out
@@ -352,9 +352,9 @@ def import_hf(hf_dir: str, dst: str, *, tp: int, dtype: str | torch.dtype | None
         raise CheckpointError(f"{hf_dir}: missing weights {missing[:5]}")
 
     def full_shape(name: str) -> tuple[int, ...]:
-        shape = list(layout.shapes[name])
-        if layout.dims[name] is not None:
-            shape[layout.dims[name]] *= tp
+        shape, dim = list(layout.shapes[name]), layout.dims[name]
+        if dim is not None:
+            shape[dim] *= tp
         return tuple(shape)
 
     plan = []  # (tessera name, hf name, file, stored dtype)

@@ -17,6 +17,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from tessera.data.errors import DataError
 from tessera.data.token_file import META_FILE, TokenFileWriter
 from tessera.data.tokenizer import ByteTokenizer, HFTokenizer
@@ -37,7 +39,7 @@ class Document:
 def list_input_files(paths: Sequence[str | os.PathLike], patterns: Sequence[str] = DEFAULT_PATTERNS) -> list[str]:
     """Files named directly, plus files under folders (recursively) matching any pattern; sorted per input."""
     out: list[str] = []
-    for p in map(os.fspath, paths):
+    for p in (os.fspath(path) for path in paths):  # not map(): mypy cannot pick fspath's overload
         if os.path.isfile(p):
             out.append(p)
         elif os.path.isdir(p):
@@ -146,6 +148,7 @@ def _write_splits(documents: Iterable[Document], folder: str, tokenizer: ByteTok
     batch: list[tuple[str, Document]] = []
 
     def flush() -> None:
+        ids: Sequence[Sequence[int] | np.ndarray]
         if isinstance(tokenizer, HFTokenizer):
             ids = tokenizer.encode_batch([d.text for _, d in batch])
         else:

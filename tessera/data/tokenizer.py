@@ -225,7 +225,7 @@ def tokenizer_for_checkpoint(path: str, meta: Mapping[str, Any], override: str |
     if kind == "tokens":
         folder = data.get("train_folder")
         try:
-            shard = find_shards(folder)[0]
+            shard = find_shards(folder)[0]  # type: ignore[arg-type]  # None: the TypeError is reported below
             with open(os.path.join(shard, "meta.json"), encoding="utf-8") as f:
                 return load_tokenizer(json.load(f), shard), f"data.train_folder={folder}"
         except (DataError, OSError, ValueError, TypeError) as e:

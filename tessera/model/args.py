@@ -28,7 +28,8 @@ class ModelArgs:
     hidden_size: int
     num_attention_heads: int
     vocab_size: int
-    num_kv_attention_heads: int | None = None
+    # None (the default): num_attention_heads, filled in by __post_init__, so readers always see an int
+    num_kv_attention_heads: int = None  # type: ignore[assignment]
     mlp_ratio: float = 8 / 3
     multiple_of: int = 256
     layer_norm_epsilon: float = 1e-5

@@ -173,7 +173,7 @@ class HybridZeroOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ torch.optim.Optimizer surface
     @property
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+    def param_groups(self) -> list[dict[str, Any]]:
         """The inner optimizer's groups (setting ``group["lr"]`` here is what the inner step uses)."""
         return self._optim.param_groups
 
@@ -230,7 +230,8 @@ class HybridZeroOptimizer(torch.optim.Optimizer):
         return self._grads.main_grad(param)
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> tuple[bool, float]:
+    # returns (success, grad_norm) where torch's Optimizer.step returns the closure's loss
+    def step(self, closure: Callable[[], Any] | None = None) -> tuple[bool, float]:  # type: ignore[override]
         """One update from the accumulated gradients; returns ``(success, grad_norm)``.
 
         ``grad_norm`` is the global L2 norm of the unscaled, DP-averaged gradients before clipping

@@ -46,6 +46,7 @@ def param_name_map(param_names: ParamNames, params: list[nn.Parameter]) -> dict[
     would add its prefix to every name)."""
     if param_names is None:
         return {id(p): f"param_{i}" for i, p in enumerate(params)}
+    pairs: list[tuple[Any, Any]]  # checked below
     if isinstance(param_names, nn.Module):
         pairs = list(param_names.named_parameters())
     elif isinstance(param_names, Mapping):

@@ -154,7 +154,7 @@ class ColumnParallelLinear(nn.Module):
         self.gather_output = gather_output
         self.init_std = init_std
         self.fp8_recipe: str | None = None  # set by the training setup (model.fp8): the GEMMs run in fp8
-        factory = {"device": device, "dtype": dtype}
+        factory: dict[str, Any] = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty(self.out_features_per_rank, in_features, **factory))
         set_tensor_parallel_attrs(self.weight, 0)
         if bias:
@@ -239,7 +239,7 @@ class RowParallelLinear(nn.Module):
         self.input_is_parallel = input_is_parallel
         self.init_std = init_std
         self.fp8_recipe: str | None = None  # set by the training setup (model.fp8): the GEMM runs in fp8
-        factory = {"device": device, "dtype": dtype}
+        factory: dict[str, Any] = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty(out_features, self.in_features_per_rank, **factory))
         set_tensor_parallel_attrs(self.weight, 1)
         if bias:

@@ -117,6 +117,7 @@ class MetricsWriter:
 
     def _write(self, kind: str, step: int, values: Mapping[str, Any]) -> None:
         record = {"kind": kind, "step": step, "time": time.time(), **values}
+        assert self._jsonl is not None  # opened in __init__ when enabled; callers return early otherwise
         self._jsonl.write(json.dumps(record) + "\n")
         if self._tb is not None:
             prefix = "" if kind == "train" else f"{kind}/"
@@ -151,6 +152,7 @@ class MetricsWriter:
         """A one-off event (resume, checkpoint, skip) in the log and in metrics.jsonl."""
         if not self.enabled:
             return
+        assert self._jsonl is not None  # opened in __init__ when enabled
         self._jsonl.write(json.dumps({"kind": "event", "time": time.time(), "message": message, **values}) + "\n")
         self._print(message)
 

@@ -194,7 +194,7 @@ class NaiveAMPModel(nn.Module):
 
     # ------------------------------------------------------------------ casting
     def _convert(self, model: nn.Module) -> None:
-        fp32_ids = set()
+        fp32_ids: set[int] = set()
         for _, root in _fp32_roots(model):
             fp32_ids.update(id(m) for m in root.modules())
         for module in model.modules():
