@@ -16,20 +16,29 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from tessera.checkpoint import (CheckpointError, Layout, Progress, RngStreams, TrainState, find_resumable_checkpoint,
-                                list_checkpoints, load_checkpoint, save_checkpoint)
+from tessera.checkpoint import (
+    CheckpointError,
+    Layout,
+    Progress,
+    RngStreams,
+    TrainState,
+    find_resumable_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    save_checkpoint,
+)
 from tessera.config import Config, ConfigError
-from tessera.dist import ParallelMode, gpc, launch_from_slurm, launch_from_torch
-from tessera.train.memory_check import check_memory
-from tessera.train.metrics import MetricsWriter, gpu_peak_tflops, measure_matmul_tflops, peak_memory_gib, setup_logging
-from tessera.train.builder import build_training_stack
-from tessera.optim.skips import TooManySkippedSteps
 from tessera.config.precision import resolve_precision
-from tessera.train.stop import StopRequest
 from tessera.data import build_data
 from tessera.data.errors import DataError
+from tessera.dist import ParallelMode, gpc, launch_from_slurm, launch_from_torch
 from tessera.model import flops_per_token
 from tessera.model.kv_cache import generate_ids_cached
+from tessera.optim.skips import TooManySkippedSteps
+from tessera.train.builder import build_training_stack
+from tessera.train.memory_check import check_memory
+from tessera.train.metrics import MetricsWriter, gpu_peak_tflops, measure_matmul_tflops, peak_memory_gib, setup_logging
+from tessera.train.stop import StopRequest
 
 logger = logging.getLogger("tessera")
 
@@ -181,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
         }, line=step % cfg.metrics.log_every == 0 or step == cfg.data.total_steps)
         if cfg.data.valid_every and step % cfg.data.valid_every == 0 and step < cfg.data.total_steps:
             validate(step)
-        if saving and cfg.ckpt.checkpoint_every and step % cfg.ckpt.checkpoint_every == 0 and step < cfg.data.total_steps:
+        if (saving and cfg.ckpt.checkpoint_every and step % cfg.ckpt.checkpoint_every == 0
+                and step < cfg.data.total_steps):
             save()
         requested, reason = stop.should_stop()
         if requested:
@@ -199,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.generate.max_new_tokens and data.tokenizer is not None:
             ids = generate_ids_cached(stack.inner_model, data.tokenizer.encode(cfg.generate.prompt),
                                       cfg.generate.max_new_tokens, temperature=cfg.generate.temperature,
-                                      top_k=cfg.generate.top_k, top_p=cfg.generate.top_p, tp_group=gpc.get_group(ParallelMode.TENSOR),
+                                      top_k=cfg.generate.top_k, top_p=cfg.generate.top_p,
+                                      tp_group=gpc.get_group(ParallelMode.TENSOR),
                                       device=device, seed=seed, max_seq_len=cfg.model.max_position_embeddings,
                                       vocab_size=data.tokenizer.vocab_size)
             sample = data.tokenizer.decode(ids)

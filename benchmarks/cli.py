@@ -76,7 +76,8 @@ def keep_sections(path: str, text: str) -> str:
     return text.rstrip("\n") + "".join("\n\n" + block for block in old.values()) + "\n"
 
 
-# ``python -m benchmarks <name> ...``: measurements with command lines of their own -> their module (a ``main(argv, prog)``)
+# ``python -m benchmarks <name> ...``: measurements with command lines of their own -> their module
+# (a ``main(argv, prog)``)
 SUBCOMMANDS = {
     "precision-study": ("benchmarks.precision_study", "section 8: the demo trained under each precision policy"),
     "activations": ("benchmarks.activations", "section 9's table: activation peak and step time per TP rank"),

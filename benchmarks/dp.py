@@ -82,7 +82,8 @@ def measure_dp(mode: Mode, buckets: int = 8) -> dict[str, Any]:
         dp = sent.get("reduce_scatter", 0.0) + sent.get("all_gather", 0.0) + sent.get("all_reduce", 0.0)
         closed = (ring_bytes("reduce_scatter", grads, world) + ring_bytes("all_gather", params, world)
                   if key != "zero1" else ring_bytes("all_reduce", grads, world))
-        traffic[key] = {"sent": sent, "total": dp, "closed_form": closed, "ddp_all_reduce": ring_bytes("all_reduce", grads, world),
+        traffic[key] = {"sent": sent, "total": dp, "closed_form": closed,
+                        "ddp_all_reduce": ring_bytes("all_reduce", grads, world),
                         "grad_bytes": grads, "param_bytes": params, "buckets": row["buckets"]}
     return {"world": world, "params": res[0]["params"], "bucket_size": res[0]["bucket_size"], "traffic": traffic,
             "median_s": {n: statistics.median(v) for n, v in job.items()},
@@ -121,7 +122,8 @@ def dp_markdown(res: dict[str, Any], command: str, machine: str) -> list[str]:
         "The all-reduce column is the agreements (token count, overflow flag, norm, loss): a few bytes.",
         "",
         f"DP={w} step time, ZeRO over DP, {res['rounds']} paired rounds: reduction after backward "
-        f"{res['median_s']['after'] * 1e3:.1f} ms, overlapped with the last backward {res['median_s']['overlap'] * 1e3:.1f} ms "
+        f"{res['median_s']['after'] * 1e3:.1f} ms, overlapped with the last backward "
+        f"{res['median_s']['overlap'] * 1e3:.1f} ms "
         f"(median); throughput ratio overlap / after = **{res['overlap_speedup']['median']:.3f}** "
         f"(paired per round, min {res['overlap_speedup']['min']:.3f}, max {res['overlap_speedup']['max']:.3f}). "
         f"Losses identical both ways: {res['same_losses']}.",

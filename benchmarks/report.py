@@ -200,7 +200,8 @@ def section_precision(res: dict[str, Any]) -> list[str]:
         f"**{'holds' if holds else 'does not hold on this machine'}**. "
         + ("" if holds else "Why: this CPU has no bf16/fp16 matrix instructions (no avx512_bf16, avx512_fp16 "
            "or AMX; see the flags above). A bf16 GEMM can only be computed as an fp32 GEMM on upcast operands "
-           "(what tessera does here: same FLOPs at the fp32 rate, plus the conversions) or with torch's reference bf16 kernels, "
+           "(what tessera does here: same FLOPs at the fp32 rate, plus the conversions) or with torch's reference "
+           "bf16 kernels, "
            "which are far slower. Low precision saves memory and bandwidth, but these matmuls are compute-bound, "
            "and elementwise bf16 ops convert to fp32 internally. tf32 is a CUDA compute mode; on the CPU it is "
            "IEEE fp32, so tf32 = fp32 here by construction. The 1.8x+ is a tensor-core property: see section 6."
@@ -436,8 +437,9 @@ def to_markdown(res: dict[str, Any], command: str) -> str:
 
 def gpu_only_markdown(res: dict[str, Any], command: str) -> str:
     """``--only-gpu``: the command, date, machine and section 6 alone."""
-    from benchmarks.runner import machine_info
     import datetime
+
+    from benchmarks.runner import machine_info
 
     m = machine_info()
     lines = ["# tessera benchmarks: GPU section", "",

@@ -32,23 +32,24 @@ import platform
 import statistics
 import subprocess
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from tessera.config import Config, apply_overrides, load_python_file
-from tessera.train.metrics import gpu_peak_tflops, measure_matmul_tflops
-from tessera.train.builder import Groups, build_training_stack
 from tessera.config.precision import apply_precision, resolve_precision
-from tessera.train.precision_report import closed_form_bytes
-from tessera.train.step import Trainer
 from tessera.data import build_data
 from tessera.model import ModelArgs, build_model, flops_per_token
 from tessera.parallel import lowp
 from tessera.parallel.comm import use_fast_all_reduce
 from tessera.parallel.shm_comm import ShmAllReduce
+from tessera.train.builder import Groups, build_training_stack
+from tessera.train.metrics import gpu_peak_tflops, measure_matmul_tflops
+from tessera.train.precision_report import closed_form_bytes
+from tessera.train.step import Trainer
 
 __all__ = ["Mode", "MODES", "run_bench", "measure_gpu", "machine_info"]
 
@@ -90,7 +91,7 @@ class Mode:
     # measures the same model even if a file changes on disk during the run
     snapshot: dict[str, Any] | None = field(default=None, compare=False, hash=False, repr=False)
 
-    def frozen(self) -> "Mode":
+    def frozen(self) -> Mode:
         """This mode with its config files read now."""
         return replace(self, snapshot={p: load_python_file(_path(p)) for p in {self.config, self.gpu_config}})
 
@@ -493,7 +494,8 @@ def _parallel_worker(rank: int, world: int, mode: Mode) -> dict[str, Any]:
     t_start = time.perf_counter()
     r = 0
     def more() -> bool:
-        return r < mode.par_max_rounds and (r < mode.par_min_rounds or time.perf_counter() - t_start < mode.par_budget_s)
+        return r < mode.par_max_rounds and (r < mode.par_min_rounds
+                                            or time.perf_counter() - t_start < mode.par_budget_s)
 
     while _agree(more()):
         k = r % len(names)
@@ -582,8 +584,8 @@ def _measure_gpu(mode: Mode, device: torch.device | str, log: Callable[[str], No
     x = torch.cat([b["input_ids"] for b in batches]).to(device)
     y = torch.cat([b["labels"] for b in batches]).to(device)
 
-    def plain_step() -> float:
-        loss = plain(x, y)
+    def plain_step(step: PlainStep = plain) -> float:  # bound now: `plain` is deleted below to free it
+        loss = step(x, y)
         sync()
         return loss
 
@@ -592,7 +594,7 @@ def _measure_gpu(mode: Mode, device: torch.device | str, log: Callable[[str], No
     log(f"GPU A: tessera bf16 vs plain bf16 autocast, {tokens} tokens per step")
     timed = _interleave(variants, mode.gpu_steps, mode.gpu_steps, 0.0, log)
     peak_mem_a = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None
-    del variants, plain, plain_model
+    del variants, plain_step, plain, plain_model
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)

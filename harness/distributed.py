@@ -16,7 +16,8 @@ import subprocess
 import tempfile
 import time
 import traceback
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 
 class WorkerError(RuntimeError):
@@ -38,7 +39,7 @@ def _worker(
     env: dict[str, str],
     init_process_group: bool,
     init_file: str,
-    results: "mp.Queue",
+    results: mp.Queue,
 ) -> None:
     os.environ.update(env)
     os.environ.update(
@@ -144,7 +145,7 @@ def run_torchrun(
     cwd: str | None = None,
     env: dict[str, str] | None = None,
     torchrun_args: Sequence[str] = ("--standalone",),
-) -> "subprocess.CompletedProcess[str]":
+) -> subprocess.CompletedProcess[str]:
     """Run ``torchrun <torchrun_args> --nproc_per_node=N <args>`` and capture its output (no check).
 
     A run longer than ``timeout`` is killed (the whole process group) and reported with exit code 124.

@@ -13,7 +13,8 @@ tensor reaching a CUDA-only group fails as it would with NCCL).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode, is_fake

@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
-from typing import Callable
+from collections.abc import Callable
 
 __all__ = ["sha256_file", "fsync_file", "fsync_dir", "publish_file", "atomic_write", "atomic_write_text",
            "hidden_sibling", "commit_folder", "discard_folder", "REPLACED", "DELETING"]

@@ -22,8 +22,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tessera.cli_args import positive_int
 from tessera.checkpoint import CheckpointError, consolidate, convert_checkpoint, read_meta, resolve_step_folder
+from tessera.cli_args import positive_int
 
 
 def main(argv: list[str] | None = None) -> int:

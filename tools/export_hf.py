@@ -21,8 +21,8 @@ import argparse
 import json
 import sys
 
-from tessera.cli_args import positive_int
 from tessera.checkpoint import CheckpointError, export_hf
+from tessera.cli_args import positive_int
 from tessera.data.errors import DataError
 
 

@@ -20,10 +20,14 @@ import time
 
 import torch
 
-from tessera.cli_args import (
-    nonnegative_float, nonnegative_int, positive_int, probability, random_seed,
-)
 from tessera.checkpoint import CheckpointError, load_for_inference, parse_dtype_name, tokenizer_for_checkpoint
+from tessera.cli_args import (
+    nonnegative_float,
+    nonnegative_int,
+    positive_int,
+    probability,
+    random_seed,
+)
 from tessera.data.errors import DataError
 from tessera.model.generation import generate_ids
 from tessera.model.kv_cache import generate_ids_cached

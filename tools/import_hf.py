@@ -22,8 +22,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tessera.cli_args import positive_int
 from tessera.checkpoint import CheckpointError, import_hf
+from tessera.cli_args import positive_int
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,12 +19,26 @@ The file primitives (sha256 of a file, fsync, atomic file write, atomic folder c
 
 from tessera.checkpoint.convert import consolidate, convert_checkpoint, load_consolidated_state
 from tessera.checkpoint.errors import CheckpointError
-from tessera.checkpoint.folders import (clean_partial_checkpoints, list_checkpoints, new_step_folder,
-                                        output_step_folder, resolve_step_folder, step_folder, step_of)
+from tessera.checkpoint.folders import (
+    clean_partial_checkpoints,
+    list_checkpoints,
+    new_step_folder,
+    output_step_folder,
+    resolve_step_folder,
+    step_folder,
+    step_of,
+)
 from tessera.checkpoint.hf import export_hf, import_hf, parse_dtype_name
 from tessera.checkpoint.inference import load_for_inference
-from tessera.checkpoint.meta import (CHECKPOINT_FORMAT, file_entry, new_meta, read_meta, shard_files,
-                                     verify_files, write_meta)
+from tessera.checkpoint.meta import (
+    CHECKPOINT_FORMAT,
+    file_entry,
+    new_meta,
+    read_meta,
+    shard_files,
+    verify_files,
+    write_meta,
+)
 from tessera.checkpoint.reshard import ParamLayout, param_layout, reshard
 from tessera.checkpoint.source import CheckpointSource
 from tessera.checkpoint.state import Progress, RngStreams, Stateful, TrainState

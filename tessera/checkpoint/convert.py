@@ -24,7 +24,8 @@ import json
 import logging
 import os
 import shutil
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -84,11 +85,11 @@ def _reshard_file_set(src: CheckpointSource, kind: str, tp: int, out: str) -> di
                                       f"which does not split over tensor-parallel size {tp}")
             shape[dim] = full // tp
         plan.append((key, dim, tuple(shape), info["dtype"]))
-    for key, dim, shape, _ in plan:  # the new shards must fit the model the config describes at the new TP
+    for key, _, new_shape, _ in plan:  # the new shards must fit the model the config describes at the new TP
         for part in key.split("/"):
             want = new_layout.shapes.get(part)
-            if want is not None and len(shape) == len(want) and shape != want:
-                raise CheckpointError(f"{key}: resharded shape {shape} != model shape {want} at TP={tp}")
+            if want is not None and len(new_shape) == len(want) and new_shape != want:
+                raise CheckpointError(f"{key}: resharded shape {new_shape} != model shape {want} at TP={tp}")
     entries = [(k, dt, s) for k, _, s, dt in plan]
     writers = [SafetensorsWriter(os.path.join(out, n), entries, metadata) for n in new_files]
     try:

@@ -13,7 +13,7 @@ import logging
 import os
 import re
 import shutil
-from typing import Iterator
+from collections.abc import Iterator
 
 from tessera.checkpoint.errors import CheckpointError
 from tessera.checkpoint.meta import META_FILE
@@ -99,7 +99,7 @@ def clean_partial_checkpoints(folder: str) -> list[str]:
     is the complete previous copy of a step being re-saved: it is put back when the save died before
     its new copy took its place, else deleted.
     """
-    removed = []
+    removed: list[str] = []
     if not folder or not os.path.isdir(folder):
         return removed
     for name in sorted(os.listdir(folder)):

@@ -26,7 +26,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -286,8 +287,8 @@ def _hf_weight_files(hf_dir: str) -> dict[str, str]:
                 "model.save_pretrained(..., safe_serialization=True))") if bins else ""
         raise CheckpointError(f"{hf_dir} holds no .safetensors weights{hint}")
     out: dict[str, str] = {}
-    for f in files:
-        path = os.path.join(hf_dir, f)
+    for file in files:
+        path = os.path.join(hf_dir, file)
         for name in read_header(path)[0]:
             out[name] = path
     return out
@@ -351,9 +352,9 @@ def import_hf(hf_dir: str, dst: str, *, tp: int, dtype: str | torch.dtype | None
         raise CheckpointError(f"{hf_dir}: missing weights {missing[:5]}")
 
     def full_shape(name: str) -> tuple[int, ...]:
-        shape = list(layout.shapes[name])
-        if layout.dims[name] is not None:
-            shape[layout.dims[name]] *= tp
+        shape, dim = list(layout.shapes[name]), layout.dims[name]
+        if dim is not None:
+            shape[dim] *= tp
         return tuple(shape)
 
     plan = []  # (tessera name, hf name, file, stored dtype)
@@ -405,7 +406,8 @@ def import_hf(hf_dir: str, dst: str, *, tp: int, dtype: str | torch.dtype | None
                     files[name] = file_entry(os.path.join(out, name))
             extra["tokenizer"] = _tokenizer_record(os.path.join(out, "tokenizer.json"), hf)
         meta = new_meta(step=step, layout={"tp_size": tp, "dp_size": 1, "zero1_size": 1}, has_optimizer=False,
-                        trainer_state={"progress": {"step": step, "consumed_tokens": 0}}, config=config, files=files, **extra)
+                        trainer_state={"progress": {"step": step, "consumed_tokens": 0}}, config=config, files=files,
+                        **extra)
         write_meta(out, meta)
     return final
 

@@ -23,7 +23,8 @@ import hashlib
 import json
 import os
 import time
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import tessera
 from tessera.checkpoint.errors import CheckpointError

@@ -15,8 +15,9 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -261,7 +262,7 @@ class OptimizerShards:
             r.close()
         self._readers = []
 
-    def __enter__(self) -> "OptimizerShards":
+    def __enter__(self) -> OptimizerShards:
         return self
 
     def __exit__(self, *exc: Any) -> None:

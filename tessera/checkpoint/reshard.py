@@ -12,8 +12,9 @@ and is sharded like it when it has the parameter's rank (a 0-dim Adam ``step`` i
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import torch
 

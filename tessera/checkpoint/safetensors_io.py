@@ -16,7 +16,8 @@ import json
 import math
 import os
 import struct
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -103,7 +104,8 @@ class SafetensorsReader:
 
     def _read(self, name: str, begin: int, end: int) -> torch.Tensor:
         buf = torch.empty(end - begin, dtype=torch.uint8)
-        view = memoryview(buf.numpy())
+        # numpy's stubs give ndarray the buffer protocol on Python >= 3.12 only
+        view = memoryview(buf.numpy())  # type: ignore[arg-type]
         done = 0
         while done < len(view):
             n = os.preadv(self._fd, [view[done:]], self._data_start + begin + done)
@@ -117,7 +119,7 @@ class SafetensorsReader:
             os.close(self._fd)
             self._fd = -1
 
-    def __enter__(self) -> "SafetensorsReader":
+    def __enter__(self) -> SafetensorsReader:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -127,7 +129,8 @@ class SafetensorsReader:
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The raw little-endian bytes of ``t`` (CPU, contiguous), without a Python-level copy."""
     flat = t.detach().to("cpu").contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy())
+    # numpy's stubs give ndarray the buffer protocol on Python >= 3.12 only
+    return memoryview(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
 class SafetensorsWriter:

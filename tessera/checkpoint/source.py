@@ -12,7 +12,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -77,7 +78,7 @@ class CheckpointSource:
         self._check_model_files()
 
     # ------------------------------------------------------------------ files
-    def __enter__(self) -> "CheckpointSource":
+    def __enter__(self) -> CheckpointSource:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -118,7 +119,7 @@ class CheckpointSource:
             raise CheckpointError(str(e).strip('"')) from None
 
     def _check_model_files(self) -> None:
-        for r, name in enumerate(self.model_files):
+        for name in self.model_files:
             tensors, _ = self.header(name)
             aliases = self.aliases(name)
             for key in self.layout.state_keys:

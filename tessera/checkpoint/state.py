@@ -10,8 +10,9 @@ only when the TP/DP layout is unchanged (a new layout cannot carry per-rank stre
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from torch import nn
 

@@ -13,16 +13,16 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+from collections.abc import Callable, Mapping
 from dataclasses import asdict
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from tessera.checkpoint.errors import CheckpointError
 from tessera.checkpoint.folders import PARTIAL, clean_partial_checkpoints, list_checkpoints, step_folder
-from tessera.checkpoint.meta import (new_meta, read_meta, rng_name, shard_files, shard_name, verify_files,
-                                     write_meta)
+from tessera.checkpoint.meta import new_meta, read_meta, rng_name, shard_files, shard_name, verify_files, write_meta
 from tessera.checkpoint.optim_shards import OptimizerShards, optim_shard_files, optim_shard_name
 from tessera.checkpoint.reshard import model_param_dims, reshard_tree
 from tessera.checkpoint.state import TrainState
@@ -117,6 +117,7 @@ def save_checkpoint(
 
     gathered = _gather_to_rank0(files, layout)
     if layout.global_rank == 0:
+        assert gathered is not None  # rank 0 receives every rank's list
         all_files: dict[str, Any] = {}
         for part in gathered:
             all_files.update(part)
@@ -196,6 +197,7 @@ def load_checkpoint(
     tp_ranks = list(range(old_tp)) if old_tp != layout.tp_size else [layout.tp_rank]
     need = [shard_name("model", t) for t in tp_ranks]
     want_optim = load_optimizer and optimizer is not None and meta.get("has_optimizer")
+    optim: tuple[str, list[list[str]]] | None = None  # set (or raised) when want_optim
     if want_optim:
         optim = _optim_files(meta, tp_ranks)
         if optim is None:
@@ -211,7 +213,7 @@ def load_checkpoint(
 
     params = model_param_dims(model)
     _load_model_state(model, _load_state(path, "model", old_tp, layout, params), path)
-    if want_optim:
+    if optim is not None:
         _load_optimizer(path, *optim, optimizer, old_tp, layout, params)
     if load_components:
         state.load_state_dict(meta["trainer_state"], path)

@@ -10,7 +10,8 @@ stored once; the file's ``aliases`` metadata maps the other paths to the stored 
 from __future__ import annotations
 
 import json
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -55,7 +56,7 @@ def _decode(node: Any, get: Callable[[str], torch.Tensor]) -> Any:
 
 def _byte_range(t: torch.Tensor) -> tuple[int, int, int]:
     """(storage identity, first byte, end byte) of a contiguous tensor within its storage."""
-    start = t.storage_offset() * t.element_size()
+    start = int(t.storage_offset()) * t.element_size()  # torch types the offset int | SymInt
     return t.untyped_storage()._cdata, start, start + t.numel() * t.element_size()
 
 
@@ -78,7 +79,7 @@ def prepare_tree(obj: Any) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     aliases: dict[str, str] = {}
     unique: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
-        key = (t.untyped_storage()._cdata, t.storage_offset(), tuple(t.shape)) if t.numel() else None
+        key = (t.untyped_storage()._cdata, int(t.storage_offset()), tuple(t.shape)) if t.numel() else None
         if key is not None and key in seen:
             aliases[name] = seen[key]
             continue

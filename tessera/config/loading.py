@@ -14,7 +14,8 @@ import copy
 import importlib.util
 import os
 import types
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
 
@@ -44,7 +45,7 @@ class Config(dict):
     def __setattr__(self, name: str, value: Any) -> None:
         self[name] = Config(value) if isinstance(value, Mapping) and not isinstance(value, Config) else value
 
-    def __deepcopy__(self, memo: dict) -> "Config":
+    def __deepcopy__(self, memo: dict) -> Config:
         return Config(copy.deepcopy(dict(self), memo), self.source)
 
     @property
@@ -67,14 +68,14 @@ class Config(dict):
 
     # ------------------------------------------------------------------ loading
     @classmethod
-    def from_file(cls, path: str | os.PathLike, overrides: Iterable[str] = ()) -> "Config":
+    def from_file(cls, path: str | os.PathLike, overrides: Iterable[str] = ()) -> Config:
         """Execute a Python config file, apply ``key.sub=value`` overrides, fill defaults, validate."""
         raw = load_python_file(path)
         apply_overrides(raw, overrides, source=str(path))
         return cls.from_dict(raw, source=str(path))
 
     @classmethod
-    def from_dict(cls, raw: Mapping[str, Any], source: str | None = None) -> "Config":
+    def from_dict(cls, raw: Mapping[str, Any], source: str | None = None) -> Config:
         """Validate a plain dict (e.g. written in a test) against the schema and fill defaults."""
         filled = validate_config(raw, source)
         check_config(filled, source)
@@ -95,7 +96,7 @@ def load_python_file(path: str | os.PathLike) -> dict[str, Any]:
     except SyntaxError as e:
         raise ConfigError(f"syntax error in config file {path}, line {e.lineno}: {e.msg}\n"
                           f"  {(e.text or '').rstrip()}") from None
-    except Exception as e:  # noqa: BLE001 - any error while running user code is a config error
+    except Exception as e:  # any error while running user code is a config error
         raise ConfigError(f"error while running config file {path}: {type(e).__name__}: {e}") from e
     out: dict[str, Any] = {}
     for name, value in vars(module).items():

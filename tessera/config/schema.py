@@ -8,8 +8,9 @@ Checks that involve several keys live in ``tessera.config.checks``.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -38,7 +39,7 @@ class Key:
 class Section:
     """A dict-valued key whose own keys are validated recursively."""
 
-    keys: dict[str, "Key | Section"]
+    keys: dict[str, Key | Section]
     doc: str = ""
     optional: bool = True  # may be absent from the file (then all defaults)
     extra: dict[str, Any] = field(default_factory=dict)
@@ -199,7 +200,8 @@ SCHEMA = Section(
                 "micro_num": Key(INT, 1, _positive, doc="micro-batches accumulated per optimizer step"),
                 "total_steps": Key(INT, 1000, _positive),
                 "type": Key(STR, "tokens", _one_of("tokens", "synthetic", "stdlib"),
-                            doc="tokens: prepared token folders; synthetic: random tokens; stdlib: Python's own source"),
+                            doc="tokens: prepared token folders; synthetic: random tokens; "
+                                "stdlib: Python's own source"),
                 "train_folder": Key(STR, None, nullable=True),
                 "valid_folder": Key(STR, None, nullable=True),
                 "cache_folder": Key(STR, "data_cache", doc="where type='stdlib' prepares its token files"),
@@ -282,7 +284,8 @@ SCHEMA = Section(
         ),
         "metrics": Section(
             {
-                "log_every": Key(INT, 1, _positive, doc="print a line every N steps (metrics.jsonl and TensorBoard get every step)"),
+                "log_every": Key(INT, 1, _positive,
+                                 doc="print a line every N steps (metrics.jsonl and TensorBoard get every step)"),
                 "tensorboard": Key(BOOL, True),
                 "progress_bar": Key(BOOL, True),
                 "peak_tflops": Key(FLOAT, None, _positive, nullable=True,

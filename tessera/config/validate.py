@@ -9,7 +9,8 @@ from __future__ import annotations
 import copy
 import difflib
 import math
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 from tessera.config.errors import ConfigError, where
 from tessera.config.schema import REQUIRED, SCHEMA, Key, Section

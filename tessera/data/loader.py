@@ -19,15 +19,16 @@ micro-batches (collectives stay matched).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any
 
 import numpy as np
 import torch
 
 from tessera.config import ConfigError, check_data, validate_section
 from tessera.data.errors import DataError
-from tessera.data.packing import PackedRows
+from tessera.data.packing import PackedRows, TokenStream
 from tessera.data.sampler import GlobalRowSampler
 from tessera.data.stdlib_corpus import prepare_stdlib_corpus
 from tessera.data.synthetic import SyntheticStream
@@ -159,11 +160,14 @@ def build_data(
         raise DataError(f"dp_rank={dp_rank} must be in [0, dp_size={dp_size})")
     pack_one = c["pack_sample_into_one"]
     tokenizer: ByteTokenizer | HFTokenizer | None = None
+    train_streams: Sequence[TokenStream]
+    valid_streams: Sequence[TokenStream] | None
     if c["type"] == "synthetic":
         doc_len = max(2, 3 * L // 4)
-        train_streams = [SyntheticStream(-(-SYNTHETIC_TRAIN_ROWS * L // doc_len), doc_len, vocab_size, seed)]
+        synthetic = SyntheticStream(-(-SYNTHETIC_TRAIN_ROWS * L // doc_len), doc_len, vocab_size, seed)
+        train_streams = [synthetic]
         valid_streams = [SyntheticStream(-(-SYNTHETIC_VALID_ROWS * L // doc_len), doc_len, vocab_size, seed + 1)]
-        byte_lengths = train_streams[0].byte_lengths()
+        byte_lengths = synthetic.byte_lengths()
         source = "synthetic"
     else:
         if c["type"] == "stdlib":
@@ -172,14 +176,15 @@ def build_data(
             train_folder, valid_folder = f"{folder}/train", f"{folder}/valid"
         else:  # "tokens" (the config's rules: a train_folder is set)
             train_folder, valid_folder = c["train_folder"], c["valid_folder"]
-        train_streams = open_token_folder(train_folder, vocab_size)
-        valid_streams = open_token_folder(valid_folder, vocab_size) if valid_folder else None
-        if valid_streams and _tokenizer_id(valid_streams[0].meta) != _tokenizer_id(train_streams[0].meta):
+        train_shards = open_token_folder(train_folder, vocab_size)
+        valid_shards = open_token_folder(valid_folder, vocab_size) if valid_folder else None
+        if valid_shards and _tokenizer_id(valid_shards[0].meta) != _tokenizer_id(train_shards[0].meta):
             raise DataError(f"{valid_folder} and {train_folder} were made with different tokenizers: "
-                            f"{_tokenizer_id(valid_streams[0].meta)} vs {_tokenizer_id(train_streams[0].meta)}")
-        tokenizer = train_streams[0].tokenizer()
+                            f"{_tokenizer_id(valid_shards[0].meta)} vs {_tokenizer_id(train_shards[0].meta)}")
+        tokenizer = train_shards[0].tokenizer()
         byte_lengths = tokenizer.token_byte_lengths()
         source = train_folder
+        train_streams, valid_streams = train_shards, valid_shards
     rows = PackedRows(train_streams, L, byte_lengths, pack_one)
     train = TrainLoader(rows, GlobalRowSampler(rows.num_rows, seed), B, M, dp_rank, dp_size)
     valid = None

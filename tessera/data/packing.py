@@ -29,7 +29,8 @@ Batch format (a dict of tensors, ``B = micro_bsz``, ``L = seq_len``):
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 import torch

@@ -13,8 +13,11 @@ import math
 import os
 import shutil
 import uuid
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
 
 from tessera.data.errors import DataError
 from tessera.data.token_file import META_FILE, TokenFileWriter
@@ -36,7 +39,7 @@ class Document:
 def list_input_files(paths: Sequence[str | os.PathLike], patterns: Sequence[str] = DEFAULT_PATTERNS) -> list[str]:
     """Files named directly, plus files under folders (recursively) matching any pattern; sorted per input."""
     out: list[str] = []
-    for p in map(os.fspath, paths):
+    for p in (os.fspath(path) for path in paths):  # not map(): mypy cannot pick fspath's overload
         if os.path.isfile(p):
             out.append(p)
         elif os.path.isdir(p):
@@ -145,6 +148,7 @@ def _write_splits(documents: Iterable[Document], folder: str, tokenizer: ByteTok
     batch: list[tuple[str, Document]] = []
 
     def flush() -> None:
+        ids: Sequence[Sequence[int] | np.ndarray]
         if isinstance(tokenizer, HFTokenizer):
             ids = tokenizer.encode_batch([d.text for _, d in batch])
         else:
@@ -179,7 +183,7 @@ def _publish(tmp: str, output: str, exist_ok: bool, overwrite: bool) -> None:
     """Commit the finished temporary folder as ``output`` (an old one is replaced only with ``overwrite``)."""
     try:
         commit_folder(tmp, output, replace=overwrite)
-    except OSError:
+    except OSError as e:
         if exist_ok and os.path.isfile(os.path.join(output, "train", META_FILE)):
             return  # a concurrent preparer finished first; theirs is equivalent
-        raise DataError(f"cannot move prepared data into {output}: it exists and is not a complete token folder")
+        raise DataError(f"cannot move prepared data into {output}: it exists and is not a complete token folder") from e

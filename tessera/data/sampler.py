@@ -8,7 +8,8 @@ DP size continues exactly where the old one stopped; only the slicing of each st
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 

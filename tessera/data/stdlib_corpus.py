@@ -18,7 +18,7 @@ import hashlib
 import os
 import sys
 import sysconfig
-from typing import Callable
+from collections.abc import Callable
 
 from tessera.data.errors import DataError
 from tessera.data.prepare import Document, iter_documents, prepare_corpus

@@ -22,7 +22,8 @@ import hashlib
 import json
 import os
 import shutil
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -157,7 +158,8 @@ class TokenShard:
         if self.num_tokens <= 0 or self.num_documents <= 0:
             raise DataError(f"{os.path.join(self.folder, META_FILE)}: empty token file "
                             f"({self.num_documents} documents, {self.num_tokens} tokens)")
-        _check_size(self.tokens_path, self.num_tokens * self.dtype.itemsize, f"{self.num_tokens} {self.dtype.name} tokens")
+        _check_size(self.tokens_path, self.num_tokens * self.dtype.itemsize,
+                    f"{self.num_tokens} {self.dtype.name} tokens")
         _check_size(self.index_path, (self.num_documents + 1) * 8, f"{self.num_documents}+1 int64 offsets")
         self.tokens = np.memmap(self.tokens_path, dtype=self.dtype, mode="r", shape=(self.num_tokens,))
         self.offsets = np.memmap(self.index_path, dtype="<i8", mode="r", shape=(self.num_documents + 1,))
@@ -184,7 +186,8 @@ class TokenShard:
             if ends.size and (ends != self.eod_id).any():
                 i = a + int(np.argmax(ends != self.eod_id))
                 raise DataError(f"{self.index_path} does not match {self.tokens_path}: document {i} ends with "
-                                f"token {int(ends[i - a])} at offset {int(off[i + 1]) - 1}, not the EOD id {self.eod_id}")
+                                f"token {int(ends[i - a])} at offset {int(off[i + 1]) - 1}, "
+                                f"not the EOD id {self.eod_id}")
 
     def _check_ids(self, limit: int, what: str) -> None:
         """One chunked pass over the file (the smaller of the two limits implies the other)."""

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Mapping, Protocol, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -125,7 +126,7 @@ class HFTokenizer:
             raise DataError(f"tokenizer file not found: {self.path}")
         try:
             self._tok = tokenizers.Tokenizer.from_file(self.path)
-        except Exception as e:  # noqa: BLE001 - the library raises its own exception types
+        except Exception as e:  # the library raises its own exception types
             raise DataError(f"cannot read tokenizer file {self.path}: {e}") from e
         self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
         self.eod_token = eod_token or self._find_eod()
@@ -224,7 +225,7 @@ def tokenizer_for_checkpoint(path: str, meta: Mapping[str, Any], override: str |
     if kind == "tokens":
         folder = data.get("train_folder")
         try:
-            shard = find_shards(folder)[0]
+            shard = find_shards(folder)[0]  # type: ignore[arg-type]  # None: the TypeError is reported below
             with open(os.path.join(shard, "meta.json"), encoding="utf-8") as f:
                 return load_tokenizer(json.load(f), shard), f"data.train_folder={folder}"
         except (DataError, OSError, ValueError, TypeError) as e:

@@ -19,8 +19,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import random
+from collections.abc import Iterator, Mapping
 from datetime import timedelta
-from typing import Any, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -32,6 +33,9 @@ from tessera.parallel.comm import use_fast_all_reduce
 from tessera.parallel.defaults import LaunchDefaults, register_launch_defaults
 from tessera.parallel.seeds import derive_seed
 
+if TYPE_CHECKING:
+    from tessera.parallel.shm_comm import ShmAllReduce
+
 logger = logging.getLogger("tessera")
 
 
@@ -40,7 +44,7 @@ class ParallelContext:
 
     def __init__(self) -> None:
         self.config: Config | None = None
-        self._groups: dict[ParallelMode, Any] = {}
+        self._groups: dict[ParallelMode, dist.ProcessGroup | None] = {}
         self._ranks: dict[ParallelMode, list[int]] = {}
         self._global_rank = 0
         self._local_rank = 0  # rank within the node (CUDA device index)
@@ -49,7 +53,7 @@ class ParallelContext:
         self._current_rng_mode = ParallelMode.DATA
         self.device = torch.device("cpu")
         self.tensor_group_nodes: list[Any] = []
-        self.shm_all_reduce: Any = None  # the TP group's ShmAllReduce route, if used
+        self.shm_all_reduce: ShmAllReduce | None = None  # the TP group's ShmAllReduce route, if used
 
     # ------------------------------------------------------------------ getters
     def is_initialized(self, mode: ParallelMode) -> bool:
@@ -58,7 +62,7 @@ class ParallelContext:
     def is_using_parallel_mode(self, mode: ParallelMode) -> bool:
         return self.is_initialized(mode) and len(self._ranks[mode]) > 1
 
-    def get_group(self, mode: ParallelMode) -> Any:
+    def get_group(self, mode: ParallelMode) -> dist.ProcessGroup | None:
         """The process group of ``mode`` (None when not initialized: a plain single process)."""
         return self._groups.get(mode)
 
@@ -111,7 +115,7 @@ class ParallelContext:
         """Create every group of every mode; all ranks must call this with the same arguments."""
         world = dist.get_world_size()
         rank = dist.get_rank()
-        kwargs = {"timeout": timedelta(seconds=timeout_s)} if timeout_s else {}
+        kwargs: dict[str, Any] = {"timeout": timedelta(seconds=timeout_s)} if timeout_s else {}
         for mode, groups in group_layout(world, tp, zero1).items():
             for ranks in groups:
                 group = dist.group.WORLD if mode is ParallelMode.GLOBAL else dist.new_group(ranks, **kwargs)
@@ -155,7 +159,7 @@ class ParallelContext:
         states = dict(self._rng_states)
         states[self._current_rng_mode] = _get_torch_rng()
         py = random.getstate()
-        np_state = np.random.get_state()
+        np_state = cast(tuple[str, np.ndarray, int, int, float], np.random.get_state())  # legacy=True: the tuple
         return {
             "python": {"version": py[0], "state": torch.tensor(py[1], dtype=torch.int64), "gauss": py[2]},
             "numpy": {"keys": torch.from_numpy(np_state[1].astype(np.int64)), "pos": int(np_state[2]),
@@ -168,7 +172,8 @@ class ParallelContext:
         py = states["python"]
         random.setstate((py["version"], tuple(int(x) for x in py["state"].tolist()), py["gauss"]))
         n = states["numpy"]
-        np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"]))
+        np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+                             n["cached_gaussian"]))
         self._rng_states = {ParallelMode(k): v for k, v in states["torch"].items()}
         self._current_rng_mode = ParallelMode(states["current_mode"])
         _set_torch_rng(self._rng_states[self._current_rng_mode])
@@ -180,7 +185,7 @@ class ParallelContext:
             self.shm_all_reduce.close()
         if dist.is_initialized():
             dist.destroy_process_group()
-        self.__init__()
+        type(self).__init__(self)  # (self.__init__() reads the same; mypy flags it as unsound)
 
 
 def _get_torch_rng() -> dict[str, torch.Tensor]:

@@ -13,15 +13,16 @@ import os
 import re
 import socket
 import subprocess
+from collections.abc import Mapping
 from datetime import timedelta
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from tessera.config import Config, ConfigError, check_world_size
 from tessera.config.precision import apply_precision
-from tessera.dist.context import ParallelContext, ParallelMode, gpc  # noqa: F401
+from tessera.dist.context import ParallelContext, ParallelMode, gpc
 from tessera.parallel.comm import use_fast_all_reduce
 from tessera.parallel.shm_comm import ShmAllReduce
 
@@ -212,7 +213,8 @@ def launch_from_slurm(
         if not nodelist:
             raise ConfigError("launch_from_slurm: no host given and SLURM_JOB_NODELIST / SLURM_NODELIST is not set")
         try:
-            out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True)
+            out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
+                                 check=True)
             host = out.stdout.split()[0]
         except (OSError, subprocess.CalledProcessError, IndexError):
             host = expand_slurm_nodelist(nodelist)[0]

@@ -43,7 +43,7 @@ class Layout:
     zero1_size: int = 1
 
     @classmethod
-    def of(cls, world_size: int, tp: int, zero1: int = 1, rank: int = 0) -> "Layout":
+    def of(cls, world_size: int, tp: int, zero1: int = 1, rank: int = 0) -> Layout:
         """Rank ``rank`` of ``world_size`` ranks at TP size ``tp`` and ZeRO-1 size ``zero1`` (-1: all of DP);
         an impossible combination is a ``ConfigError`` (``tessera.config.parallel_sizes``)."""
         tp, dp, zero1 = parallel_sizes(world_size, tp, zero1)
@@ -52,7 +52,7 @@ class Layout:
         return cls(rank, world_size, rank % tp, tp, rank // tp, dp, zero1)
 
     @classmethod
-    def from_gpc(cls) -> "Layout":
+    def from_gpc(cls) -> Layout:
         """This process's layout, read from ``gpc`` (a single process when no group is initialized)."""
         from tessera.dist.context import gpc
 

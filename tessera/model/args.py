@@ -12,9 +12,9 @@ exists, naming the config keys instead (``tessera.config.checks``).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from tessera.model.mlp import ffn_hidden_size
 
@@ -28,7 +28,8 @@ class ModelArgs:
     hidden_size: int
     num_attention_heads: int
     vocab_size: int
-    num_kv_attention_heads: int | None = None
+    # None (the default): num_attention_heads, filled in by __post_init__, so readers always see an int
+    num_kv_attention_heads: int = None  # type: ignore[assignment]
     mlp_ratio: float = 8 / 3
     multiple_of: int = 256
     layer_norm_epsilon: float = 1e-5
@@ -49,7 +50,7 @@ class ModelArgs:
             raise ValueError(f"checkpoint={self.checkpoint!r}: must be a bool, a fraction of layers or 'selective'")
 
     @classmethod
-    def from_config(cls, model_cfg: Any) -> "ModelArgs":
+    def from_config(cls, model_cfg: Any) -> ModelArgs:
         """From the validated ``model`` section (attribute access or a mapping); other keys are ignored."""
         if isinstance(model_cfg, ModelArgs):
             return model_cfg

@@ -50,7 +50,7 @@ def matmul_parameters(model_cfg: Any) -> int:
 def flops_per_token(model_cfg: Any, seq_len: int, *, causal: bool = False) -> float:
     """Training (forward + backward) FLOPs per token at ``seq_len``; see the module docstring."""
     a = ModelArgs.from_config(model_cfg)
-    attention = 2 * 2 * seq_len * a.num_attention_heads * a.head_dim * a.num_layers
+    attention: float = 2 * 2 * seq_len * a.num_attention_heads * a.head_dim * a.num_layers
     if causal:
         attention /= 2
     forward = 2 * matmul_parameters(a) + attention

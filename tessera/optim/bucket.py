@@ -14,7 +14,8 @@ optimizer's state dicts are made of: it is the one place that knows the layout (
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import nn

@@ -6,7 +6,8 @@ log), and a float keeps ``state_dict()`` loadable with ``torch.load(weights_only
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from tessera.config import ConfigError
 from tessera.config.precision import Precision, resolve_precision
@@ -46,7 +47,7 @@ class ConstantGradScaler(BaseGradScaler):
     def __init__(self, scale: float = 1.0) -> None:
         super().__init__(scale)
 
-    def update(self, found_inf: bool) -> None:  # noqa: ARG002 - the scale never changes
+    def update(self, found_inf: bool) -> None:  # found_inf unused: the scale never changes
         return None
 
 

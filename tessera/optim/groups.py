@@ -43,7 +43,7 @@ class GroupComm:
     rank: int
 
     @classmethod
-    def of(cls, group: dist.ProcessGroup | None, what: str) -> "GroupComm":
+    def of(cls, group: dist.ProcessGroup | None, what: str) -> GroupComm:
         if group is None:
             return cls(None, 1, 0)
         if not dist.is_available() or not dist.is_initialized():
@@ -107,7 +107,7 @@ class OptimizerGroups:
     @classmethod
     def resolve(cls, tp_group: dist.ProcessGroup | None = None, dp_group: dist.ProcessGroup | None = None,
                 zero1_group: dist.ProcessGroup | None = None,
-                global_group: dist.ProcessGroup | None = None) -> "OptimizerGroups":
+                global_group: dist.ProcessGroup | None = None) -> OptimizerGroups:
         """Explicit groups first, then gpc's, else a single process; checks that ZERO1 splits DP."""
         def pick(group: dist.ProcessGroup | None, mode: ParallelMode) -> dist.ProcessGroup | None:
             return group if group is not None else _default_group(mode)

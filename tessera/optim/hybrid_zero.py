@@ -26,7 +26,8 @@ Every setting comes from the ``hybrid_zero_optimizer`` config section (``zero_cf
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -172,7 +173,7 @@ class HybridZeroOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ torch.optim.Optimizer surface
     @property
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+    def param_groups(self) -> list[dict[str, Any]]:
         """The inner optimizer's groups (setting ``group["lr"]`` here is what the inner step uses)."""
         return self._optim.param_groups
 
@@ -217,7 +218,7 @@ class HybridZeroOptimizer(torch.optim.Optimizer):
         finally:
             self._grads.disarm()
 
-    def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: ARG002 - main grads are always zeroed
+    def zero_grad(self, set_to_none: bool = True) -> None:  # set_to_none unused: main grads are always zeroed
         self._grads.zero()  # also waits for reductions a backward launched that no step() consumed
         for p in self._params:
             p.grad = None
@@ -229,7 +230,8 @@ class HybridZeroOptimizer(torch.optim.Optimizer):
         return self._grads.main_grad(param)
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> tuple[bool, float]:
+    # returns (success, grad_norm) where torch's Optimizer.step returns the closure's loss
+    def step(self, closure: Callable[[], Any] | None = None) -> tuple[bool, float]:  # type: ignore[override]
         """One update from the accumulated gradients; returns ``(success, grad_norm)``.
 
         ``grad_norm`` is the global L2 norm of the unscaled, DP-averaged gradients before clipping

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import math
 import zlib
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 

@@ -64,7 +64,7 @@ class MasterPolicy:
 
     @classmethod
     def from_settings(cls, settings: ZeroSettings, precision: Precision, optimizer: torch.optim.Optimizer,
-                      seed: int = 0) -> "MasterPolicy":
+                      seed: int = 0) -> MasterPolicy:
         """The policy the settings ask for, checked against the model precision and the optimizer."""
         def pick(key: str, allowed: tuple[str, ...]) -> str:
             v = getattr(settings, key)

@@ -7,7 +7,8 @@ of wrappers: checkpoints key the state by the model's own parameter names.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping, Union
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -17,7 +18,7 @@ __all__ = ["LOW_PRECISION", "ParamNames", "build_param_groups", "trainable_param
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 # a module (its named_parameters()), {Parameter: name} / {name: Parameter}, or (name, Parameter) pairs
-ParamNames = Union[nn.Module, Mapping[Any, Any], Iterable[tuple[str, torch.Tensor]], None]
+ParamNames = nn.Module | Mapping[Any, Any] | Iterable[tuple[str, torch.Tensor]] | None
 
 
 def trainable_params(optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
@@ -45,6 +46,7 @@ def param_name_map(param_names: ParamNames, params: list[nn.Parameter]) -> dict[
     would add its prefix to every name)."""
     if param_names is None:
         return {id(p): f"param_{i}" for i, p in enumerate(params)}
+    pairs: list[tuple[Any, Any]]  # checked below
     if isinstance(param_names, nn.Module):
         pairs = list(param_names.named_parameters())
     elif isinstance(param_names, Mapping):
@@ -82,7 +84,7 @@ def build_param_groups(
     decay: list[nn.Parameter] = []
     no_decay: list[nn.Parameter] = []
     seen: set[int] = set()
-    for mod_name, module in model.named_modules():
+    for _, module in model.named_modules():
         is_norm = "norm" in type(module).__name__.lower()
         for name, p in module.named_parameters(recurse=False):
             if id(p) in seen or not p.requires_grad:

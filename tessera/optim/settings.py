@@ -9,8 +9,9 @@ defaults, except ``max_consecutive_skips``: None here (no limit), 20 in a config
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from tessera.config.schema import DEFAULT_REDUCE_BUCKET_SIZE
 
@@ -31,7 +32,7 @@ class ZeroSettings:
     max_consecutive_skips: int | None = None  # stop the run after more skips in a row (None: never)
 
     @classmethod
-    def from_config(cls, zero_cfg: Mapping[str, Any] | None) -> "ZeroSettings":
+    def from_config(cls, zero_cfg: Mapping[str, Any] | None) -> ZeroSettings:
         """Settings from the config section (unknown keys are an error: a typo must not fall back silently)."""
         raw = dict(zero_cfg or {})
         known = {f.name for f in dataclasses.fields(cls)}

@@ -12,8 +12,9 @@ import torch
 
 def set_tensor_parallel_attrs(param: torch.Tensor, partition_dim: int | None) -> torch.Tensor:
     """Tag ``param`` as sharded along ``partition_dim`` (None: replicated over the TP group)."""
-    param.is_tensor_parallel = partition_dim is not None
-    param.partition_dim = partition_dim
+    # ad-hoc attributes on the tensor (what the readers below look for)
+    param.is_tensor_parallel = partition_dim is not None  # type: ignore[attr-defined]
+    param.partition_dim = partition_dim  # type: ignore[attr-defined]
     return param
 
 

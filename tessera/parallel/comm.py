@@ -94,10 +94,10 @@ def _check_can_communicate(x: torch.Tensor, group: Any) -> bool:
 # group -> an object with ``supports(x, op)`` and ``all_reduce(x, op)`` used instead of torch.distributed
 # (the shared-memory all-reduce of ``tessera.parallel.shm_comm`` for node-local CPU groups). Weak keys:
 # a destroyed group drops its route with it.
-_FAST_ALL_REDUCE: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+_FAST_ALL_REDUCE: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 
-def use_fast_all_reduce(group: Any, impl: Any | None) -> None:
+def use_fast_all_reduce(group: dist.ProcessGroup | None, impl: Any | None) -> None:
     """Route this module's all-reduces over ``group`` through ``impl`` (``None`` removes the route)."""
     if impl is None:
         _FAST_ALL_REDUCE.pop(group, None)
@@ -112,7 +112,8 @@ def fast_all_reduce_for(group: Any) -> Any | None:
         return None
 
 
-def all_reduce(x: torch.Tensor, group: Any, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
+def all_reduce(x: torch.Tensor, group: Any,
+               op: dist.ReduceOp | dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
     """In-place all-reduce of ``x`` over ``group`` (no autograd); the identity for a 1-rank group."""
     if group_size(group) > 1 and _check_can_communicate(x, group):
         fast = fast_all_reduce_for(group)
@@ -123,7 +124,7 @@ def all_reduce(x: torch.Tensor, group: Any, op: dist.ReduceOp = dist.ReduceOp.SU
     return x
 
 
-def collective_device(group: Any = None) -> torch.device:
+def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
     """The device whose tensors ``group``'s backend accepts (``None``: the default group).
 
     NCCL serves CUDA tensors only (``No backend type associated with device type cpu``), so a flag
@@ -137,8 +138,9 @@ def collective_device(group: Any = None) -> torch.device:
     return torch.device("cpu") if "cpu" in kinds else torch.device(sorted(kinds)[0])
 
 
-def to_host(t: torch.Tensor) -> list[Any]:
-    """``t.tolist()``: the one place device values are read back to Python.
+def to_host(t: torch.Tensor) -> Any:
+    """``t.tolist()`` (nested lists; a number for a 0-dim tensor): the one place device values are read
+    back to Python.
 
     A fake or meta tensor (dry runs of a real-size config without a GPU) has no values; it reads as
     zeros, so control flow continues down the normal (no overflow, no stop) path.
@@ -153,7 +155,8 @@ def to_host(t: torch.Tensor) -> list[Any]:
     return t.tolist()
 
 
-def reduce_scalars(values: list[float], group: Any, op: dist.ReduceOp = dist.ReduceOp.SUM,
+def reduce_scalars(values: list[float], group: dist.ProcessGroup | None,
+                   op: dist.ReduceOp | dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
                    device: torch.device | None = None, dtype: torch.dtype = torch.float64) -> list[Any]:
     """All-reduce a few Python numbers over ``group`` (``None``: the default group) and return them.
 
@@ -202,44 +205,44 @@ def gather_tensor(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
 
 class _CopyToRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:
         ctx.group = group
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+    def backward(ctx, grad: torch.Tensor):
         return _all_reduce_copy(grad, ctx.group), None
 
 
 class _ReduceFromRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:
         return _all_reduce_copy(x, group)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+    def backward(ctx, grad: torch.Tensor):
         return grad, None
 
 
 class _GatherFromRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:
         ctx.group = group
         return gather_tensor(x, -1, group)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+    def backward(ctx, grad: torch.Tensor):
         return _split_last(grad, ctx.group), None
 
 
 class _ScatterToRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:
         ctx.group = group
         return _split_last(x, group)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+    def backward(ctx, grad: torch.Tensor):
         return gather_tensor(grad, -1, ctx.group), None
 
 

@@ -9,20 +9,25 @@ launched) gets no TP, seed 1024 and the CPU.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 __all__ = ["LaunchDefaults", "register_launch_defaults", "launch_defaults"]
 
 
 @dataclass(frozen=True)
 class LaunchDefaults:
-    tp_group: Any = None
+    tp_group: dist.ProcessGroup | None = None
     seed: int | None = None
     device: torch.device | None = None
-    tensor_rng: Callable[[], ContextManager[Any]] | None = None
+    tensor_rng: Callable[[], AbstractContextManager[Any]] | None = None
     tensor_mode: str | None = None  # parallel.tensor.mode: "mtp" or "msp" (sequence parallelism)
 
 

@@ -18,17 +18,16 @@ do not depend on the parameter's device or dtype (beyond the final cast).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
 
-from tessera.parallel.seeds import derive_seed
 from tessera.parallel.attrs import set_tensor_parallel_attrs
-from tessera.parallel.lowp import linear
 from tessera.parallel.comm import (
     copy_to_region,
     gather_from_region,
@@ -38,6 +37,8 @@ from tessera.parallel.comm import (
     scatter_to_region,
 )
 from tessera.parallel.fp8 import fp8_linear
+from tessera.parallel.lowp import linear
+from tessera.parallel.seeds import derive_seed
 from tessera.parallel.sequence import (
     gather_from_sequence_region,
     reduce_grad_over_group,
@@ -153,7 +154,7 @@ class ColumnParallelLinear(nn.Module):
         self.gather_output = gather_output
         self.init_std = init_std
         self.fp8_recipe: str | None = None  # set by the training setup (model.fp8): the GEMMs run in fp8
-        factory = {"device": device, "dtype": dtype}
+        factory: dict[str, Any] = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty(self.out_features_per_rank, in_features, **factory))
         set_tensor_parallel_attrs(self.weight, 0)
         if bias:
@@ -238,7 +239,7 @@ class RowParallelLinear(nn.Module):
         self.input_is_parallel = input_is_parallel
         self.init_std = init_std
         self.fp8_recipe: str | None = None  # set by the training setup (model.fp8): the GEMM runs in fp8
-        factory = {"device": device, "dtype": dtype}
+        factory: dict[str, Any] = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty(out_features, self.in_features_per_rank, **factory))
         set_tensor_parallel_attrs(self.weight, 1)
         if bias:

@@ -28,7 +28,7 @@ _REDUCTIONS = ("mean", "sum", "none")
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx,
         logits: torch.Tensor,
         target: torch.Tensor,
@@ -80,7 +80,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return loss.view(target.shape)
 
     @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):  # type: ignore[override]
+    def backward(ctx, grad_out: torch.Tensor):
         probs, local_t, mine, valid, count = ctx.saved_tensors
         eps = ctx.label_smoothing
         grad = probs - eps / ctx.vocab if eps > 0 else probs.clone()

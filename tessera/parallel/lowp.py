@@ -24,7 +24,7 @@ _NATIVE_FLAGS = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("a
 _LOGGED: set[torch.dtype] = set()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cpu_flags() -> frozenset[str]:
     try:
         with open("/proc/cpuinfo") as f:

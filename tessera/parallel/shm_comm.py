@@ -72,7 +72,7 @@ class ShmAllReduce:
     Build it with the collective ``ShmAllReduce.create(group)``.
     """
 
-    def __init__(self, group: Any, mm: mmap.mmap, slot_bytes: int, timeout_s: float) -> None:
+    def __init__(self, group: dist.ProcessGroup | None, mm: mmap.mmap, slot_bytes: int, timeout_s: float) -> None:
         self.group = group
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -86,8 +86,8 @@ class ShmAllReduce:
         self._slots = data.view(2, self.size, slot_bytes)
 
     @classmethod
-    def create(cls, group: Any, *, slot_bytes: int = 1 << 20,
-               timeout_s: float = 1800.0) -> tuple["ShmAllReduce | None", str | None]:
+    def create(cls, group: dist.ProcessGroup | None, *, slot_bytes: int = 1 << 20,
+               timeout_s: float = 1800.0) -> tuple[ShmAllReduce | None, str | None]:
         """Collective over ``group``: ``(instance, None)``, or ``(None, why)`` on every rank alike.
 
         Rank 0 of the group creates the segment, the others map it, all agree that everyone
@@ -146,6 +146,7 @@ class ShmAllReduce:
             if error is None:  # another rank failed: learn why so every rank reports the same reason
                 error = "another rank could not map the shared segment"
             return None, error
+        assert mm is not None  # ok == 1: every rank, this one included, mapped the segment
         return cls(group, mm, slot_bytes, timeout_s), None
 
     def close(self) -> None:

@@ -29,8 +29,9 @@ import copy
 import logging
 import os
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -124,7 +125,8 @@ def trace_iteration(cfg: Config, seed: int, save_dir: str | None = None) -> Step
     device = gpc.device
     batches = _synthetic_batches(cfg, seed)  # host tensors, made before counting (the loader's own memory)
     live = LiveBytes(device_type=device.type)
-    traffic = CollectiveTraffic(_group_names().get)
+    # (a name missing from _group_names() would map to None: every group a dry run uses is one of gpc's)
+    traffic = CollectiveTraffic(_group_names().get)  # type: ignore[arg-type]
     with live:
         stack = build_training_stack(cfg, seed=seed, device=device)
         optimizer, trainer = stack.optimizer, stack.trainer
@@ -141,7 +143,7 @@ def trace_iteration(cfg: Config, seed: int, save_dir: str | None = None) -> Step
             phases["optimizer"] = live.peak
             return out
 
-        optimizer.step = step_in_phases
+        optimizer.step = step_in_phases  # type: ignore[method-assign]  # restored after the two iterations
         for i in range(2):
             live.reset_peak()
             traffic.persistent = live.live_storages()
@@ -149,7 +151,7 @@ def trace_iteration(cfg: Config, seed: int, save_dir: str | None = None) -> Step
                 # the first only has to create the states: one micro-batch does
                 result = trainer.train_step(batches if i == 1 else batches[:1])
                 StopRequest().should_stop()  # the stop agreement, as the loop runs it after every step
-        optimizer.step = inner_step
+        optimizer.step = inner_step  # type: ignore[method-assign]
         step_peak = max(live.peak, *phases.values())
         after = live.current
         persistent = {k: int(v) for k, v in optimizer.memory_bytes().items() if k != "num_params"}
@@ -167,7 +169,8 @@ def trace_iteration(cfg: Config, seed: int, save_dir: str | None = None) -> Step
                 find_resumable_checkpoint(save_dir, Layout.from_gpc(), load=lambda path: path)
     return StepTrace(persistent=persistent, persistent_total=after, built=built, step_peak=step_peak,
                      backward_peak=phases["backward"], optimizer_peak=phases["optimizer"],
-                     save_peak=save_peak, comm=traffic.sent, comm_buffer=traffic.largest_buffer, tokens=result.tokens // max(1, gpc.data_parallel_size),
+                     save_peak=save_peak, comm=traffic.sent, comm_buffer=traffic.largest_buffer,
+                     tokens=result.tokens // max(1, gpc.data_parallel_size),
                      num_params=sum(p.numel() for p in optimizer.params))
 
 
@@ -176,12 +179,14 @@ def _object_collectives_answered_locally() -> Iterator[None]:
     """Barriers and object collectives of a simulated rank: answered from this rank's own object."""
     saved = {n: getattr(dist, n) for n in ("barrier", "all_gather_object", "gather_object", "broadcast_object_list")}
 
-    def all_gather_object(out: list, obj: Any, group: Any = None) -> None:
-        out[:] = [obj] * len(out)
+    # torch's parameter names, so a call by keyword works as with the real ones
+    def all_gather_object(object_list: list, obj: Any, group: dist.ProcessGroup | None = None) -> None:
+        object_list[:] = [obj] * len(object_list)
 
-    def gather_object(obj: Any, out: list | None = None, dst: int = 0, group: Any = None, **_: Any) -> None:
-        if out is not None:
-            out[:] = [obj] * len(out)
+    def gather_object(obj: Any, object_gather_list: list | None = None, dst: int | None = 0,
+                      group: dist.ProcessGroup | None = None, group_dst: int | None = None, **_: Any) -> None:
+        if object_gather_list is not None:
+            object_gather_list[:] = [obj] * len(object_gather_list)
 
     dist.barrier = lambda *a, **k: None
     dist.all_gather_object = all_gather_object

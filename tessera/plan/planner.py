@@ -105,6 +105,7 @@ def search_layouts(cfg: Config, gpus: int, memory_gib: float, *, gpu: str = "h10
                     if peak is None or peak > memory_gib * 2**30 * (1 - headroom):
                         continue
                     time, tokens = plan.predicted_step_time, plan.tokens_per_gpu_per_s
+                    assert time is not None and tokens is not None  # a named GPU: its peak gives a time
                     out.append(Candidate(tp, zero1, checkpoint, mb, per_replica // mb, peak, time, tokens))
     # best throughput; among equals the least memory
     out.sort(key=lambda c: (-round(c.tokens_per_gpu_per_s, 6), c.peak))

@@ -12,8 +12,6 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import torch
-
 from tessera.config import Config
 from tessera.config.precision import resolve_precision
 from tessera.dist.layout import Layout
@@ -22,8 +20,8 @@ from tessera.model.activations import activation_bytes
 from tessera.model.args import ModelArgs
 from tessera.parallel.sequence import TENSOR_MODES
 from tessera.plan.tracker import ring_bytes
-from tessera.train.metrics import gpu_peak_tflops
 from tessera.train.memory_check import param_counts
+from tessera.train.metrics import gpu_peak_tflops
 from tessera.train.precision_report import closed_form_bytes
 
 __all__ = ["GPUS", "StepShape", "Plan", "closed_form_plan", "step_flops_per_rank", "gpu_spec", "gpu_for_device_name"]
@@ -224,7 +222,8 @@ class Plan:
                  f"parameters on rank {lay.global_rank}",
                  "", f"{'memory per rank (GiB)':<44}{'traced':>9}{'closed form':>13}"]
         rows = [("weights", "weights"), ("main grads", "main_grads"), ("master weights", "masters"),
-                ("master compensation (Kahan)", "compensation"), ("optimizer states (Adam moments)", "optimizer_states"),
+                ("master compensation (Kahan)", "compensation"),
+                ("optimizer states (Adam moments)", "optimizer_states"),
                 ("= persistent state", "persistent"),
                 ("activations + backward working set (peak)", "backward_extra"),
                 ("  of which the loss's fp32 softmax", "loss"),
@@ -247,8 +246,9 @@ class Plan:
                 lines.append(f"step time: compute {self.step_time:.2f} s at {self.peak_tflops:.0f} TFLOP/s datasheet "
                              f"peak x MFU {self.mfu:.0%}, + TP collectives {self.tp_comm_time:.2f} s "
                              f"({link(self.layout.tp_size > GPUS_PER_NODE)} GB/s, not overlapped) + ZeRO weight "
-                             f"all-gather {self.zero_gather_time:.2f} s ({link(self.layout.world_size > GPUS_PER_NODE)} "
-                             f"GB/s) = {self.predicted_step_time:.2f} s, {self.tokens_per_gpu_per_s:,.0f} tokens/s per GPU")
+                             f"all-gather {self.zero_gather_time:.2f} s "
+                             f"({link(self.layout.world_size > GPUS_PER_NODE)} GB/s) = "
+                             f"{self.predicted_step_time:.2f} s, {self.tokens_per_gpu_per_s:,.0f} tokens/s per GPU")
         lines.append("planned, not measured: traced = live tensor bytes of one dry-run iteration on meta tensors")
         return "\n".join(lines)
 
@@ -259,8 +259,8 @@ def closed_form_plan(cfg: Config, lay: Layout, shape: StepShape, counts: tuple[i
     ``counts``: the parameter counts when known (they depend on the model and the TP size only)."""
     low, fp32 = counts or _param_counts(cfg, lay.tp_size)
     n = low + fp32
-    per = closed_form_bytes(cfg.model.dtype, lay.zero1_size, low, fp32, cfg.hybrid_zero_optimizer.get("reduce_dtype", "fp32"),
-                            _policy(cfg))
+    per = closed_form_bytes(cfg.model.dtype, lay.zero1_size, low, fp32,
+                            cfg.hybrid_zero_optimizer.get("reduce_dtype", "fp32"), _policy(cfg))
     mem = {role: per[role] * n for role in ROLES}
     mem["persistent"] = per["total"] * n
     tp = lay.tp_size

@@ -18,7 +18,8 @@ place in the persistent buffers; TP collectives work on activation-sized buffers
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist

@@ -9,8 +9,9 @@ is put together anywhere else.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -40,7 +41,7 @@ class Groups:
     world: ProcessGroup | None = None
 
     @classmethod
-    def from_gpc(cls) -> "Groups":
+    def from_gpc(cls) -> Groups:
         """The launched job's groups (none when nothing is launched: a single process)."""
         def group(mode: ParallelMode) -> ProcessGroup | None:
             return gpc.get_group(mode) if gpc.is_initialized(mode) else None

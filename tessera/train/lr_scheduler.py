@@ -7,7 +7,8 @@ drift from the optimizer's.
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 
 class WarmupCosineLR:
@@ -30,7 +31,7 @@ class WarmupCosineLR:
 
     @classmethod
     def from_config(cls, param_groups: Iterable[dict[str, Any]], adam_cfg: Mapping[str, Any],
-                    sched_cfg: Mapping[str, Any]) -> "WarmupCosineLR":
+                    sched_cfg: Mapping[str, Any]) -> WarmupCosineLR:
         return cls(param_groups, adam_cfg["lr"], sched_cfg["total_steps"], sched_cfg["warmup_ratio"],
                    sched_cfg["eta_min"], sched_cfg["init_steps"], sched_cfg["last_epoch"])
 

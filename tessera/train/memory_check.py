@@ -16,8 +16,9 @@ import functools
 import json
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -94,7 +95,8 @@ def available_bytes(device: torch.device) -> tuple[float, str]:
         free, _ = torch.cuda.mem_get_info(device)
         return float(free), f"free on {torch.cuda.get_device_name(device)}"
     per_node = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_NODE", "1")
-    local = int(re.match(r"\d+", per_node).group(0)) if re.match(r"\d+", per_node) else 1  # slurm: "8(x2)"
+    digits = re.match(r"\d+", per_node)  # slurm: "8(x2)"
+    local = int(digits.group(0)) if digits else 1
     try:
         with open("/proc/meminfo") as f:
             info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if ":" in line}

@@ -11,7 +11,8 @@ import logging
 import os
 import resource
 import time
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -116,6 +117,7 @@ class MetricsWriter:
 
     def _write(self, kind: str, step: int, values: Mapping[str, Any]) -> None:
         record = {"kind": kind, "step": step, "time": time.time(), **values}
+        assert self._jsonl is not None  # opened in __init__ when enabled; callers return early otherwise
         self._jsonl.write(json.dumps(record) + "\n")
         if self._tb is not None:
             prefix = "" if kind == "train" else f"{kind}/"
@@ -143,13 +145,14 @@ class MetricsWriter:
         if not self.enabled:
             return
         self._write("valid", step, values)
-        self._print("valid step {} | ".format(step) + " ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
+        self._print(f"valid step {step} | " + " ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
                                                             for k, v in values.items()))
 
     def log_event(self, message: str, **values: Any) -> None:
         """A one-off event (resume, checkpoint, skip) in the log and in metrics.jsonl."""
         if not self.enabled:
             return
+        assert self._jsonl is not None  # opened in __init__ when enabled
         self._jsonl.write(json.dumps({"kind": "event", "time": time.time(), "message": message, **values}) + "\n")
         self._print(message)
 

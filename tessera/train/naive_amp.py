@@ -12,15 +12,16 @@ from __future__ import annotations
 
 import fnmatch
 import logging
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from tessera.config import ConfigError
-from tessera.dist.context import ParallelMode, gpc
 from tessera.config.precision import Precision, resolve_precision
+from tessera.dist.context import ParallelMode, gpc
 from tessera.parallel.fp8 import RECIPES
 from tessera.parallel.layers import ColumnParallelLinear, RowParallelLinear
 
@@ -193,12 +194,12 @@ class NaiveAMPModel(nn.Module):
 
     # ------------------------------------------------------------------ casting
     def _convert(self, model: nn.Module) -> None:
-        fp32_ids = set()
+        fp32_ids: set[int] = set()
         for _, root in _fp32_roots(model):
             fp32_ids.update(id(m) for m in root.modules())
         for module in model.modules():
             target = torch.float32 if id(module) in fp32_ids else self.dtype
-            for name, p in module.named_parameters(recurse=False):
+            for _, p in module.named_parameters(recurse=False):
                 if p.is_floating_point() and p.dtype != target:
                     p.data = p.data.to(target)
             for name, b in module.named_buffers(recurse=False):

@@ -9,8 +9,9 @@ states, a leaked ``.grad``) shows up as a gap between the two columns.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -18,8 +19,8 @@ from torch import nn
 
 from tessera.config.precision import resolve_precision
 from tessera.optim.hybrid_zero import HybridZeroOptimizer
-from tessera.train.naive_amp import NaiveAMPModel, fp32_module_names, unwrap_model
 from tessera.optim.params import build_param_groups
+from tessera.train.naive_amp import NaiveAMPModel, fp32_module_names, unwrap_model
 
 __all__ = ["ModuleRow", "PrecisionReport", "closed_form_bytes", "precision_report", "POLICIES", "policy_table"]
 

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from tessera.model.transformer import logits_are_vocab_sharded
 from tessera.parallel import vocab_parallel_cross_entropy
@@ -30,7 +32,7 @@ def _to_device(batch: Mapping[str, Any], device: torch.device) -> dict[str, Any]
     return {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
 
 
-def _all_reduce_sum(values: list[float], group: Any, device: torch.device) -> list[float]:
+def _all_reduce_sum(values: list[float], group: dist.ProcessGroup | None, device: torch.device) -> list[float]:
     """Sum host numbers over ``group`` in fp64 on the compute ``device`` (NCCL refuses CPU tensors)."""
     if group is None:
         return list(values)
@@ -44,8 +46,9 @@ def _labelled_tokens(batch: Mapping[str, Any]) -> float:
 class Trainer:
     """Forward/backward/step for a TP x DP model wrapped in NaiveAMPModel + HybridZeroOptimizer."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: Any, *, tp_group: Any, dp_group: Any,
-                 device: torch.device, label_smoothing: float = 0.0, dp_size: int = 1):
+    def __init__(self, model: torch.nn.Module, optimizer: Any, *, tp_group: dist.ProcessGroup | None,
+                 dp_group: dist.ProcessGroup | None, device: torch.device, label_smoothing: float = 0.0,
+                 dp_size: int = 1):
         self.model = model
         self.optimizer = optimizer
         self.tp_group = tp_group
@@ -56,14 +59,15 @@ class Trainer:
         self.label_smoothing = label_smoothing
         self.dp_size = dp_size
 
-    def _loss(self, batch: Mapping[str, Any], reduction: str = "mean", label_smoothing: float | None = None) -> torch.Tensor:
+    def _loss(self, batch: Mapping[str, Any], reduction: str = "mean",
+              label_smoothing: float | None = None) -> torch.Tensor:
         logits = self.model(batch["input_ids"], cu_seqlens=batch.get("cu_seqlens"),
                             position_ids=batch.get("position_ids"))
         return vocab_parallel_cross_entropy(
             logits, batch["labels"], self.loss_group, ignore_index=-100,
             label_smoothing=self.label_smoothing if label_smoothing is None else label_smoothing, reduction=reduction)
 
-    def train_step(self, micro_batches: list[Mapping[str, Any]]) -> StepResult:
+    def train_step(self, micro_batches: Sequence[Mapping[str, Any]]) -> StepResult:
         """Accumulate gradients over the micro-batches, then one optimizer step (or a skip).
 
         The objective is the token-weighted mean over the whole global batch: each micro-batch's

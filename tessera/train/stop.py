@@ -43,7 +43,7 @@ class StopRequest:
             except FileNotFoundError:  # another rank on a shared filesystem removed it first
                 pass
 
-    def should_stop(self, group: Any = None) -> tuple[bool, str | None]:
+    def should_stop(self, group: dist.ProcessGroup | None = None) -> tuple[bool, str | None]:
         """Whether any rank of ``group`` (default: all ranks) was asked to stop; the same answer everywhere.
 
         The flag is reduced on the device the group's backend serves (on NCCL: the GPU).
