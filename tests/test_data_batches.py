@@ -14,8 +14,15 @@ import numpy as np
 import pytest
 import torch
 
-from tessera.data import (ByteTokenizer, DataError, GlobalRowSampler, PackedRows, TokenFileWriter, build_data,
-                          open_token_folder)
+from tessera.data import (
+    ByteTokenizer,
+    DataError,
+    GlobalRowSampler,
+    PackedRows,
+    TokenFileWriter,
+    build_data,
+    open_token_folder,
+)
 
 EOD = 256
 L = 16

@@ -8,7 +8,6 @@ MODEL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_kv_attenti
 
 
 def _worker(rank, world):
-    import torch
 
     from tessera.config import Config
     from tessera.dist import ParallelMode, gpc, launch_from_torch

@@ -12,8 +12,8 @@ import torch
 from harness.distributed import run_torchrun
 from tessera.config import Config
 from tessera.train import memory_check
-from tessera.train.memory_check import check_memory, plan_persistent_state
 from tessera.train.builder import build_training_stack
+from tessera.train.memory_check import check_memory, plan_persistent_state
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "tiny.py")

@@ -25,8 +25,8 @@ import torch.nn.functional as F
 from harness.distributed import run_distributed
 from tessera.config import Config
 from tessera.dist import gpc, launch_from_torch
-from tessera.model import build_model, count_parameters, flops_per_token, rotary_cos_sin
 from tessera.model import attention as attention_module
+from tessera.model import build_model, count_parameters, flops_per_token, rotary_cos_sin
 from tessera.model.rotary import apply_rotary
 from tessera.parallel import ColumnParallelLinear, MetaGroup, RowParallelLinear, vocab_parallel_cross_entropy
 from tessera.parallel.attrs import partition_dim

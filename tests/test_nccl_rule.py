@@ -25,9 +25,9 @@ from harness.fake_cuda import fake_cuda_mode
 from tessera.checkpoint import Layout, find_resumable_checkpoint
 from tessera.checkpoint.training import _all_agree
 from tessera.config import Config
+from tessera.parallel.comm import collective_device, reduce_scalars
 from tessera.train.builder import Groups, build_training_stack
 from tessera.train.stop import StopRequest
-from tessera.parallel.comm import collective_device, reduce_scalars
 
 CUDA = torch.device("cuda")
 MODEL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_kv_attention_heads=2, vocab_size=256,

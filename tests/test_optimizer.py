@@ -10,9 +10,9 @@ from torch import nn
 
 from tessera.config import SCHEMA
 from tessera.optim.hybrid_zero import HybridZeroOptimizer, TooManySkippedSteps
+from tessera.optim.params import build_param_groups
 from tessera.optim.settings import ZeroSettings
 from tessera.train.naive_amp import NaiveAMPModel, unwrap_model
-from tessera.optim.params import build_param_groups
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

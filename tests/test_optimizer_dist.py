@@ -83,8 +83,8 @@ def _dp2_worker(rank, world, batches, resume_at):
 
 def _report_part():
     from tessera.config import Config
-    from tessera.train.precision_report import precision_report
     from tessera.model import build_model
+    from tessera.train.precision_report import precision_report
 
     cfg = Config.from_file(os.path.join(ROOT, "configs", "tiny.py"))
     model = build_model(cfg.model, tp_group=None, seed=0, device="cpu")

@@ -92,8 +92,8 @@ def _gloo_reduce_scatter_worker(rank: int, world: int) -> tuple[int, int]:
     import torch
     import torch.distributed as dist
 
-    from tessera.plan.tracker import LiveBytes
     from tessera.optim.groups import GroupComm
+    from tessera.plan.tracker import LiveBytes
 
     flat = torch.ones(4096)
     live = LiveBytes()

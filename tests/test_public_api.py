@@ -5,6 +5,10 @@ import importlib
 
 
 def test_the_design_import_block_runs_and_names_the_real_objects():
+    import tessera.config
+    import tessera.config.precision
+    import tessera.dist
+    import tessera.train.naive_amp
     from tessera.core.config import Config, ConfigError
     from tessera.core.context import ParallelMode, gpc, launch_from_slurm, launch_from_torch
     from tessera.core.grad_scaler import DynamicGradScaler
@@ -12,13 +16,12 @@ def test_the_design_import_block_runs_and_names_the_real_objects():
     from tessera.core.optimizer import HybridZeroOptimizer
     from tessera.core.precision import parse_dtype
     from tessera.model import RMSNorm, build_model
-    from tessera.parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                                  vocab_parallel_cross_entropy)
-
-    import tessera.config
-    import tessera.config.precision
-    import tessera.dist
-    import tessera.train.naive_amp
+    from tessera.parallel import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+        vocab_parallel_cross_entropy,
+    )
 
     assert (Config, ConfigError) == (tessera.config.Config, tessera.config.ConfigError)
     assert (gpc, ParallelMode, launch_from_torch, launch_from_slurm) == (

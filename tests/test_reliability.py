@@ -27,8 +27,16 @@ import pytest
 import torch
 from torch import nn
 
-from tessera.checkpoint import (CheckpointError, Layout, Progress, TrainState, find_resumable_checkpoint,
-                                list_checkpoints, load_checkpoint, save_checkpoint)
+from tessera.checkpoint import (
+    CheckpointError,
+    Layout,
+    Progress,
+    TrainState,
+    find_resumable_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    save_checkpoint,
+)
 from tessera.checkpoint import tree as ckpt_tree  # its ``save_file`` is what the crash test wraps
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -64,7 +72,7 @@ class Run:
         self.stdout = self.stderr = ""
         self.elapsed = None
 
-    def wait(self, timeout=LAUNCH_TIMEOUT) -> "Run":
+    def wait(self, timeout=LAUNCH_TIMEOUT) -> Run:
         try:
             self.stdout, self.stderr = self.proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -78,7 +86,7 @@ class Run:
     def rc(self) -> int:
         return self.proc.returncode
 
-    def check_ok(self) -> "Run":
+    def check_ok(self) -> Run:
         assert self.rc == 0, f"launch failed ({self.rc}):\n{self.stdout[-2000:]}\n{self.stderr[-5000:]}"
         return self
 

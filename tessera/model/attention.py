@@ -23,18 +23,19 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.nn as nn
 from einops import rearrange
 
-from tessera.parallel import lowp
-
 from tessera.model.args import check_sizes
 from tessera.model.recompute import keep_gemm_outputs
 from tessera.model.rotary import apply_rotary, document_ids
+from tessera.parallel import lowp
 from tessera.parallel.comm import group_size, to_host
 from tessera.parallel.layers import ColumnParallelLinear, RowParallelLinear, column_parallel_linears, divide
 
@@ -111,6 +112,7 @@ class AttentionPlan:
     def varlen(self, device: torch.device) -> tuple[torch.Tensor, int]:
         """int32 ``cu_seqlens`` on ``device`` and the longest document (flash_attn_varlen_func)."""
         if self._varlen is None:
+            assert self.cu_seqlens is not None, "varlen attention needs cu_seqlens"
             max_seqlen = int(to_host((self.cu_seqlens[1:] - self.cu_seqlens[:-1]).max()))  # no sync on a CPU cu_seqlens
             self._varlen = (self.cu_seqlens.to(device=device, dtype=torch.int32), max_seqlen)
         return self._varlen
@@ -118,6 +120,7 @@ class AttentionPlan:
     def mask(self, device: torch.device) -> torch.Tensor:
         """``[B, 1, S, S]`` bool, True where a query may attend (same document, not in the future)."""
         if self._mask is None:
+            assert self.cu_seqlens is not None, "a packed mask needs cu_seqlens"
             docs = document_ids(self.cu_seqlens.to(device), self.batch, self.seqlen)
             causal = torch.ones(self.seqlen, self.seqlen, dtype=torch.bool, device=device).tril()
             self._mask = ((docs.unsqueeze(2) == docs.unsqueeze(1)) & causal).unsqueeze(1)
@@ -227,7 +230,7 @@ class Attention(nn.Module):
         attn_dropout: float = 0.0,
         init_std: float = 0.02,
         out_init_std: float | None = None,
-        tensor_rng: Callable[[], ContextManager[Any]] | None = None,
+        tensor_rng: Callable[[], AbstractContextManager[Any]] | None = None,
         layer_index: int = 0,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,

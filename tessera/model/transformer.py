@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Callable, ContextManager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -36,15 +38,15 @@ from tessera.model.norm import RMSNorm
 from tessera.model.recompute import full_checkpoint, selective_checkpoint
 from tessera.model.rotary import positions_from_cu_seqlens, rotary_cos_sin
 from tessera.parallel.comm import group_size
-from tessera.parallel.sequence import TENSOR_MODES, sequence_dropout
 from tessera.parallel.defaults import launch_defaults
 from tessera.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from tessera.parallel.sequence import TENSOR_MODES, sequence_dropout
 
 logger = logging.getLogger("tessera")
 
 __all__ = ["DecoderLayer", "Transformer", "build_model", "check_tensor_parallel_sizes", "logits_are_vocab_sharded"]
 
-TensorRNG = Callable[[], ContextManager[Any]]
+TensorRNG = Callable[[], AbstractContextManager[Any]]
 _INIT_MODULES = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, RMSNorm)
 
 
@@ -103,7 +105,9 @@ class DecoderLayer(nn.Module):
         # each rank keeps its chunk of the full-sequence mask (the same mask as mtp)
         if not (self.training and self.dropout > 0):
             return x
-        return sequence_dropout(x, self.dropout, self.process_group) if sp else F.dropout(x, self.dropout, training=True)
+        if sp:
+            return sequence_dropout(x, self.dropout, self.process_group)
+        return F.dropout(x, self.dropout, training=True)
 
 
 class Transformer(nn.Module):

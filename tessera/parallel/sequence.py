@@ -27,7 +27,8 @@ Every collective runs on the tensor's own device and dtype (never a copy to the 
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -113,23 +114,23 @@ def _reduce_scatter_chunks(chunks: list[torch.Tensor], group: Any, dim: int) -> 
 
 class _GatherFromSequence(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Any, dim: int) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, x: torch.Tensor, group: Any, dim: int) -> torch.Tensor:
         ctx.group, ctx.dim = group, dim
         return all_gather_sequence(x, group, dim)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+    def backward(ctx, grad: torch.Tensor):
         return reduce_scatter_sequence(grad, ctx.group, ctx.dim), None, None
 
 
 class _ReduceScatterToSequence(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Any, dim: int) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, x: torch.Tensor, group: Any, dim: int) -> torch.Tensor:
         ctx.group, ctx.dim = group, dim
         return reduce_scatter_sequence(x, group, dim)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+    def backward(ctx, grad: torch.Tensor):
         return all_gather_sequence(grad.contiguous(), ctx.group, ctx.dim), None, None
 
 
@@ -149,8 +150,9 @@ class _SequenceParallelLinears(torch.autograd.Function):
     """``[gather(x) W_i^T + b_i for i]``, saving the chunk ``x`` (not the gathered input) for backward."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Any, dim: int, count: int, *params: torch.Tensor | None):  # type: ignore[override]
-        weights, biases = params[:count], params[count:]
+    def forward(ctx, x: torch.Tensor, group: Any, dim: int, count: int, *params: torch.Tensor | None):
+        weights = [w for w in params[:count] if w is not None]  # weights are never None; biases may be
+        biases = params[count:]
         full = all_gather_sequence(x, group, dim)
         outs = tuple(linear_no_autograd(full, w, b) for w, b in zip(weights, biases))
         ctx.save_for_backward(x, *weights)
@@ -159,7 +161,7 @@ class _SequenceParallelLinears(torch.autograd.Function):
         return outs
 
     @staticmethod
-    def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
+    def backward(ctx, *grads: torch.Tensor):
         x, *weights = ctx.saved_tensors
         count, needs = ctx.count, ctx.needs_input_grad
         full = all_gather_sequence(x, ctx.group, ctx.dim)  # gathered again: only the chunk was kept
@@ -173,12 +175,14 @@ class _SequenceParallelLinears(torch.autograd.Function):
         grad_x = None
         if needs[0]:  # the input gradient, computed chunk by chunk: the reduce-scatter's inputs, no extra copy
             n = x.shape[ctx.dim]
-            chunks = []
+            chunks: list[torch.Tensor] = []
             for r in range(group_size(ctx.group)):
-                part = None
+                part: torch.Tensor | None = None
                 for g, w in zip(grads, weights):
                     gx = linear_grads(g.narrow(ctx.dim, r * n, n), x, w, False, (True, False, False))[0]
+                    assert gx is not None  # the input gradient was asked for
                     part = gx if part is None else part.add_(gx)  # fresh from the GEMM: in place
+                assert part is not None  # count >= 1 linears
                 chunks.append(part)
             grad_x = _reduce_scatter_chunks(chunks, ctx.group, ctx.dim)
         return (grad_x, None, None, None, *grad_w, *grad_b)
