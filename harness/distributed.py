@@ -148,7 +148,9 @@ def run_torchrun(
 ) -> subprocess.CompletedProcess[str]:
     """Run ``torchrun <torchrun_args> --nproc_per_node=N <args>`` and capture its output (no check).
 
-    A run longer than ``timeout`` is killed (the whole process group) and reported with exit code 124.
+    A run longer than ``timeout`` is killed (torchrun and every process below it: torchrun starts each
+    worker in a session of its own, so killing torchrun's process group alone would leave hung workers
+    holding the output pipes open) and reported with exit code 124.
     """
     import signal
     import subprocess
@@ -163,7 +165,33 @@ def run_torchrun(
         out, err = proc.communicate(timeout=timeout)
         code = proc.returncode
     except subprocess.TimeoutExpired:
+        below = descendants(proc.pid)
         os.killpg(proc.pid, signal.SIGKILL)
+        for pid in below:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         out, err = proc.communicate()
         code = 124
     return subprocess.CompletedProcess(cmd, code, out, err)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (children, grandchildren, ...), read from /proc; [] without /proc."""
+    children: dict[int, list[int]] = {}
+    for name in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found

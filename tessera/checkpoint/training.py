@@ -3,9 +3,11 @@ changed), and all ranks agree on which checkpoint to resume from.
 
 Every file is written through ``write_tree`` into ``.step_<N>.partial``; rank 0 writes meta.json last
 and publishes the folder with the atomic folder commit. Auto-resume tries complete checkpoints newest
-first, verifying each file's size and hash before trusting it; the ranks agree after every attempt
-(on the device of the group's backend: NCCL refuses CPU tensors), so one damaged file on one rank
-makes all ranks fall back together.
+first. Before any collective of a load, every rank checks the files it will read (present, size and
+sha256 as meta.json lists them) and all ranks agree on the verdict, exchanging the error texts (on the
+device of the group's backend: NCCL refuses CPU tensors): a file damaged or missing on one rank's side
+makes all ranks skip that step together, and every rank logs which file on which rank was bad. A
+second agreement after every attempt catches what only the load itself finds.
 """
 
 from __future__ import annotations
@@ -62,13 +64,38 @@ def _all_agree(ok: bool) -> bool:
     return bool(reduce_scalars([1 if ok else 0], None, op=dist.ReduceOp.MIN, dtype=torch.int32)[0])
 
 
-def _gather_errors(error: str | None, layout: Layout) -> list[str]:
-    """Every rank's error message (rank-tagged), so rank 0 can report what another rank found."""
-    if not _dist() or layout.world_size == 1:
+_ERROR_BYTES = 2000  # the most of one rank's error text (UTF-8) that the exchange carries
+
+
+def _exchange_errors(error: str | None) -> list[str]:
+    """Every rank's error text, the same list on every rank; ``[]`` when no rank has one. A collective.
+
+    All ranks with the same text are named once (``ranks 0,2: ...``); a text every rank reported comes
+    without a rank. The success path is one flag reduced like ``_all_agree``; only when a rank failed
+    are the texts exchanged: their lengths, then their bytes, each by ``reduce_scalars`` on the device
+    the default group's backend serves (every rank fills only its own slots, the sum is the exchange).
+    """
+    if _all_agree(error is None):
+        return []
+    if not _dist():
         return [error] if error else []
-    errors: list[Any] = [None] * layout.world_size
-    dist.all_gather_object(errors, error)
-    return [f"rank {r}: {e}" for r, e in enumerate(errors) if e]
+    world, rank = dist.get_world_size(), dist.get_rank()
+    data = b"" if error is None else (error or "failed without a message").encode("utf-8")[:_ERROR_BYTES]
+    lengths = [0] * world
+    lengths[rank] = len(data)
+    lengths = [int(n) for n in reduce_scalars(lengths, None, dtype=torch.int32)]
+    start = sum(lengths[:rank])
+    buf = [0] * sum(lengths)
+    buf[start:start + len(data)] = data
+    got = bytes(int(b) for b in reduce_scalars(buf, None, dtype=torch.uint8)) if buf else b""
+    by_text: dict[str, list[int]] = {}
+    at = 0
+    for r, n in enumerate(lengths):
+        if n:
+            by_text.setdefault(got[at:at + n].decode("utf-8", errors="replace"), []).append(r)
+        at += n
+    return [text if len(ranks) == world else f"rank{'s' if len(ranks) > 1 else ''} "
+            f"{','.join(map(str, ranks))}: {text}" for text, ranks in by_text.items()]
 
 
 # ---------------------------------------------------------------------------------------- save
@@ -183,22 +210,59 @@ def load_checkpoint(
 ) -> dict[str, Any]:
     """Load ``path`` into every component of ``state``; returns meta.json.
 
-    Every rank must call this. A damaged or missing file raises ``CheckpointError`` naming it.
+    Every rank must call this. First every rank checks the files it will read (meta.json, then each
+    file present and, with ``verify``, of the size and sha256 meta.json lists) and all ranks agree on
+    the verdict before the load's first collective: when any rank cannot read its files, every rank
+    raises the same ``CheckpointError``, naming each bad file and the rank that found it.
     ``load_optimizer=False`` / ``load_components=False`` restore the weights only. Per-rank components
     (RNG streams) are restored only when the layout is unchanged; ``meta["rank_state_loaded"]`` says
     whether they were.
     """
     model, optimizer = state.model, state.optimizer
+    error = None
+    try:
+        meta, need, optim = _files_to_read(path, state, layout, load_optimizer, load_components)
+        if verify:
+            verify_files(path, need, meta)
+        else:
+            missing = [n for n in need if not os.path.isfile(os.path.join(path, n))]
+            if missing:
+                raise CheckpointError(f"{os.path.join(path, missing[0])} is missing")
+    except CheckpointError as e:
+        error = str(e)
+    except OSError as e:  # unreadable (permissions, I/O error) rather than damaged
+        error = f"{path}: cannot read {e.filename or 'a file'}: {e.strerror or e}"
+    # the agreement: before the optimizer's ZeRO all-gather, which a rank that stopped here would never join
+    errors = _exchange_errors(error)
+    if errors:
+        raise CheckpointError("; ".join(errors))
+
+    old_tp = int(meta["layout"]["tp_size"])
+    if layout.tp_size != old_tp:
+        logger.info("resharding %s from TP=%d to TP=%d", path, old_tp, layout.tp_size)
+    params = model_param_dims(model)
+    _load_model_state(model, _load_state(path, "model", old_tp, layout, params), path)
+    if optim is not None:
+        _load_optimizer(path, *optim, optimizer, old_tp, layout, params)
+    if load_components:
+        state.load_state_dict(meta["trainer_state"], path)
+    rng_file = rng_name(layout.global_rank)
+    meta["rank_state_loaded"] = rng_file in need
+    if meta["rank_state_loaded"]:
+        state.load_rank_state_dict(read_tree(os.path.join(path, rng_file)), path)
+    return meta
+
+
+def _files_to_read(path: str, state: TrainState, layout: Layout, load_optimizer: bool, load_components: bool
+                   ) -> tuple[dict[str, Any], list[str], tuple[str, list[list[str]]] | None]:
+    """``(meta, the files this rank reads, the optimizer files as _optim_files gives them or None)``."""
     meta = read_meta(path)
     old = meta["layout"]
     old_tp = int(old["tp_size"])
-    if layout.tp_size != old_tp:
-        logger.info("resharding %s from TP=%d to TP=%d", path, old_tp, layout.tp_size)
     tp_ranks = list(range(old_tp)) if old_tp != layout.tp_size else [layout.tp_rank]
     need = [shard_name("model", t) for t in tp_ranks]
-    want_optim = load_optimizer and optimizer is not None and meta.get("has_optimizer")
-    optim: tuple[str, list[list[str]]] | None = None  # set (or raised) when want_optim
-    if want_optim:
+    optim: tuple[str, list[list[str]]] | None = None
+    if load_optimizer and state.optimizer is not None and meta.get("has_optimizer"):
         optim = _optim_files(meta, tp_ranks)
         if optim is None:
             raise CheckpointError(f"{path}: meta.json says it has an optimizer state but lists no optimizer files "
@@ -208,19 +272,7 @@ def load_checkpoint(
     rng_file = rng_name(layout.global_rank)
     if load_components and state.per_rank and same_layout and rng_file in meta["files"]:
         need.append(rng_file)
-    if verify:
-        verify_files(path, need, meta)
-
-    params = model_param_dims(model)
-    _load_model_state(model, _load_state(path, "model", old_tp, layout, params), path)
-    if optim is not None:
-        _load_optimizer(path, *optim, optimizer, old_tp, layout, params)
-    if load_components:
-        state.load_state_dict(meta["trainer_state"], path)
-    meta["rank_state_loaded"] = rng_file in need
-    if meta["rank_state_loaded"]:
-        state.load_rank_state_dict(read_tree(os.path.join(path, rng_file)), path)
-    return meta
+    return meta, need, optim
 
 
 def _load_model_state(model: torch.nn.Module, state: Mapping[str, torch.Tensor], path: str) -> None:
@@ -244,9 +296,11 @@ def _load_model_state(model: torch.nn.Module, state: Mapping[str, torch.Tensor],
 def find_resumable_checkpoint(folder: str, layout: Layout, *, load: Callable[[str], Any]) -> tuple[str | None, Any]:
     """Try complete checkpoints newest first; all ranks agree on each; a damaged one is skipped.
 
-    ``load(path)`` performs the actual load and raises ``CheckpointError`` when a file is damaged. The
-    ranks agree after every attempt, so a file damaged on one rank's side makes all ranks fall back,
-    and every rank logs which file on which rank was damaged. Interrupted saves are tidied up (rank 0,
+    ``load(path)`` performs the actual load and raises ``CheckpointError`` when a file is damaged
+    (``load_checkpoint`` does so on every rank together, before any collective, when one rank's files
+    are missing or damaged). The ranks agree again after every attempt, so whatever a load finds on
+    one rank's side makes all ranks fall back to the newest step all can read, and every rank logs
+    which file on which rank was bad. Interrupted saves are tidied up (rank 0,
     with a warning) first. Returns ``(None, None)`` when the folder holds no checkpoint; raises
     ``CheckpointError`` when it holds some but none is usable (rather than silently starting over).
     """
@@ -262,9 +316,10 @@ def find_resumable_checkpoint(folder: str, layout: Layout, *, load: Callable[[st
             result = load(path)
         except CheckpointError as e:
             error = str(e)
-        if _all_agree(error is None):
+        errors = _exchange_errors(error)  # agreed before the load's collectives too (load_checkpoint)
+        if not errors:
             return path, result
-        why = "; ".join(_gather_errors(error, layout))
+        why = "; ".join(errors)
         logger.warning("checkpoint %s is unusable (%s); falling back to the previous one", path, why)
         failures.append(f"{path}: {why}")
     if failures:

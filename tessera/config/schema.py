@@ -164,6 +164,9 @@ SCHEMA = Section(
                 "bias": _arg("bias", BOOL, doc="biases on attention and MLP projections"),
                 "fp32_modules": Key((list, tuple), [], _str_list, doc="fnmatch patterns of module names kept fp32"),
                 "use_fp32_norm": Key(BOOL, False, doc="keep every norm module fp32 (InternEvo's switch)"),
+                "allow_reduced_precision_reduction": Key(
+                    BOOL, False, doc="let cuBLAS reduce bf16/fp16 GEMM partial sums (split-K) in bf16/fp16, "
+                                     "faster on some shapes; False: fp32, as the precision table promises"),
                 "fp8": Section(
                     {
                         "enabled": Key(BOOL, False, doc="fp8 GEMMs in the parallel linears (bf16 model only)"),

@@ -3,7 +3,7 @@
 ``launch`` validates the layout before any collective (a bad world size is a ConfigError on every
 rank, never a hang), joins the default group, builds the TENSOR/DATA/ZERO1 groups of ``gpc``, warns
 when a TP group crosses nodes, routes a node-local CPU TP group's all-reduces through shared memory,
-applies the dtype's TF32 switches and seeds the RNG streams.
+applies the precision switches (TF32, reduced-precision reductions) and seeds the RNG streams.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def launch(
     gpc.init_parallel_groups(tp, zero1, cfg.dist.timeout_s)
     _check_tensor_groups_are_node_local()
     _setup_shm_all_reduce(cfg)
-    apply_precision(cfg.model.dtype)
+    apply_precision(cfg.model.dtype, reduced_precision_reduction=cfg.model.allow_reduced_precision_reduction)
     torch.backends.cudnn.deterministic = cfg.cudnn_deterministic
     torch.backends.cudnn.benchmark = cfg.cudnn_benchmark
     gpc.set_seed(cfg.seed if seed is None else seed)

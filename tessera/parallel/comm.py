@@ -21,6 +21,7 @@ scatter_to_region   keep this rank's slice       all-gather along last dim
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -155,7 +156,7 @@ def to_host(t: torch.Tensor) -> Any:
     return t.tolist()
 
 
-def reduce_scalars(values: list[float], group: dist.ProcessGroup | None,
+def reduce_scalars(values: Sequence[float], group: dist.ProcessGroup | None,
                    op: dist.ReduceOp | dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
                    device: torch.device | None = None, dtype: torch.dtype = torch.float64) -> list[Any]:
     """All-reduce a few Python numbers over ``group`` (``None``: the default group) and return them.
