@@ -4,6 +4,7 @@
     distributed.py  ``run_distributed``: a function on N spawned CPU processes (gloo), bounded by a
                     timeout, the failing rank's traceback raised; ``run_torchrun``; ``free_port``
     fake_cuda.py    ``fake_cuda_mode``: CUDA tensors without a GPU (the NCCL-rule tests)
+    state.py        ``HeldState``: a resumable component holding any state tree (checkpoint tests)
 
 Importable wherever the repository root is on ``sys.path``: under pytest (``pythonpath = .`` in
 pytest.ini) and under ``python -m benchmarks`` started from the root. Spawned workers inherit the

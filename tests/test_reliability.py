@@ -27,6 +27,7 @@ import pytest
 import torch
 from torch import nn
 
+from harness.state import HeldState
 from tessera.checkpoint import (
     CheckpointError,
     Layout,
@@ -235,22 +236,9 @@ def test_kill_during_save_resumes_from_previous_checkpoint(tmp_path, ref):
     assert sorted(os.listdir(ckpt)) == ["step_6", f"step_{N}"]  # keep_last=2, nothing partial left
 
 
-class _Held:
-    """A component that holds whatever state tree it is given (a stand-in for the RNG streams)."""
-
-    def __init__(self, state=None):
-        self.state = state
-
-    def state_dict(self):
-        return self.state
-
-    def load_state_dict(self, state):
-        self.state = state
-
-
 def _tiny_state(model, step=0, rng=None, optimizer=None) -> TrainState:
     state = TrainState(model, optimizer, progress=Progress(step))
-    state.register("rng", _Held(rng), per_rank=True)
+    state.register("rng", HeldState(rng), per_rank=True)
     return state
 
 

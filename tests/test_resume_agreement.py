@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from harness.distributed import run_distributed, run_torchrun
+from harness.state import HeldState
 from tessera.checkpoint import (
     CheckpointError,
     Layout,
@@ -40,19 +41,6 @@ BOUND_S = 60  # a resume that neither finishes nor stops within this is a hang
 
 
 # ------------------------------------------------------------------------------------------ gloo jobs
-class _Held:
-    """A per-rank component holding a small state tree (a stand-in for the RNG streams)."""
-
-    def __init__(self, state=None):
-        self.state = state
-
-    def state_dict(self):
-        return self.state
-
-    def load_state_dict(self, state):
-        self.state = state
-
-
 def _flip(path: str) -> None:
     data = bytearray(open(path, "rb").read())
     at = len(data) // 2
@@ -91,7 +79,7 @@ def _case(rank: int, world: int, zero: int, zero_group, folder: str) -> dict:
         opt = HybridZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=0.05), dp_group=whole,
                                   zero1_group=zero_group, global_group=whole)
         state = TrainState(unwrap_model(model), opt, progress=Progress())
-        state.register("rng", _Held({"t": torch.full((3,), float(rank))}), per_rank=True)
+        state.register("rng", HeldState({"t": torch.full((3,), float(rank))}), per_rank=True)
         return model, opt, state
 
     model, opt, state = build(0)
