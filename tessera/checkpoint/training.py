@@ -31,7 +31,7 @@ from tessera.checkpoint.state import TrainState
 from tessera.checkpoint.tree import read_tree, write_tree
 from tessera.dist.layout import Layout
 from tessera.files import commit_folder, discard_folder, hidden_sibling
-from tessera.parallel.comm import reduce_scalars
+from tessera.parallel.comm import reduce_scalars, share_texts
 
 __all__ = ["save_checkpoint", "load_checkpoint", "find_resumable_checkpoint"]
 
@@ -64,38 +64,13 @@ def _all_agree(ok: bool) -> bool:
     return bool(reduce_scalars([1 if ok else 0], None, op=dist.ReduceOp.MIN, dtype=torch.int32)[0])
 
 
-_ERROR_BYTES = 2000  # the most of one rank's error text (UTF-8) that the exchange carries
-
-
 def _exchange_errors(error: str | None) -> list[str]:
     """Every rank's error text, the same list on every rank; ``[]`` when no rank has one. A collective.
 
-    All ranks with the same text are named once (``ranks 0,2: ...``); a text every rank reported comes
-    without a rank. The success path is one flag reduced like ``_all_agree``; only when a rank failed
-    are the texts exchanged: their lengths, then their bytes, each by ``reduce_scalars`` on the device
-    the default group's backend serves (every rank fills only its own slots, the sum is the exchange).
+    The success path is the one flag of ``_all_agree``; only when a rank failed are the texts exchanged
+    (``tessera.parallel.comm.share_texts``: lengths, then bytes, on the device the group's backend serves).
     """
-    if _all_agree(error is None):
-        return []
-    if not _dist():
-        return [error] if error else []
-    world, rank = dist.get_world_size(), dist.get_rank()
-    data = b"" if error is None else (error or "failed without a message").encode("utf-8")[:_ERROR_BYTES]
-    lengths = [0] * world
-    lengths[rank] = len(data)
-    lengths = [int(n) for n in reduce_scalars(lengths, None, dtype=torch.int32)]
-    start = sum(lengths[:rank])
-    buf = [0] * sum(lengths)
-    buf[start:start + len(data)] = data
-    got = bytes(int(b) for b in reduce_scalars(buf, None, dtype=torch.uint8)) if buf else b""
-    by_text: dict[str, list[int]] = {}
-    at = 0
-    for r, n in enumerate(lengths):
-        if n:
-            by_text.setdefault(got[at:at + n].decode("utf-8", errors="replace"), []).append(r)
-        at += n
-    return [text if len(ranks) == world else f"rank{'s' if len(ranks) > 1 else ''} "
-            f"{','.join(map(str, ranks))}: {text}" for text, ranks in by_text.items()]
+    return [] if _all_agree(error is None) else share_texts(error, None)
 
 
 # ---------------------------------------------------------------------------------------- save
