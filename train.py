@@ -248,6 +248,8 @@ def run() -> None:
     try:
         sys.exit(main())
     except (ConfigError, DataError, CheckpointError, TrainingStopped) as e:
+        if getattr(e, "every_rank", False) and dist.is_initialized():
+            _exit_together(str(e))  # every rank raised it together: each reports before any exits
         _report(f"error: {e}")
     except Exception:  # noqa: BLE001 - report with the traceback, then take the whole job down
         _report(f"training failed:\n{traceback.format_exc()}")
