@@ -1,7 +1,7 @@
 """Train a tessera decoder: ``torchrun --nproc_per_node=N train.py --config configs/7B.py [key.sub=value ...]``.
 
-Read top to bottom: config -> launch (groups, seeds, precision) -> will it fit -> data -> model -> precision wrapper
--> optimizer and LR schedule -> resume -> loop (step, log, validate, checkpoint, stop) -> final
+Read top to bottom: config -> launch (groups, seeds, precision) -> writable folders -> will it fit -> data -> model
+-> precision wrapper -> optimizer and LR schedule -> resume -> loop (step, log, validate, checkpoint, stop) -> final
 validation, checkpoint and sample.
 """
 
@@ -30,6 +30,7 @@ from tessera.data import build_data
 from tessera.data.errors import DataError
 from tessera.model import flops_per_token
 from tessera.model.kv_cache import generate_ids_cached
+from tessera.parallel.comm import agree_on_errors
 
 logger = logging.getLogger("tessera")
 
@@ -90,6 +91,12 @@ def main(argv: list[str] | None = None) -> int:
     is_rank0 = gpc.get_global_rank() == 0
     logger.info("launched: world %d = tp %d x dp %d, zero1 %d, dtype %s, device %s", layout.world_size,
                 layout.tp_size, layout.dp_size, layout.zero1_size, precision.name, device)
+
+    # 2b. the folders the run writes (logs, checkpoints, data cache): a problem on any rank stops every rank
+    #     now, not at the first save
+    problems = agree_on_errors(output_folder_problem(cfg))
+    if problems:
+        _exit_together("; ".join(problems))
 
     # 3. will it fit: the persistent state of this layout (counted on the meta device) vs this rank's memory
     if not args.skip_memory_check:
@@ -220,6 +227,24 @@ def dry_run_report(cfg: Config, config_name: str) -> int:
     plan = make_plan(cfg, world, config_name=config_name, gpu=gpu)
     print(plan.format(), flush=True)
     return 1 if plan.fits is False else 0
+
+
+def output_folder_problem(cfg: Config) -> str | None:
+    """Every folder the run will write — logs, checkpoints, the data cache when it has to be filled — is
+    created if missing and written to once; the first that fails, as ``key=path: what failed``, or None."""
+    from tessera.data.stdlib_corpus import stdlib_corpus_ready
+    from tessera.files import folder_write_problem
+
+    folders = [("log_folder", cfg.log_folder, os.path.join(cfg.log_folder, cfg.job_name))]  # key, value, folder
+    if cfg.ckpt.enable_save_ckpt and cfg.ckpt.save_ckpt_folder:
+        folders.append(("ckpt.save_ckpt_folder", cfg.ckpt.save_ckpt_folder, cfg.ckpt.save_ckpt_folder))
+    if cfg.data.type == "stdlib" and not stdlib_corpus_ready(cfg.data.cache_folder):
+        folders.append(("data.cache_folder", cfg.data.cache_folder, cfg.data.cache_folder))
+    for key, value, path in folders:
+        problem = folder_write_problem(path)
+        if problem:
+            return f"{key}={value}: {problem}"
+    return None
 
 
 def _has_checkpoint(cfg: Config) -> bool:
