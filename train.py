@@ -1,7 +1,7 @@
 """Train a tessera decoder: ``torchrun --nproc_per_node=N train.py --config configs/7B.py [key.sub=value ...]``.
 
-Read top to bottom: config -> launch (groups, seeds, precision) -> will it fit -> data -> model -> precision wrapper
--> optimizer and LR schedule -> resume -> loop (step, log, validate, checkpoint, stop) -> final
+Read top to bottom: config -> launch (groups, seeds, precision) -> writable folders -> will it fit -> data -> model
+-> precision wrapper -> optimizer and LR schedule -> resume -> loop (step, log, validate, checkpoint, stop) -> final
 validation, checkpoint and sample.
 """
 
@@ -35,6 +35,7 @@ from tessera.dist import ParallelMode, gpc, launch_from_slurm, launch_from_torch
 from tessera.model import flops_per_token
 from tessera.model.kv_cache import generate_ids_cached
 from tessera.optim.skips import TooManySkippedSteps
+from tessera.parallel.comm import agree_on_errors
 from tessera.train.builder import build_training_stack
 from tessera.train.memory_check import check_memory
 from tessera.train.metrics import MetricsWriter, gpu_peak_tflops, measure_matmul_tflops, peak_memory_gib, setup_logging
@@ -99,6 +100,12 @@ def main(argv: list[str] | None = None) -> int:
     is_rank0 = gpc.get_global_rank() == 0
     logger.info("launched: world %d = tp %d x dp %d, zero1 %d, dtype %s, device %s", layout.world_size,
                 layout.tp_size, layout.dp_size, layout.zero1_size, precision.name, device)
+
+    # 2b. the folders the run writes (logs, checkpoints, data cache): a problem on any rank stops every rank
+    #     now, not at the first save
+    problems = agree_on_errors(output_folder_problem(cfg))
+    if problems:
+        _exit_together("; ".join(problems))
 
     # 3. will it fit: the persistent state of this layout (counted on the meta device) vs this rank's memory
     if not args.skip_memory_check:
@@ -233,6 +240,24 @@ def dry_run_report(cfg: Config, config_name: str) -> int:
     return 1 if plan.fits is False else 0
 
 
+def output_folder_problem(cfg: Config) -> str | None:
+    """Every folder the run will write — logs, checkpoints, the data cache when it has to be filled — is
+    created if missing and written to once; the first that fails, as ``key=path: what failed``, or None."""
+    from tessera.data.stdlib_corpus import stdlib_corpus_ready
+    from tessera.files import folder_write_problem
+
+    folders = [("log_folder", cfg.log_folder, os.path.join(cfg.log_folder, cfg.job_name))]  # key, value, folder
+    if cfg.ckpt.enable_save_ckpt and cfg.ckpt.save_ckpt_folder:
+        folders.append(("ckpt.save_ckpt_folder", cfg.ckpt.save_ckpt_folder, cfg.ckpt.save_ckpt_folder))
+    if cfg.data.type == "stdlib" and not stdlib_corpus_ready(cfg.data.cache_folder):
+        folders.append(("data.cache_folder", cfg.data.cache_folder, cfg.data.cache_folder))
+    for key, value, path in folders:
+        problem = folder_write_problem(path)
+        if problem:
+            return f"{key}={value}: {problem}"
+    return None
+
+
 def _has_checkpoint(cfg: Config) -> bool:
     """A run that already saved checkpoints resumes from them instead of re-loading load_ckpt_folder."""
     return bool(cfg.ckpt.auto_resume and cfg.ckpt.save_ckpt_folder and list_checkpoints(cfg.ckpt.save_ckpt_folder))
@@ -259,6 +284,8 @@ def run() -> None:
     try:
         sys.exit(main())
     except (ConfigError, DataError, CheckpointError, TrainingStopped) as e:
+        if getattr(e, "every_rank", False) and dist.is_initialized():
+            _exit_together(str(e))  # every rank raised it together: each reports before any exits
         _report(f"error: {e}")
     except Exception:  # noqa: BLE001 - report with the traceback, then take the whole job down
         _report(f"training failed:\n{traceback.format_exc()}")

@@ -16,10 +16,11 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import tempfile
 from collections.abc import Callable
 
 __all__ = ["sha256_file", "fsync_file", "fsync_dir", "publish_file", "atomic_write", "atomic_write_text",
-           "hidden_sibling", "commit_folder", "discard_folder", "REPLACED", "DELETING"]
+           "hidden_sibling", "commit_folder", "discard_folder", "folder_write_problem", "REPLACED", "DELETING"]
 
 REPLACED = "replaced"  # suffix of the previous copy of a folder while its new copy is renamed into place
 DELETING = "deleting"  # suffix of a folder being removed
@@ -112,3 +113,22 @@ def discard_folder(path: str) -> None:
     shutil.rmtree(trash, ignore_errors=True)
     os.replace(path, trash)
     shutil.rmtree(trash, ignore_errors=True)
+
+
+def folder_write_problem(path: str | os.PathLike) -> str | None:
+    """None when ``path`` is a folder this process can create files in (created if missing), else why not:
+    ``cannot create ...`` / ``... is not a folder`` / ``cannot write in ...``, with the system's reason."""
+    path = os.fspath(path)
+    try:
+        os.makedirs(path, exist_ok=True)
+    except FileExistsError:
+        return f"{path} exists and is not a folder"
+    except OSError as e:
+        return f"cannot create {e.filename or path}: {e.strerror or e}"
+    try:
+        fd, probe = tempfile.mkstemp(dir=path, prefix=".write-check-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        return f"cannot write in {path}: {e.strerror or e}"
+    return None

@@ -12,6 +12,7 @@ second agreement after every attempt catches what only the load itself finds.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import shutil
@@ -28,10 +29,10 @@ from tessera.checkpoint.meta import new_meta, read_meta, rng_name, shard_files, 
 from tessera.checkpoint.optim_shards import OptimizerShards, optim_shard_files, optim_shard_name
 from tessera.checkpoint.reshard import model_param_dims, reshard_tree
 from tessera.checkpoint.state import TrainState
-from tessera.checkpoint.tree import read_tree, write_tree
+from tessera.checkpoint.tree import read_tree, tree_nbytes, write_tree
 from tessera.dist.layout import Layout
 from tessera.files import commit_folder, discard_folder, hidden_sibling
-from tessera.parallel.comm import reduce_scalars
+from tessera.parallel.comm import reduce_scalars, share_texts
 
 __all__ = ["save_checkpoint", "load_checkpoint", "find_resumable_checkpoint"]
 
@@ -64,38 +65,13 @@ def _all_agree(ok: bool) -> bool:
     return bool(reduce_scalars([1 if ok else 0], None, op=dist.ReduceOp.MIN, dtype=torch.int32)[0])
 
 
-_ERROR_BYTES = 2000  # the most of one rank's error text (UTF-8) that the exchange carries
-
-
 def _exchange_errors(error: str | None) -> list[str]:
     """Every rank's error text, the same list on every rank; ``[]`` when no rank has one. A collective.
 
-    All ranks with the same text are named once (``ranks 0,2: ...``); a text every rank reported comes
-    without a rank. The success path is one flag reduced like ``_all_agree``; only when a rank failed
-    are the texts exchanged: their lengths, then their bytes, each by ``reduce_scalars`` on the device
-    the default group's backend serves (every rank fills only its own slots, the sum is the exchange).
+    The success path is the one flag of ``_all_agree``; only when a rank failed are the texts exchanged
+    (``tessera.parallel.comm.share_texts``: lengths, then bytes, on the device the group's backend serves).
     """
-    if _all_agree(error is None):
-        return []
-    if not _dist():
-        return [error] if error else []
-    world, rank = dist.get_world_size(), dist.get_rank()
-    data = b"" if error is None else (error or "failed without a message").encode("utf-8")[:_ERROR_BYTES]
-    lengths = [0] * world
-    lengths[rank] = len(data)
-    lengths = [int(n) for n in reduce_scalars(lengths, None, dtype=torch.int32)]
-    start = sum(lengths[:rank])
-    buf = [0] * sum(lengths)
-    buf[start:start + len(data)] = data
-    got = bytes(int(b) for b in reduce_scalars(buf, None, dtype=torch.uint8)) if buf else b""
-    by_text: dict[str, list[int]] = {}
-    at = 0
-    for r, n in enumerate(lengths):
-        if n:
-            by_text.setdefault(got[at:at + n].decode("utf-8", errors="replace"), []).append(r)
-        at += n
-    return [text if len(ranks) == world else f"rank{'s' if len(ranks) > 1 else ''} "
-            f"{','.join(map(str, ranks))}: {text}" for text, ranks in by_text.items()]
+    return [] if _all_agree(error is None) else share_texts(error, None)
 
 
 # ---------------------------------------------------------------------------------------- save
@@ -121,43 +97,91 @@ def save_checkpoint(
     write = writer or write_tree
     final = step_folder(folder, step)
     partial = hidden_sibling(final, PARTIAL)
-    if layout.global_rank == 0:
-        os.makedirs(folder, exist_ok=True)
-        shutil.rmtree(partial, ignore_errors=True)
-        os.makedirs(partial)
-    _barrier()
 
+    # this rank's files: (name, state tree)
     model, optimizer = state.model, state.optimizer
-    files: dict[str, Any] = {}
+    todo: list[tuple[str, Any]] = []
     if layout.dp_rank == 0:
-        name = shard_name("model", layout.tp_rank)
-        files[name] = write(os.path.join(partial, name), dict(model.state_dict()))
+        todo.append((shard_name("model", layout.tp_rank), dict(model.state_dict())))
     # the ZeRO group of the DP-rank-0 replica (DP ranks 0..zero1-1) writes one optimizer file per ZeRO
     # rank: its own shard, as views of the live buffers (nothing gathered, nothing copied on the device)
     if optimizer is not None and layout.dp_rank < optimizer.zero1_size:
-        name = optim_shard_name(layout.tp_rank, layout.dp_rank)
-        files[name] = write(os.path.join(partial, name), optimizer.shard_state_dict())
+        todo.append((optim_shard_name(layout.tp_rank, layout.dp_rank), optimizer.shard_state_dict()))
     rank_state = state.rank_state_dict()
     if rank_state is not None:
-        name = rng_name(layout.global_rank)
-        files[name] = write(os.path.join(partial, name), rank_state)
+        todo.append((rng_name(layout.global_rank), rank_state))
+    planned = sum(tree_nbytes(tree) for _, tree in todo)
+
+    # every failure to write (no space left, quota, I/O error) is agreed on: every rank stops together
+    error = None
+    if layout.global_rank == 0:
+        try:
+            os.makedirs(folder, exist_ok=True)
+            shutil.rmtree(partial, ignore_errors=True)
+            os.makedirs(partial)
+        except OSError as e:
+            error = _os_error_text(e)
+    _check_save(_exchange_errors(error), folder, step, partial, planned, layout)  # also the barrier: partial exists
+    files: dict[str, Any] = {}
+    try:
+        for name, tree in todo:
+            files[name] = write(os.path.join(partial, name), tree)
+    except OSError as e:
+        error = _os_error_text(e)
+    _check_save(_exchange_errors(error), folder, step, partial, planned, layout)
 
     gathered = _gather_to_rank0(files, layout)
     if layout.global_rank == 0:
         assert gathered is not None  # rank 0 receives every rank's list
-        all_files: dict[str, Any] = {}
-        for part in gathered:
-            all_files.update(part)
-        write_meta(partial, new_meta(step=step, layout=asdict(layout), has_optimizer=optimizer is not None,
-                                     trainer_state=state.state_dict(), config=config, files=all_files))
-        if before_commit is not None:
-            before_commit(partial)
-        commit_folder(partial, final)
-        if keep_last > 0:
+        try:
+            all_files: dict[str, Any] = {}
+            for part in gathered:
+                all_files.update(part)
+            write_meta(partial, new_meta(step=step, layout=asdict(layout), has_optimizer=optimizer is not None,
+                                         trainer_state=state.state_dict(), config=config, files=all_files))
+            if before_commit is not None:
+                before_commit(partial)
+            commit_folder(partial, final)
+        except OSError as e:
+            error = _os_error_text(e)
+        if error is None and keep_last > 0:
             for old in list_checkpoints(folder)[:-keep_last]:
-                discard_folder(old)
-    _barrier()
+                try:
+                    discard_folder(old)
+                except OSError as e:
+                    logger.warning("could not remove the old checkpoint %s (ckpt.keep_last=%d): %s", old, keep_last,
+                                   _os_error_text(e))
+    _check_save(_exchange_errors(error), folder, step, partial, planned, layout)  # also the final barrier
     return final
+
+
+def _os_error_text(e: OSError) -> str:
+    return f"{e.filename}: {e.strerror}" if e.filename and e.strerror else str(e)
+
+
+def _check_save(errors: list[str], folder: str, step: int, partial: str, planned: int, layout: Layout) -> None:
+    """After an agreement of a save: when any rank failed, rank 0 removes the partial folder and every rank
+    raises the same ``CheckpointError`` (the space it needs and has when a disk or quota was full, and the
+    newest complete checkpoint, untouched). A collective, on every rank."""
+    if not errors:
+        return
+    if layout.global_rank == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+    full = any(m in e for e in errors for m in (os.strerror(errno.ENOSPC), os.strerror(errno.EDQUOT)))
+    free = shutil.disk_usage(folder).free if full and layout.global_rank == 0 and os.path.isdir(folder) else 0
+    # the checkpoint's size (the ranks' tensors; the files add a little) and rank 0's view of the free
+    # space once the partial folder is gone; also the barrier before anyone reports
+    needed, free = (int(v) for v in reduce_scalars([float(planned), float(free)], None)) if _dist() else (planned, free)
+    last = list_checkpoints(folder)
+    why = "; ".join(errors)
+    space = f"; the checkpoint needs at least {_bytes(needed)}, {_bytes(free)} free" if full else ""
+    raise CheckpointError(f"cannot save step {step} in {folder}: {why}{space}; step_{step} was not saved (its "
+                          f"partial folder is removed), the last complete checkpoint is {last[-1] if last else 'none'}",
+                          every_rank=True)
+
+
+def _bytes(n: int) -> str:
+    return f"{n} bytes ({n / 2**30:.2f} GiB)" if n >= 2**30 else f"{n} bytes ({n / 2**20:.1f} MiB)"
 
 
 # ---------------------------------------------------------------------------------------- load
@@ -235,7 +259,7 @@ def load_checkpoint(
     # the agreement: before the optimizer's ZeRO all-gather, which a rank that stopped here would never join
     errors = _exchange_errors(error)
     if errors:
-        raise CheckpointError("; ".join(errors))
+        raise CheckpointError("; ".join(errors), every_rank=True)
 
     old_tp = int(meta["layout"]["tp_size"])
     if layout.tp_size != old_tp:
@@ -324,5 +348,6 @@ def find_resumable_checkpoint(folder: str, layout: Layout, *, load: Callable[[st
         failures.append(f"{path}: {why}")
     if failures:
         raise CheckpointError(f"no usable checkpoint in {folder}; tried, newest first: " + " | ".join(failures)
-                              + ". Move them away (or set ckpt.auto_resume=False) to start from scratch.")
+                              + ". Move them away (or set ckpt.auto_resume=False) to start from scratch.",
+                              every_rank=True)
     return None, None

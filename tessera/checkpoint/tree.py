@@ -10,18 +10,20 @@ stored once; the file's ``aliases`` metadata maps the other paths to the stored 
 from __future__ import annotations
 
 import json
+import os
+import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from tessera.checkpoint.errors import CheckpointError
 from tessera.checkpoint.meta import file_entry
 from tessera.files import atomic_write
 
-__all__ = ["write_tree", "prepare_tree", "read_tree", "flat_state_metadata"]
+__all__ = ["write_tree", "prepare_tree", "read_tree", "flat_state_metadata", "tree_nbytes"]
 
 
 def _encode(obj: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
@@ -89,11 +91,48 @@ def prepare_tree(obj: Any) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     return unique, {"skeleton": json.dumps(skeleton), "aliases": json.dumps(aliases)}
 
 
+def tree_nbytes(obj: Any) -> int:
+    """Bytes of the tensors ``write_tree`` would store for ``obj`` (each view of a storage once), without
+    copying anything: the size of its file, short of the header."""
+    seen: set[tuple[int, int, tuple[int, ...]]] = set()
+    total = 0
+
+    def visit(node: Any) -> None:
+        nonlocal total
+        if isinstance(node, torch.Tensor):
+            key = (node.untyped_storage()._cdata, int(node.storage_offset()), tuple(node.shape))
+            if key not in seen:
+                seen.add(key)
+                total += node.numel() * node.element_size()
+        elif isinstance(node, Mapping):
+            for v in node.values():
+                visit(v)
+        elif isinstance(node, (list, tuple)):
+            for v in node:
+                visit(v)
+
+    visit(obj)
+    return total
+
+
 def write_tree(path: str, obj: Any) -> dict[str, Any]:
-    """Write ``obj`` to ``path`` atomically; returns its meta.json entry (size and sha256)."""
+    """Write ``obj`` to ``path`` atomically; returns its meta.json entry (size and sha256). A failed write
+    (no space left, quota, I/O error) raises ``OSError`` with its errno and the file's name."""
     unique, metadata = prepare_tree(obj)
-    atomic_write(path, lambda tmp: save_file(unique, tmp, metadata=metadata))
+    atomic_write(path, lambda tmp: _save_file(unique, tmp, metadata))
     return file_entry(path)
+
+
+def _save_file(tensors: dict[str, torch.Tensor], path: str, metadata: dict[str, str]) -> None:
+    """``save_file``, its operating-system errors raised as ``OSError`` (safetensors wraps them as
+    ``SafetensorError("... No space left on device (os error 28)")``)."""
+    try:
+        save_file(tensors, path, metadata=metadata)
+    except SafetensorError as e:
+        code = re.search(r"os error (\d+)", str(e))
+        if code is None:
+            raise
+        raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), path) from e
 
 
 def flat_state_metadata(keys: Sequence[str], aliases: Mapping[str, str]) -> dict[str, str]:

@@ -11,6 +11,7 @@ import fnmatch
 import json
 import math
 import os
+import re
 import shutil
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
@@ -144,6 +145,8 @@ def _write_splits(documents: Iterable[Document], folder: str, tokenizer: ByteTok
 
     writers = {s: TokenFileWriter(os.path.join(folder, s), tokenizer, created_by) for s in ("train", "valid")}
     invalid = {"train": 0, "valid": 0}
+    tokens = {"train": 0, "valid": 0}  # without the end-of-document tokens the writers add
+    sources: dict[str, None] = {}  # the first input files, for messages (a .jsonl line's source is "file:line")
     bar = tqdm(total=total, unit="doc", desc="tokenizing", disable=not progress)
     batch: list[tuple[str, Document]] = []
 
@@ -156,6 +159,9 @@ def _write_splits(documents: Iterable[Document], folder: str, tokenizer: ByteTok
         for (split, doc), toks in zip(batch, ids):
             writers[split].add(toks, len(doc.text.encode("utf-8")), doc.source)
             invalid[split] += doc.invalid_utf8
+            tokens[split] += len(toks)
+            if len(sources) <= 5:
+                sources.setdefault(re.sub(r":\d+$", "", doc.source) if ".jsonl:" in doc.source else doc.source)
         bar.update(len(batch))
         batch.clear()
 
@@ -167,6 +173,13 @@ def _write_splits(documents: Iterable[Document], folder: str, tokenizer: ByteTok
     bar.close()
     if writers["train"].num_documents == 0:
         raise DataError("no training documents: the inputs are empty or everything was held out")
+    for split, w in writers.items():
+        if w.num_documents and not tokens[split]:
+            shown = list(sources)[:5]
+            more = ", ..." if len(sources) > len(shown) else ""
+            raise DataError(f"every {split} document tokenizes to nothing ({w.num_documents} documents from "
+                            f"{', '.join(shown)}{more}): the inputs are empty or hold only what the tokenizer "
+                            "drops; nothing was written")
     rule = (f"every {valid_every_nth}th document" if valid_every_nth else
             f"fraction {valid_fraction}, evenly spread" if valid_fraction else "none")
     metas: dict[str, Any] = {"valid": None}

@@ -63,6 +63,16 @@ def cache_key(root: str | None = None, max_files: int | None = None) -> str:
     return f"stdlib-py{v.major}.{v.minor}.{v.micro}-{where}-v{FORMAT_VERSION}.{CORPUS_VERSION}{subset}"
 
 
+def stdlib_corpus_folder(cache_folder: str | os.PathLike, max_files: int | None = None) -> str:
+    """Where ``prepare_stdlib_corpus`` keeps this Python's corpus in ``cache_folder``."""
+    return os.path.join(os.path.abspath(os.fspath(cache_folder)), cache_key(stdlib_root(), max_files))
+
+
+def stdlib_corpus_ready(cache_folder: str | os.PathLike, max_files: int | None = None) -> bool:
+    """Whether ``cache_folder`` already holds the prepared corpus (then nothing is written there)."""
+    return os.path.isfile(os.path.join(stdlib_corpus_folder(cache_folder, max_files), "train", META_FILE))
+
+
 def prepare_stdlib_corpus(
     cache_folder: str | os.PathLike,
     *,
@@ -78,7 +88,7 @@ def prepare_stdlib_corpus(
     the cache is missing (concurrent preparers are safe: the first rename wins).
     """
     root = stdlib_root()
-    target = os.path.join(os.path.abspath(os.fspath(cache_folder)), cache_key(root, max_files))
+    target = stdlib_corpus_folder(cache_folder, max_files)
     done = os.path.join(target, "train", META_FILE)
     if (is_main or barrier is None) and not os.path.isfile(done):
         files = stdlib_files(root, max_files)

@@ -43,6 +43,8 @@ __all__ = [
     "collective_device",
     "to_host",
     "reduce_scalars",
+    "agree_on_errors",
+    "share_texts",
 ]
 
 
@@ -173,6 +175,48 @@ def reduce_scalars(values: Sequence[float], group: dist.ProcessGroup | None,
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         all_reduce(t, group if group is not None else dist.group.WORLD, op)
     return list(values) if t.is_meta or is_fake(t) else t.tolist()
+
+
+def agree_on_errors(error: str | None, group: Any = None) -> list[str]:
+    """Every rank's error text over ``group``, the same list on every rank; ``[]`` when no rank has one.
+
+    One flag reduced (the success path); only when a rank failed, the texts (``share_texts``). For a
+    verdict that every rank must act on together: stop, fall back, report.
+    """
+    failed = reduce_scalars([0 if error is None else 1], group, op=dist.ReduceOp.MAX, dtype=torch.int32)[0]
+    return share_texts(error, group) if failed else []
+
+
+_TEXT_BYTES = 2000  # the most of one rank's text (UTF-8) that ``share_texts`` carries
+
+
+def share_texts(text: str | None, group: Any = None) -> list[str]:
+    """The texts of the ranks of ``group`` that have one, on every rank: ``"rank 1: ..."``, ranks with the
+    same text named once (``"ranks 0,2: ..."``), a text every rank has without ranks. A collective.
+
+    Two ``reduce_scalars`` (so on the device the backend serves): the texts' lengths, then their bytes,
+    every rank filling only its own slots. An empty text counts (as "failed without a message"); without
+    a process group this rank's own text comes back, as it does from a fake reduction (dry run).
+    """
+    data = b"" if text is None else (text or "failed without a message").encode("utf-8")[:_TEXT_BYTES]
+    if not dist.is_initialized():
+        return [data.decode("utf-8", errors="replace")] if text is not None else []
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    lengths = [0] * world
+    lengths[rank] = len(data)
+    lengths = [int(n) for n in reduce_scalars(lengths, group, dtype=torch.int32)]
+    start = sum(lengths[:rank])
+    buf = [0] * sum(lengths)
+    buf[start:start + len(data)] = data
+    got = bytes(int(b) for b in reduce_scalars(buf, group, dtype=torch.uint8)) if buf else b""
+    by_text: dict[str, list[int]] = {}
+    at = 0
+    for r, n in enumerate(lengths):
+        if n:
+            by_text.setdefault(got[at:at + n].decode("utf-8", errors="replace"), []).append(r)
+        at += n
+    return [t if len(ranks) == world else f"rank{'s' if len(ranks) > 1 else ''} {','.join(map(str, ranks))}: {t}"
+            for t, ranks in by_text.items()]
 
 
 def _all_reduce_copy(x: torch.Tensor, group: Any) -> torch.Tensor:
