@@ -1,7 +1,14 @@
-"""AdamW arithmetic in fp32 on low-precision storage: bf16 master weights and/or bf16 moments.
+"""The AdamW update of a flat master shard in one fused pass: fp32 or bf16 masters, fp32 or bf16 moments.
 
-Why: with bf16 masters an update smaller than half a bf16 ulp of the weight is rounded away, so a
-small learning rate stalls training. Two remedies, chosen by ``master_compensation``:
+Why fused: an eager AdamW reads and writes the whole shard once per operator (about ten passes, each
+allocating a shard-sized temporary), which made the update a large share of a step. torch's fused AdamW
+kernel (``torch._fused_adamw_``, CPU and CUDA) does the whole update in one pass. With fp32 masters and
+fp32 moments it runs on the shard itself; with low-precision storage the shard is walked in chunks small
+enough to stay in cache: each chunk is widened to fp32 scratch buffers, updated by the same kernel, and
+rounded back, so the data crosses memory once and the scratch is reused.
+
+Why low-precision masters need care: with bf16 masters an update smaller than half a bf16 ulp of the
+weight is rounded away, so a small learning rate stalls training. Two remedies, ``master_compensation``:
 
 - ``kahan``: a bf16 compensation buffer ``c`` keeps what rounding the weight lost. The weight is
   read as ``w + c`` in fp32, updated, then split again into ``w = bf16(value)`` and
@@ -13,36 +20,37 @@ small learning rate stalls training. Two remedies, chosen by ``master_compensati
   and a resumed run draws the same bits (the step is checkpointed).
 
 The moments are computed in fp32 and stored in ``optimizer_state_dtype``, rounded to nearest.
-The update itself is torch's AdamW: decoupled weight decay, bias-corrected moments, eps outside the sqrt.
+The arithmetic is torch's AdamW: decoupled weight decay, bias-corrected moments, eps outside the sqrt.
 """
 
 from __future__ import annotations
 
-import math
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
-__all__ = ["adamw_step", "stochastic_round_bf16", "element_noise", "name_key", "COMPENSATIONS"]
+__all__ = ["adamw_step", "stochastic_round_bf16", "element_noise", "name_key", "COMPENSATIONS", "CHUNK", "Noise"]
 
 COMPENSATIONS = ("none", "kahan", "stochastic")
-_M1, _M2 = 0x7FEB352D, 0x2C1B3C6D  # multipliers < 2**31: products of 32-bit values fit in int64
+CHUNK = 1 << 16  # elements per chunk of a low-precision update: 256 KiB per fp32 scratch buffer, cache-resident
+_M1, _M2 = 0x7FEB352D, 0x2C1B3C6D  # hash multipliers (odd, < 2**31)
+_WEYL = 0x9E3779B9  # golden-ratio increment: consecutive indices land far apart before mixing
 _LOW16 = -65536  # int32 mask 0xFFFF0000: the bits a bf16 keeps of an fp32
+_LANES = 64  # a multiple of every CPU vector width (fp32) and of the fused kernel's task unit
+
+Noise = Callable[[int, int], torch.Tensor]
 
 
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash (values in [0, 2**32) held in int64)."""
-    x = x ^ (x >> 16)
-    x = (x * _M1) & 0xFFFFFFFF
-    x = x ^ (x >> 15)
-    x = (x * _M2) & 0xFFFFFFFF
-    return x ^ (x >> 16)
+def _int32(x: int) -> int:
+    """A 32-bit pattern as the signed value an int32 tensor holds."""
+    x &= 0xFFFFFFFF
+    return x - (1 << 32) if x >= 1 << 31 else x
 
 
 def _mix32_int(x: int) -> int:
-    """``_mix32`` of one Python integer (no device work)."""
+    """A 32-bit integer finaliser (murmur-style) of one Python integer."""
     x &= 0xFFFFFFFF
     x ^= x >> 16
     x = (x * _M1) & 0xFFFFFFFF
@@ -56,13 +64,40 @@ def name_key(name: str) -> int:
     return zlib.crc32(name.encode())
 
 
-def element_noise(start: int, stop: int, param_key: int, step: int, seed: int, device: Any) -> torch.Tensor:
-    """16 random bits (int32 in [0, 65536)) for elements ``[start, stop)`` of one parameter at ``step``."""
-    x = torch.arange(start, stop, dtype=torch.int64, device=device)
-    x = _mix32((x + param_key) & 0xFFFFFFFF)
-    x = _mix32(x ^ _mix32_int(step))
-    x = _mix32(x ^ _mix32_int(seed))
-    return (x & 0xFFFF).to(torch.int32)
+_WEYL_STEPS: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def _weyl_steps(n: int, device: torch.device) -> torch.Tensor:
+    """``arange(n) * _WEYL`` (int32, wrapping), cached per device: the index term of every noise draw."""
+    size = max(n, CHUNK)
+    key = (device, size)
+    if key not in _WEYL_STEPS:
+        _WEYL_STEPS.clear() if len(_WEYL_STEPS) > 8 else None
+        _WEYL_STEPS[key] = torch.arange(size, dtype=torch.int64, device=device).mul_(_WEYL).bitwise_and_(
+            0xFFFFFFFF).to(torch.int32)  # low 32 bits: the int32 wrap
+    return _WEYL_STEPS[key][:n]
+
+
+def element_noise(start: int, stop: int, param_key: int, step: int, seed: int, device: Any,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """16 random bits (int32 in [0, 65536)) for elements ``[start, stop)`` of one parameter at ``step``.
+
+    int32 arithmetic that wraps modulo 2**32 (logical shifts by masking): a few vectorised integer
+    operations per element, written into ``out`` when given; the value depends only on the element
+    index and the keys."""
+    key = _int32(_mix32_int(param_key ^ _mix32_int(step ^ _mix32_int(seed))) + start * _WEYL)
+    n = stop - start
+    base = _weyl_steps(n, torch.device(device)) if n <= CHUNK else None
+    if base is None:  # large draws: the index term computed here (wraps like the cached one)
+        base = torch.arange(start, stop, dtype=torch.int64, device=device).sub_(start).mul_(_WEYL).bitwise_and_(
+            0xFFFFFFFF).to(torch.int32)
+    x = torch.add(base, key, out=out) if out is not None else base + key
+    shifted = torch.empty_like(x)
+    for shift, mult in ((16, _M1), (15, _M2)):
+        x.bitwise_xor_(torch.bitwise_right_shift(x, shift, out=shifted).bitwise_and_((1 << (32 - shift)) - 1))
+        x.mul_(mult)
+    x.bitwise_xor_(torch.bitwise_right_shift(x, 16, out=shifted).bitwise_and_(0xFFFF))
+    return x.bitwise_and_(0xFFFF)
 
 
 def stochastic_round_bf16(x: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
@@ -72,44 +107,87 @@ def stochastic_round_bf16(x: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     return ((bits + noise) & _LOW16).view(torch.float32).to(torch.bfloat16)
 
 
+def _fused(w: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: torch.Tensor,
+           hyper: Mapping[str, Any]) -> None:
+    """torch's fused AdamW on fp32 ``w`` / ``m`` / ``v`` in place; ``step`` is the step being taken (from 1).
+
+    The kernel's vector loop and its scalar tail round differently, so an element's result would depend
+    on where a call ends (on the ZeRO layout, on the chunking). Calls therefore cover whole multiples of
+    ``_LANES`` elements, and the ragged end goes through a zero-padded scratch of ``_LANES`` elements."""
+    beta1, beta2 = (float(b) for b in hyper["betas"])
+    kw = dict(lr=float(hyper["lr"]), beta1=beta1, beta2=beta2, weight_decay=float(hyper["weight_decay"]),
+              eps=float(hyper["eps"]), amsgrad=False, maximize=False)
+    n = w.numel()
+    body = n - n % _LANES
+    if body:
+        torch._fused_adamw_([w[:body]], [g[:body]], [m[:body]], [v[:body]], [], [step], **kw)
+    if body < n:
+        pad = [torch.zeros(_LANES, dtype=torch.float32, device=w.device) for _ in range(4)]
+        for buf, t in zip(pad, (w, g, m, v)):
+            buf[: n - body].copy_(t[body:])
+        torch._fused_adamw_([pad[0]], [pad[1]], [pad[2]], [pad[3]], [], [step], **kw)
+        for buf, t in zip((pad[0], pad[2], pad[3]), (w, m, v)):
+            t[body:].copy_(buf[: n - body])
+
+
 def adamw_step(master: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], hyper: Mapping[str, Any], *,
-               compensation: str, state_dtype: torch.dtype, noise: Any = None) -> None:
+               compensation: str, state_dtype: torch.dtype, noise: Noise | None = None, chunk: int = CHUNK) -> None:
     """One AdamW update of the flat ``master`` shard (fp32 or bf16) from the fp32 ``grad``, in place.
 
-    ``state`` holds ``step`` (0-dim fp32), ``exp_avg`` / ``exp_avg_sq`` (``state_dtype``) and, for
-    Kahan, ``master_compensation`` (bf16); missing entries start at zero. ``noise()`` returns the
-    random bits of stochastic rounding for the whole shard.
+    ``state`` holds ``step`` (0-dim fp32, on the host as torch's AdamW keeps it), ``exp_avg`` /
+    ``exp_avg_sq`` (``state_dtype``) and, for Kahan, ``master_compensation`` (bf16); missing entries start
+    at zero. ``noise(start, stop)`` returns the random bits of stochastic rounding for shard elements
+    ``[start, stop)``.
     """
     if hyper.get("amsgrad") or hyper.get("maximize"):
-        raise ValueError("low-precision masters / optimizer states support AdamW without amsgrad or maximize")
-    lr, wd, eps = float(hyper["lr"]), float(hyper["weight_decay"]), float(hyper["eps"])
-    beta1, beta2 = (float(b) for b in hyper["betas"])
+        raise ValueError("the fused AdamW update supports AdamW without amsgrad or maximize")
+    if compensation not in COMPENSATIONS:
+        raise ValueError(f"master_compensation must be one of {list(COMPENSATIONS)}, got {compensation!r}")
+    if compensation == "stochastic" and noise is None and master.dtype != torch.float32:
+        raise ValueError("stochastic rounding needs noise(start, stop)")
     if "step" not in state:
         state["step"] = torch.tensor(0.0)
         state["exp_avg"] = torch.zeros_like(master, dtype=state_dtype)
         state["exp_avg_sq"] = torch.zeros_like(master, dtype=state_dtype)
-    if compensation == "kahan" and "master_compensation" not in state:
+    if compensation == "kahan" and master.dtype != torch.float32 and "master_compensation" not in state:
         state["master_compensation"] = torch.zeros_like(master, dtype=torch.bfloat16)
     state["step"] += 1
-    step = float(state["step"])
+    now = float(state["step"])
+    step = torch.full((), now, dtype=torch.float32, device=master.device)  # the kernel's copy, on its device
+    m_all, v_all = state["exp_avg"], state["exp_avg_sq"]
+    if master.dtype == torch.float32 and m_all.dtype == torch.float32 and v_all.dtype == torch.float32:
+        _fused(master, grad, m_all, v_all, step, hyper)
+        return
+    _chunked(master, grad, state, hyper, step, compensation if master.dtype != torch.float32 else "none",
+             noise, chunk)
 
-    w = master.float()
-    if compensation == "kahan":
-        w = w.add_(state["master_compensation"].float())
-    m, v = state["exp_avg"].float(), state["exp_avg_sq"].float()
-    w.mul_(1 - lr * wd)
-    m.lerp_(grad, 1 - beta1)
-    v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-    denom = (v.sqrt() / math.sqrt(1 - beta2**step)).add_(eps)
-    w.addcdiv_(m, denom, value=-lr / (1 - beta1**step))
-    state["exp_avg"].copy_(m)
-    state["exp_avg_sq"].copy_(v)
-    if master.dtype == torch.float32 or compensation == "none":
-        master.copy_(w)
-    elif compensation == "kahan":
-        master.copy_(w)  # round to nearest
-        state["master_compensation"].copy_(w.sub_(master.float()))
-    elif compensation == "stochastic":
-        master.copy_(stochastic_round_bf16(w, noise()))
-    else:
-        raise ValueError(f"master_compensation must be one of {list(COMPENSATIONS)}, got {compensation!r}")
+
+def _chunked(master: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], hyper: Mapping[str, Any],
+             step: torch.Tensor, compensation: str, noise: Noise | None, chunk: int) -> None:
+    """The fused kernel over cache-sized chunks of low-precision storage, through reused fp32 scratch."""
+    n = master.numel()
+    size = min(-(-max(1, chunk) // _LANES) * _LANES, -(-n // _LANES) * _LANES)  # whole lanes per chunk
+    scratch = {key: torch.empty(size, dtype=torch.float32, device=master.device)
+               for key, t in (("w", master), ("m", state["exp_avg"]), ("v", state["exp_avg_sq"]), ("c", master))
+               if t.dtype != torch.float32}
+    comp = state.get("master_compensation") if compensation == "kahan" else None
+    for a in range(0, n, size):
+        z = min(a + size, n)
+        w, m, v = master[a:z], state["exp_avg"][a:z], state["exp_avg_sq"][a:z]
+        w32, m32, v32 = (scratch[k][: z - a].copy_(t) if k in scratch else t for k, t in (("w", w), ("m", m), ("v", v)))
+        if comp is not None:
+            w32.add_(scratch["c"][: z - a].copy_(comp[a:z]))
+        _fused(w32, grad[a:z], m32, v32, step, hyper)
+        for k, t, t32 in (("m", m, m32), ("v", v, v32)):
+            if k in scratch:
+                t.copy_(t32)
+        if "w" not in scratch:
+            continue
+        if compensation == "stochastic":
+            assert noise is not None  # checked by adamw_step
+            bits = w32.view(torch.int32)
+            w.copy_(bits.add_(noise(a, z)).bitwise_and_(_LOW16).view(torch.float32))  # exact: low bits are zero
+        else:
+            w.copy_(w32)  # round to nearest
+            if comp is not None:
+                comp[a:z].copy_(w32.sub_(scratch["c"][: z - a].copy_(w)))

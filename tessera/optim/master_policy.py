@@ -1,8 +1,11 @@
 """Which dtypes HybridZeroOptimizer keeps: the model's precision, and the master / moment policy.
 
-Defaults (fp32 masters, fp32 Adam moments) run the wrapped torch optimizer on fp32 master slices.
-``master_dtype="bf16"`` or ``optimizer_state_dtype="bf16"`` switch the update to ``lowp_adamw``: AdamW
-arithmetic in fp32 on the low-precision storage, with the ``master_compensation`` of the choice.
+With ``torch.optim.AdamW`` as the inner optimizer (train.py's) every policy updates through
+``lowp_adamw``'s fused AdamW: one pass over each flat master shard, with the state laid out as torch's
+AdamW keeps it. Defaults are fp32 masters and fp32 Adam moments; ``master_dtype="bf16"`` or
+``optimizer_state_dtype="bf16"`` keep the low-precision storage (AdamW arithmetic in fp32, rounded back),
+with the ``master_compensation`` of the choice. Other inner optimizers run their own ``step()`` on
+the fp32 master slices (low-precision storage is refused for them).
 bf16 masters share the bf16 weights' storage: a separate bf16 copy would hold the same values (the
 weights are the masters rounded to bf16), so it would cost 2 bytes per parameter for nothing.
 Parameters kept fp32 by an fp32 mark keep fp32 masters.
@@ -10,6 +13,7 @@ Parameters kept fp32 by an fp32 mark keep fp32 masters.
 
 from __future__ import annotations
 
+import logging
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -19,13 +23,14 @@ from torch import nn
 
 from tessera.config.precision import Precision, dtypes_by_short_name, resolve_precision
 from tessera.optim.bucket import Bucket
-from tessera.optim.lowp_adamw import COMPENSATIONS, adamw_step, element_noise, name_key
+from tessera.optim.lowp_adamw import COMPENSATIONS, Noise, adamw_step, element_noise, name_key
 from tessera.optim.params import LOW_PRECISION
 from tessera.optim.settings import ZeroSettings
 
 __all__ = ["MasterPolicy", "resolve_optimizer_dtype"]
 
 _DTYPES = dtypes_by_short_name("fp32", "bf16")
+logger = logging.getLogger("tessera")
 
 
 def resolve_optimizer_dtype(dtype: Any, params: list[nn.Parameter]) -> Precision:
@@ -88,29 +93,63 @@ class MasterPolicy:
 
     @property
     def custom(self) -> bool:
-        """True when the update runs in ``lowp_adamw`` instead of the wrapped torch optimizer."""
+        """True when low-precision storage is asked for (masters or moments), which only the fused AdamW
+        update of ``lowp_adamw`` implements."""
         return self.master_dtype != torch.float32 or self.state_dtype != torch.float32
+
+    @staticmethod
+    def fused(optim: torch.optim.Optimizer) -> bool:
+        """Whether the update runs in ``lowp_adamw``'s fused AdamW: for ``torch.optim.AdamW`` without amsgrad,
+        maximize or differentiable (the inner optimizer's own ``step`` otherwise)."""
+        return type(optim) is torch.optim.AdamW and not any(
+            g.get("amsgrad") or g.get("maximize") or g.get("differentiable") for g in optim.param_groups)
 
     def update(self, optim: torch.optim.Optimizer, buckets: list[Bucket], grads: list[torch.Tensor]) -> None:
         """Apply one update to every bucket's master shard from its unscaled, clipped fp32 grad shard."""
-        if not self.custom:
+        if not self.fused(optim):
+            _log_once(f"optimizer update: {type(optim).__name__}.step() on the fp32 master shards (the fused "
+                      "update covers torch.optim.AdamW without amsgrad / maximize / differentiable)")
             for b, g in zip(buckets, grads):
                 b.master.grad = g
             optim.step()
             for b in buckets:
                 b.master.grad = None
             return
+        _log_once(f"optimizer update: fused AdamW kernel, {_short(self.master_dtype)} masters"
+                  f"{'' if self.compensation == 'none' else ' + ' + self.compensation}, "
+                  f"{_short(self.state_dtype)} moments")
         for b, g, group in zip(buckets, grads, optim.param_groups):
             state = optim.state[b.master]
             comp = self.compensation if b.master.dtype == torch.bfloat16 else "none"
             step = int(state["step"]) + 1 if "step" in state else 1
-            adamw_step(b.master, g, state, group, compensation=comp, state_dtype=self.state_dtype,
-                       noise=lambda b=b, step=step: self._noise(b, step))
+            noise = self._noise(b, step) if comp == "stochastic" else None
+            adamw_step(b.master, g, state, group, compensation=comp, state_dtype=self.state_dtype, noise=noise)
 
-    def _noise(self, b: Bucket, step: int) -> torch.Tensor:
-        """Random bits for this rank's shard of bucket ``b``: per parameter element, layout-free."""
-        out = torch.zeros(b.shard, dtype=torch.int32, device=b.master.device)
-        for i, a, z in b.shard_pieces():
-            at = b.offsets[i] + a - b.lo
-            out[at : at + z - a] = element_noise(a, z, name_key(b.names[i]), step, self.seed, b.master.device)
-        return out
+    def _noise(self, b: Bucket, step: int) -> Noise:
+        """Random bits for shard elements ``[start, stop)`` of bucket ``b``: per parameter element, layout-free
+        (padding draws zeros)."""
+        pieces = [(b.offsets[i] + a - b.lo, a, z, name_key(b.names[i])) for i, a, z in b.shard_pieces()]
+        device = b.master.device
+
+        def draw(start: int, stop: int) -> torch.Tensor:
+            out = torch.zeros(stop - start, dtype=torch.int32, device=device)
+            for at, a, z, key in pieces:  # shard [at, at + z - a) holds elements [a, z) of the parameter
+                lo, hi = max(start, at), min(stop, at + z - a)
+                if lo < hi:
+                    element_noise(a + lo - at, a + hi - at, key, step, self.seed, device, out=out[lo - start : hi - start])
+            return out
+
+        return draw
+
+
+def _short(dtype: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(dtype, str(dtype))
+
+
+_LOGGED: set[str] = set()
+
+
+def _log_once(message: str) -> None:
+    if message not in _LOGGED:
+        _LOGGED.add(message)
+        logger.info(message)
