@@ -2,6 +2,7 @@
 single-tensor AdamW on fp32 copies, the AdamW formula written out in fp64 here, a pure-Python version of
 the noise hash, and the same update taken in one chunk (chunking must not change a single bit)."""
 
+import functools
 import logging
 import math
 
@@ -50,6 +51,10 @@ def test_fp32_fused_update_follows_the_adamw_formula_and_torch():
 @pytest.mark.parametrize("compensation,state_dtype", [("none", torch.float32), ("kahan", torch.float32),
                                                       ("stochastic", torch.float32), ("kahan", torch.bfloat16),
                                                       ("none", torch.bfloat16)])
+def _noise(a, z, step):
+    return element_noise(a, z, 11, step, 5, "cpu")
+
+
 def test_chunks_do_not_change_a_bit(compensation, state_dtype):
     """Chunk sizes 7 (ragged) and 64 give exactly the single-chunk update, for every low-precision policy."""
     torch.manual_seed(1)
@@ -59,9 +64,8 @@ def test_chunks_do_not_change_a_bit(compensation, state_dtype):
     for chunk in (1 << 20, 7, 64):
         w, state = w0.clone(), {}
         for step, g in enumerate(grads, 1):
-            noise = (lambda a, z, step=step: element_noise(a, z, 11, step, 5, "cpu"))
-            adamw_step(w, g, state, HYPER, compensation=compensation, state_dtype=state_dtype, noise=noise,
-                       chunk=chunk)
+            adamw_step(w, g, state, HYPER, compensation=compensation, state_dtype=state_dtype, chunk=chunk,
+                       noise=functools.partial(_noise, step=step))
         results.append((w, state))
     for w, state in results[1:]:
         assert torch.equal(w, results[0][0])

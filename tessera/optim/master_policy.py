@@ -136,7 +136,8 @@ class MasterPolicy:
             for at, a, z, key in pieces:  # shard [at, at + z - a) holds elements [a, z) of the parameter
                 lo, hi = max(start, at), min(stop, at + z - a)
                 if lo < hi:
-                    element_noise(a + lo - at, a + hi - at, key, step, self.seed, device, out=out[lo - start : hi - start])
+                    element_noise(a + lo - at, a + hi - at, key, step, self.seed, device,
+                                  out=out[lo - start : hi - start])
             return out
 
         return draw
