@@ -48,13 +48,13 @@ def test_fp32_fused_update_follows_the_adamw_formula_and_torch():
     assert float(state["step"]) == 5 and state["step"].dim() == 0 and state["step"].device.type == "cpu"
 
 
-@pytest.mark.parametrize("compensation,state_dtype", [("none", torch.float32), ("kahan", torch.float32),
-                                                      ("stochastic", torch.float32), ("kahan", torch.bfloat16),
-                                                      ("none", torch.bfloat16)])
 def _noise(a, z, step):
     return element_noise(a, z, 11, step, 5, "cpu")
 
 
+@pytest.mark.parametrize("compensation,state_dtype", [("none", torch.float32), ("kahan", torch.float32),
+                                                      ("stochastic", torch.float32), ("kahan", torch.bfloat16),
+                                                      ("none", torch.bfloat16)])
 def test_chunks_do_not_change_a_bit(compensation, state_dtype):
     """Chunk sizes 7 (ragged) and 64 give exactly the single-chunk update, for every low-precision policy."""
     torch.manual_seed(1)

@@ -115,17 +115,21 @@ def _fused(w: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, s
     on where a call ends (on the ZeRO layout, on the chunking). Calls therefore cover whole multiples of
     ``_LANES`` elements, and the ragged end goes through a zero-padded scratch of ``_LANES`` elements."""
     beta1, beta2 = (float(b) for b in hyper["betas"])
-    kw = dict(lr=float(hyper["lr"]), beta1=beta1, beta2=beta2, weight_decay=float(hyper["weight_decay"]),
-              eps=float(hyper["eps"]), amsgrad=False, maximize=False)
+    lr, wd, eps = float(hyper["lr"]), float(hyper["weight_decay"]), float(hyper["eps"])
+
+    def kernel(w: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> None:
+        torch._fused_adamw_([w], [g], [m], [v], [], [step], lr=lr, beta1=beta1, beta2=beta2, weight_decay=wd,
+                            eps=eps, amsgrad=False, maximize=False)
+
     n = w.numel()
     body = n - n % _LANES
     if body:
-        torch._fused_adamw_([w[:body]], [g[:body]], [m[:body]], [v[:body]], [], [step], **kw)
+        kernel(w[:body], g[:body], m[:body], v[:body])
     if body < n:
         pad = [torch.zeros(_LANES, dtype=torch.float32, device=w.device) for _ in range(4)]
         for buf, t in zip(pad, (w, g, m, v)):
             buf[: n - body].copy_(t[body:])
-        torch._fused_adamw_([pad[0]], [pad[1]], [pad[2]], [pad[3]], [], [step], **kw)
+        kernel(*pad)
         for buf, t in zip((pad[0], pad[2], pad[3]), (w, m, v)):
             t[body:].copy_(buf[: n - body])
 
