@@ -8,8 +8,9 @@ Each checkout's steps run in persistent worker processes (``benchmarks/roofline_
 path with ``PYTHONPATH`` set to that checkout: ``--against /tmp/base`` after
 ``git worktree add /tmp/base fb20d6e`` measures the old code with the same instruments). TP=2 runs
 on 2 gloo processes per checkout. Variants (checkout x dtype) step in rotated order each round and
-step-time ratios are paired per round, because shared machines are noisy. The matmul peak (MFU's
-denominator) is measured in this process before and after the workers run, the best of both kept.
+step-time ratios are paired per round, because shared machines are noisy (``--clock cpu`` takes every
+figure in CPU seconds of its process instead). The matmul peak (MFU's denominator) is measured in this
+process before each layout's workers start and after the last, the best kept.
 """
 
 from __future__ import annotations
@@ -161,20 +162,34 @@ def _peak_size(plan: Plan, device: str) -> int:
     return max(plan.peak_size, 8192) if device == "cuda" else plan.peak_size
 
 
-def _peaks(dtypes: Sequence[str], threads: int, plan: Plan, device: str) -> dict[str, float]:
-    """Best TFLOP/s of a square matmul per dtype through the model's kernel choice (tessera.parallel.lowp)."""
+def _peaks(dtypes: Sequence[str], threads: int, plan: Plan, device: str, clock: str) -> dict[str, float]:
+    """Best TFLOP/s of one square matmul per dtype through the model's kernel choice
+    (``tessera.parallel.lowp.linear``), timed with the workers' clock."""
     import torch
 
+    from benchmarks.roofline_worker import CLOCKS
     from tessera.config.precision import apply_precision
-    from tessera.train.metrics import measure_matmul_tflops
+    from tessera.parallel.lowp import linear
 
     torch.set_num_threads(threads)
+    dev, size, now = torch.device(device), _peak_size(plan, device), CLOCKS[clock]
+    g = torch.Generator(device=dev).manual_seed(0)
     out = {}
     for d in dtypes:
         apply_precision(DTYPES[d])  # fp32 means fp32, not TF32, on a GPU
         dt = torch.bfloat16 if d == "bf16" else torch.float32
-        out[d] = measure_matmul_tflops(dt, torch.device(device), size=_peak_size(plan, device),
-                                       seconds=plan.peak_seconds)
+        a, b = (torch.randn(size, size, device=dev, generator=g).to(dt) for _ in range(2))
+        linear(a, b)
+        best, deadline = 0.0, time.perf_counter() + plan.peak_seconds
+        while time.perf_counter() < deadline:
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            t0 = now()
+            linear(a, b)
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            best = max(best, 2 * size**3 / max(now() - t0, 1e-9) / 1e12)
+        out[d] = best
     return out
 
 
@@ -203,10 +218,11 @@ def paired(a: list[float], b: list[float]) -> dict[str, float]:
 
 
 def measure_layout(layout: str, sides: dict[str, str], dtypes: Sequence[str], raw: dict[str, Any], source: str,
-                   plan: Plan, extra: Sequence[str], threads: int, device: str, tmpdir: str) -> dict[str, Any]:
+                   plan: Plan, extra: Sequence[str], threads: int, device: str, clock: str,
+                   tmpdir: str) -> dict[str, Any]:
     """Build every side's stacks for ``layout``, interleave their steps, decompose each; per side and dtype."""
     world = LAYOUTS[layout][0]
-    start = {"raw": raw, "source": source, "device": device,
+    start = {"raw": raw, "source": source, "device": device, "clock": clock,
              "variants": {d: variant_overrides(layout, d, plan, extra) for d in dtypes}}
     groups: dict[str, WorkerGroup] = {}
     try:
@@ -264,7 +280,7 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
     if args.against:
         sides["against"] = os.path.abspath(args.against)
     result: dict[str, Any] = {
-        "command": command, "quick": args.quick, "plan": plan.__dict__, "threads": args.threads,
+        "command": command, "quick": args.quick, "plan": plan.__dict__, "threads": args.threads, "clock": args.clock,
         "device": args.device, "peak_size": _peak_size(plan, args.device),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": machine_info(), "config": args.config, "overrides": list(args.overrides),
@@ -281,19 +297,20 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
             apply_overrides(cfg_raw, variant_overrides(layout, d, plan, args.overrides), source=source)
             cfg = Config.from_dict(cfg_raw, source=source)
             fpt[(layout, d)] = flops_per_token(cfg.model, cfg.data.seq_len)
-    peaks = [_peaks(args.dtypes, args.threads, plan, args.device)]
+    peaks = []
     with tempfile.TemporaryDirectory(prefix="roofline_") as tmpdir:
-        for layout in args.layouts:
+        for layout in args.layouts:  # the peak before each layout and after the last: the best of them counts
+            peaks.append(_peaks(args.dtypes, args.threads, plan, args.device, args.clock))
             t0 = time.perf_counter()
             res = measure_layout(layout, sides, args.dtypes, raw, source, plan, args.overrides, args.threads,
-                                 args.device, tmpdir)
+                                 args.device, args.clock, tmpdir)
             for side in res:
                 for d in args.dtypes:
                     res[side][d]["flops_per_token"] = fpt[(layout, d)]
             result["layouts"][layout] = res
+            result["loadavg"].append(os.getloadavg())
             _log(f"[{time.perf_counter() - t0:.0f}s] {layout} done")
-    peaks.append(_peaks(args.dtypes, args.threads, plan, args.device))
-    result["loadavg"].append(os.getloadavg())
+    peaks.append(_peaks(args.dtypes, args.threads, plan, args.device, args.clock))
     result["peaks_tflops"] = {d: max(p[d] for p in peaks) for d in args.dtypes}
     result["peaks_all"] = peaks
     for layout, res in result["layouts"].items():
@@ -309,6 +326,16 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------- markdown
+def _busy_warning(result: dict[str, Any]) -> list[str]:
+    """A line when the figures contradict themselves (MFU over 100%, a negative remainder): a busy machine."""
+    odd = [f"{layout} {side} {d}" for layout, res in result["layouts"].items() for side in res
+           for d, s in res[side].items() if s["mfu"] > 1 or s["parts"]["other"] < 0]
+    if not odd:
+        return []
+    return ["", f"**Not trustworthy: {', '.join(odd)} show an MFU above 100% or a negative remainder: other "
+                "processes took the cores during parts of the run. Rerun on a quiet machine (or with `--clock cpu`).**"]
+
+
 def to_markdown(result: dict[str, Any]) -> list[str]:
     """The section's lines (without its title)."""
     m = result["machine"]
@@ -324,12 +351,17 @@ def to_markdown(result: dict[str, Any]) -> list[str]:
         + (f", against {against} in the same run" if against else "")
         + f"; {m['cpu']} ({m['cores']} cores; flags: {flags}" + (f"; without {no_flags}" if no_flags else "")
         + f"), torch {m['torch']}, {result['threads']} thread(s) per process, device {result['device']}, "
-          f"load average {result['loadavg'][0][0]:.2f} at the start. Workload: `{result['config']}` with "
+          "1-minute load average " + " / ".join(f"{x[0]:.1f}" for x in result["loadavg"])
+        + " (start / after each layout). Times are "
+        + ("CPU seconds of each process (`--clock cpu`: descheduling and blocking waits for the other rank "
+           "left out). " if result["clock"] == "cpu" else "wall-clock. ")
+        + f"Workload: `{result['config']}` with "
           f"`{' '.join(WORKLOAD + tuple(PLANS['quick'].extra if result['quick'] else ()))}`"
         + (f" and `{' '.join(result['overrides'])}`" if result["overrides"] else "") + ".",
+        *_busy_warning(result),
         "",
         "Matmul peak (best square matmul through the model's kernel choice, "
-        f"{result['peak_size']}^3, measured before and after the steps): "
+        f"{result['peak_size']}^3, measured before each layout and after the last, the best kept): "
         + ", ".join(f"{d} {result['peaks_tflops'][d]:.3f} TFLOP/s" for d in dtypes) + " per process.",
         "",
         "How: GEMMs = every matmul operator of one real step (forward, backward, optimizer; recorded by a "
@@ -382,6 +414,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m benchmarks ro
     ap.add_argument("--layouts", default="tp1,msp,mtp",
                     help="comma-separated: tp1 (1 process), msp / mtp (TP=2 on 2 gloo processes)")
     ap.add_argument("--rounds", type=positive_int, default=None, help="timed rounds (default: 8, quick: 3)")
+    ap.add_argument("--clock", default="wall", choices=["wall", "cpu"],
+                    help="cpu: every figure in CPU seconds of its process (for a busy machine; 1 thread per process)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cuda: TP=1 only")
     ap.add_argument("--config", default="configs/demo.py", help="the config the workload overrides")
     ap.add_argument("--out", default="BENCHMARKS.md", help="file whose 'roofline' section is replaced ('' = none)")

@@ -52,6 +52,23 @@ _DIST_FNS = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatt
              "all_gather_object", "broadcast_object_list", "send", "recv")
 
 
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
+_clock: list[Callable[[], float]] = [time.perf_counter]
+
+
+def now() -> float:
+    """The clock every figure here is taken with: wall seconds, or with ``set_clock("cpu")`` this process's
+    CPU seconds (a busy machine's descheduling left out; with one thread per process, what the step would
+    take with the machine to itself, blocking waits for other ranks left out too)."""
+    return _clock[0]()
+
+
+def set_clock(name: str) -> None:
+    if name not in CLOCKS:
+        raise ValueError(f"clock {name!r}: one of {list(CLOCKS)}")
+    _clock[0] = CLOCKS[name]
+
+
 def op_kind(func: Any) -> str | None:
     """``"gemm"``, ``"attention"``, ``"collective"`` or None for an operator overload."""
     packet = getattr(func, "overloadpacket", None)
@@ -124,10 +141,10 @@ class Recorder(TorchDispatchMode):
         if kind is None:
             return func(*args, **kwargs)
         self.sync()
-        t0 = time.perf_counter()
+        t0 = now()
         out = func(*args, **kwargs)
         self.sync()
-        dt = time.perf_counter() - t0
+        dt = now() - t0
         name = func.overloadpacket.__name__
         flops = gemm_flops(name, args, out) if kind == "gemm" else 0.0
         self.calls.append(OpCall(kind, name, func, _map(_spec, args), _map(_spec, kwargs), dt, flops))
@@ -172,12 +189,12 @@ def replay(calls: list[OpCall], reps: int, sync: Callable[[], None]) -> list[flo
     with torch.no_grad():
         for i in range(reps + 1):
             sync()
-            t0 = time.perf_counter()
+            t0 = now()
             for func, args, kwargs in prepared:
                 func(*args, **kwargs)
             sync()
             if i:
-                times.append(time.perf_counter() - t0)
+                times.append(now() - t0)
     return times
 
 
@@ -203,12 +220,12 @@ class CommClock:
                 return fn(*args, **kwargs)
             self._depth += 1
             self._sync()
-            t0 = time.perf_counter()
+            t0 = now()
             try:
                 return fn(*args, **kwargs)
             finally:
                 self._sync()
-                self.seconds += time.perf_counter() - t0
+                self.seconds += now() - t0
                 self.calls += 1
                 self._depth -= 1
 
@@ -272,11 +289,11 @@ def _time_optimizer(stack: Stack, clock: CommClock) -> None:
     inner = stack.optimizer.step
 
     def step(*args: Any, **kwargs: Any) -> Any:
-        c0, t0 = clock.seconds, time.perf_counter()
+        c0, t0 = clock.seconds, now()
         try:
             return inner(*args, **kwargs)
         finally:
-            stack.opt_s += time.perf_counter() - t0
+            stack.opt_s += now() - t0
             stack.opt_comm_s += clock.seconds - c0
 
     stack.optimizer.step = step
@@ -287,6 +304,7 @@ class Worker:
     """The stacks of one process and the commands the parent sends."""
 
     def __init__(self, start: dict[str, Any]):
+        set_clock(start.get("clock", "wall"))
         self.device = torch.device(start.get("device", "cpu"))
         self.world = int(start.get("world", 1))
         self.group = dist.group.WORLD if self.world > 1 else None
@@ -324,10 +342,10 @@ class Worker:
         stack.opt_s = stack.opt_comm_s = 0.0
         self.clock.seconds, self.clock.calls, self.clock.on = 0.0, 0, True
         try:
-            t0 = time.perf_counter()
+            t0 = now()
             result = stack.trainer.train_step(stack.batches)
             self.sync()
-            dt = time.perf_counter() - t0
+            dt = now() - t0
         finally:
             self.clock.on = False
         return {"step_s": dt, "opt_s": stack.opt_s, "opt_comm_s": stack.opt_comm_s, "comm_s": self.clock.seconds,

@@ -114,7 +114,7 @@ def test_cli_tp1_and_tp2_against_itself(tmp_path):
     out.write_text("# Benchmarks\n\n<!-- section:dp -->\n## 7. dp\n<!-- /section:dp -->\n")
     dims = ["model.hidden_size=64", "model.num_layers=2", "model.num_attention_heads=4",
             "model.num_kv_attention_heads=4", "data.seq_len=32", "data.micro_bsz=2"]
-    cmd = [sys.executable, "-m", "benchmarks", "roofline", "--quick", "--rounds", "2", "--dtypes", "fp32",
+    cmd = [sys.executable, "-m", "benchmarks", "roofline", "--quick", "--clock", "cpu", "--rounds", "2", "--dtypes", "fp32",
            "--layouts", "tp1,msp", "--config", "configs/tiny.py", "--against", ROOT, "--out", str(out), "--json", str(js), *dims]
     env = {**os.environ, "PYTHONPATH": ROOT}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
