@@ -287,7 +287,7 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
         "commits": {side: (_git(path, "rev-parse", "--short", "HEAD") or "unknown")
                     + (" (modified)" if _git(path, "status", "--porcelain", "--untracked-files=no") else "")
                     for side, path in sides.items()},
-        "loadavg": [os.getloadavg()], "layouts": {},
+        "against_path": sides.get("against"), "loadavg": [os.getloadavg()], "layouts": {},
     }
     _log(f"roofline: {result['machine']['cpu']}, {args.threads} thread(s), commits {result['commits']}")
     fpt = {}  # model FLOPs per token from this checkout's closed form; building the configs checks the overrides
@@ -348,13 +348,13 @@ def to_markdown(result: dict[str, Any]) -> list[str]:
           if result["quick"] else []),
         "```", result["command"], "```", "",
         f"Measured {result['date']} at commit {result['commits']['ours']}"
-        + (f", against {against} in the same run" if against else "")
+        + (f", against {against} (the checkout at `{result['against_path']}`) in the same run" if against else "")
         + f"; {m['cpu']} ({m['cores']} cores; flags: {flags}" + (f"; without {no_flags}" if no_flags else "")
         + f"), torch {m['torch']}, {result['threads']} thread(s) per process, device {result['device']}, "
           "1-minute load average " + " / ".join(f"{x[0]:.1f}" for x in result["loadavg"])
         + " (start / after each layout). Times are "
-        + ("CPU seconds of each process (`--clock cpu`: descheduling and blocking waits for the other rank "
-           "left out). " if result["clock"] == "cpu" else "wall-clock. ")
+        + ("CPU seconds of each process, all its threads (`--clock cpu`: descheduling and blocking waits "
+           "for the other rank left out). " if result["clock"] == "cpu" else "wall-clock. ")
         + f"Workload: `{result['config']}` with "
           f"`{' '.join(WORKLOAD + tuple(PLANS['quick'].extra if result['quick'] else ()))}`"
         + (f" and `{' '.join(result['overrides'])}`" if result["overrides"] else "") + ".",
@@ -420,6 +420,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m benchmarks ro
     ap.add_argument("--config", default="configs/demo.py", help="the config the workload overrides")
     ap.add_argument("--out", default="BENCHMARKS.md", help="file whose 'roofline' section is replaced ('' = none)")
     ap.add_argument("--json", default=None, help="also write the raw results as JSON here")
+    ap.add_argument("--render", default=None, metavar="JSON", help="write the section from a --json file, no measuring")
     ap.add_argument("overrides", nargs="*", help="key.sub=value overrides after the workload's")
     args = ap.parse_args(argv)
     args.dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
@@ -436,7 +437,11 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m benchmarks ro
     from tessera.config import ConfigError
 
     try:
-        result = run(args, command)
+        if args.render:
+            with open(args.render) as f:
+                result = json.load(f)
+        else:
+            result = run(args, command)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -450,7 +455,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m benchmarks ro
 
         write_section(args.out, SECTION, TITLE, lines)
         _log(f"wrote the {SECTION} section of {args.out}")
-    if args.json:
+    if args.json and not args.render:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
     return 0

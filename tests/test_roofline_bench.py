@@ -132,3 +132,8 @@ def test_cli_tp1_and_tp2_against_itself(tmp_path):
     text = out.read_text()
     assert "<!-- section:dp -->" in text and "## 10. Roofline: where a step's time goes" in text
     assert "| **step** |" in text and "step time / " in text
+    rendered = tmp_path / "C.md"  # --render writes the same section from the JSON, without measuring
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "roofline", "--render", str(js), "--out", str(rendered)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert rendered.read_text().strip() == text[text.index("<!-- section:roofline"):].strip()
