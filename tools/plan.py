@@ -21,6 +21,7 @@ import json
 import logging
 import sys
 
+from tessera.cli_args import fraction
 from tessera.config import Config, ConfigError
 from tessera.plan.planner import make_plan, search_layouts, with_layout
 from tessera.plan.report import GPUS
@@ -35,7 +36,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rank", type=int, default=0, help="the rank to simulate (default 0)")
     p.add_argument("--gpu", default="h100", choices=sorted(GPUS), help="datasheet memory and peak (default h100)")
     p.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilization assumed for the step time")
-    p.add_argument("--headroom", type=float, default=None,
+    p.add_argument("--headroom", type=fraction, default=None,
                    help="fraction of GPU memory kept free for the CUDA context and fragmentation (default: the "
                         "config's memory.headroom, 0.1 unless set)")
     p.add_argument("--flash-attn", action=argparse.BooleanOptionalAction, default=None,
