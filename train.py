@@ -110,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # 2c. the MFU denominator: a GPU missing from the peak table is measured now, before the model takes its memory
     peak, peak_source = peak_tflops_per_device(cfg, precision.name, device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)  # the run's peak (metrics' peak_mem_gib) leaves the probe out
 
     # 3. will it fit: the persistent state of this layout (counted on the meta device) vs this rank's memory
     if not args.skip_memory_check:
