@@ -24,7 +24,14 @@ from tessera.model.args import ModelArgs
 from tessera.parallel.sequence import TENSOR_MODES
 from tessera.plan.tracker import ring_bytes
 from tessera.train.memory_check import param_counts
-from tessera.train.memory_extras import communicators, runtime_allowance, sdpa_extra_bytes
+from tessera.train.memory_extras import (
+    MATMUL_STREAMS,
+    MATMUL_WORKSPACE_BYTES,
+    NCCL_COMMUNICATOR_BYTES,
+    communicators,
+    runtime_allowance,
+    sdpa_extra_bytes,
+)
 from tessera.train.metrics import gpu_peak_tflops
 from tessera.train.precision_report import closed_form_bytes
 
@@ -284,8 +291,9 @@ def plan_notes(cfg: Config, lay: Layout, flash_installed: bool, extras: dict[str
     else:
         attention = "attention: nothing beyond the traced tensors (flash_attn, or SDPA without mask or K/V expansion)"
     n = communicators(lay.world_size, lay.tp_size, lay.dp_size, lay.zero1_size)
-    return [attention, f"allowance: {n} NCCL communicator(s) x 1 GiB and cuBLAS workspaces (64 MiB); "
-            "see tessera.train.memory_extras"]
+    return [attention, f"allowance: {n} NCCL communicator(s) x {NCCL_COMMUNICATOR_BYTES / GIB:g} GiB and cuBLAS "
+            f"workspaces ({MATMUL_STREAMS} stream x {MATMUL_WORKSPACE_BYTES / 2**20:g} MiB); see "
+            "tessera.train.memory_extras"]
 
 
 def closed_form_plan(cfg: Config, lay: Layout, shape: StepShape, counts: tuple[int, int] | None = None,
