@@ -55,9 +55,10 @@ def test_flash_varlen_equals_sdpa_on_packed_rows(monkeypatch):
 
 
 def test_memory_check_bounds_the_real_peak():
-    """One bf16 step of a 0.3B model through SDPA (packed rows: the mask path; GQA: the K/V expansion),
-    built and trained on the GPU: the real allocator peak is within the check's prediction (it must not
-    undercount, or a run it admits can still run out of memory) and not far below it."""
+    """bf16 steps of a small decoder (8 layers of 1024, 2 x 2048 tokens) through SDPA (packed rows: the
+    mask path; GQA: the K/V expansion), built and trained on the GPU: the real allocator peak is within
+    the check's prediction (it must not undercount, or a run it admits can still run out of memory) and
+    not far below it."""
     cfg = Config.from_file(TINY, [
         "model.dtype=bf16", "model.hidden_size=1024", "model.num_layers=8", "model.num_attention_heads=16",
         "model.num_kv_attention_heads=4", "model.vocab_size=32000", "model.max_position_embeddings=2048",
