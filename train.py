@@ -66,7 +66,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def peak_tflops_per_device(cfg: Config, precision_name: str, device: torch.device) -> tuple[float, str]:
-    """MFU denominator: the config's override, the GPU table, or a matmul measured here (CPU)."""
+    """MFU denominator: the config's override, the GPU table (exact device name), or matmuls measured here (a
+    CPU, or a GPU the table does not list)."""
     if cfg.metrics.peak_tflops:
         return cfg.metrics.peak_tflops, "config"
     if device.type == "cuda":
@@ -106,6 +107,11 @@ def main(argv: list[str] | None = None) -> int:
     problems = agree_on_errors(output_folder_problem(cfg))
     if problems:
         _exit_together("; ".join(problems))
+
+    # 2c. the MFU denominator: a GPU missing from the peak table is measured now, before the model takes its memory
+    peak, peak_source = peak_tflops_per_device(cfg, precision.name, device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)  # the run's peak (metrics' peak_mem_gib) leaves the probe out
 
     # 3. will it fit: the persistent state of this layout (counted on the meta device) vs this rank's memory
     if not args.skip_memory_check:
@@ -151,7 +157,6 @@ def main(argv: list[str] | None = None) -> int:
                                last_ckpt, cfg.data.total_steps)
 
     # 8. metrics
-    peak, peak_source = peak_tflops_per_device(cfg, precision.name, device)
     flops_tok = flops_per_token(cfg.model, cfg.data.seq_len)
     log_dir = os.path.join(cfg.log_folder, cfg.job_name)
     metrics = MetricsWriter(log_dir, is_rank0, cfg.data.total_steps, progress.step, cfg.metrics.tensorboard,

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from harness.distributed import run_torchrun
-from tessera.config import Config
+from tessera.config import Config, ConfigError
+from tessera.plan import make_plan
 from tessera.train import memory_check
 from tessera.train.builder import build_training_stack
 from tessera.train.memory_check import check_memory, plan_persistent_state
@@ -36,7 +37,7 @@ def test_plan_equals_the_bytes_a_real_optimizer_holds(dtype, marks):
 
 
 def test_refusal_names_need_available_and_layouts_that_fit(monkeypatch):
-    cfg = Config.from_file(TINY, ["model.dtype=bf16"])
+    cfg = Config.from_file(TINY, ["model.dtype=bf16", "memory.headroom=0.0"])
     plan = plan_persistent_state(cfg, 4, 1, 1)
     need = plan.need
     assert plan.activation_bytes > 0 and need == plan.bytes_per_rank + plan.activation_bytes
@@ -50,6 +51,49 @@ def test_refusal_names_need_available_and_layouts_that_fit(monkeypatch):
     assert check_memory(cfg, 4, 1, 1, torch.device("cpu")) is None
 
 
+def _available(monkeypatch, free: float) -> None:
+    monkeypatch.setattr(memory_check, "available_bytes", lambda device: (free, "test"))
+
+
+def test_default_headroom_refuses_a_run_at_95_percent_of_free_memory(monkeypatch):
+    """The check keeps the planner's share of memory free (0.1 unless memory.headroom says otherwise): a
+    run planned at 95% of the free memory is refused, and fits with a 4% headroom."""
+    cfg = Config.from_file(TINY, ["model.dtype=bf16"])
+    assert cfg.memory.headroom == 0.1 and make_plan(cfg, 1, trace=False).headroom == 0.1  # one default for both
+    need = plan_persistent_state(cfg, 1, 1, 1).need
+    _available(monkeypatch, need / 0.95)
+    message = check_memory(cfg, 1, 1, 1, torch.device("cpu"))
+    assert message is not None and "memory.headroom=0.1" in message
+    assert f"only {need / 0.95 * 0.9 / 2**30:.1f} GiB may be planned" in message
+    assert check_memory(Config.from_file(TINY, ["model.dtype=bf16", "memory.headroom=0.04"]), 1, 1, 1,
+                        torch.device("cpu")) is None
+
+
+def test_headroom_outside_zero_to_one_is_a_config_error():
+    for bad in ("1.0", "-0.1"):
+        with pytest.raises(ConfigError, match=r"memory\.headroom: must be in \[0, 1\)"):
+            Config.from_file(TINY, [f"memory.headroom={bad}"])
+
+
+def test_cuda_check_counts_communicators_and_workspaces(monkeypatch):
+    """On CUDA each rank is allowed 1 GiB per NCCL communicator it joins (one per group of more than one
+    rank: world, TP, DP, ZeRO) and 64 MiB of cuBLAS + cuBLASLt workspace; nothing on CPU."""
+    cfg = Config.from_file(TINY, ["model.dtype=bf16", "memory.headroom=0.0"])
+    gib, mib = 2**30, 2**20
+    for world, tp, zero1, groups in [(1, 1, 1, 0), (2, 2, 1, 2), (8, 2, 4, 4), (8, 2, 1, 3), (4, 1, 4, 3)]:
+        cpu = plan_persistent_state(cfg, world, tp, zero1)
+        cuda = plan_persistent_state(cfg, world, tp, zero1, device_type="cuda", flash_installed=True)
+        assert cpu.runtime_bytes == 0
+        assert cuda.runtime_bytes == groups * gib + 64 * mib, (world, tp, zero1)
+    # refused on CUDA when the state fits but the allowance does not
+    cuda = plan_persistent_state(cfg, 8, 2, 4, device_type="cuda", flash_installed=True)
+    _available(monkeypatch, cuda.need - 1)
+    message = check_memory(cfg, 8, 2, 4, torch.device("cuda"))
+    assert message is not None and "allowed for 4 NCCL communicator(s) and cuBLAS workspaces" in message
+    _available(monkeypatch, cuda.need)
+    assert check_memory(cfg, 8, 2, 4, torch.device("cuda")) is None
+
+
 def test_train_py_refuses_7b_on_every_rank_before_allocating(tmp_path):
     t0 = time.time()
     proc = run_torchrun([os.path.join(ROOT, "train.py"), "--config", os.path.join(ROOT, "configs", "7B.py"),
@@ -61,3 +105,34 @@ def test_train_py_refuses_7b_on_every_rank_before_allocating(tmp_path):
     assert sorted(line.split("]")[0] for line in reports) == ["[rank 0", "[rank 1"]
     assert all(line.count("error: training needs") == 1 and line.endswith("starts anyway.") for line in reports)
     assert "--skip-memory-check" in proc.stderr and "Killed" not in proc.stderr
+
+
+def _sdpa_cfg(*overrides: str) -> Config:
+    # 3 layers, 4 query heads over 2 KV heads (head_dim 16), 3 rows of 60 tokens: 60 is no multiple of 8
+    return Config.from_file(TINY, ["model.dtype=bf16", "model.num_layers=3", "data.seq_len=60", "data.micro_bsz=3",
+                                   *overrides])
+
+
+@pytest.mark.parametrize("overrides,checkpoint,flash,expected", [
+    # packed rows, SDPA: the bool mask once, an additive bf16 copy per layer (rows padded to 64 columns),
+    # K/V expanded to the 2 query heads of a TP rank in every layer
+    ([], False, False, 3 * 60 * 60 + 3 * (3 * 60 * 64 * 2) + 3 * (2 * 3 * 60 * 2 * 16 * 2)),
+    # recomputed attention core: one layer's copies at a time
+    ([], "selective", False, 3 * 60 * 60 + 3 * 60 * 64 * 2 + 2 * 3 * 60 * 2 * 16 * 2),
+    ([], True, False, 3 * 60 * 60 + 3 * 60 * 64 * 2 + 2 * 3 * 60 * 2 * 16 * 2),
+    # flash_attn runs every bf16 layer: nothing
+    (["model.use_flash_attn=True"], False, True, 0),
+    # one document per row: no mask; bf16 K/V go to SDPA's GQA-capable flash kernel unexpanded
+    (["data.pack_sample_into_one=True"], False, False, 0),
+    # fp32 q/k/v are expanded even without a mask
+    (["data.pack_sample_into_one=True", "model.dtype=fp32"], False, False, 3 * (2 * 3 * 60 * 2 * 16 * 4)),
+    # an fp32-marked attention in one layer skips flash_attn there: its fp32 mask and K/V copies only
+    (["model.use_flash_attn=True", "model.fp32_modules=['layers.1.attention']"], False, True,
+     3 * 60 * 60 + 3 * 60 * 64 * 4 + 2 * 3 * 60 * 2 * 16 * 4),
+])
+def test_cuda_check_counts_sdpa_masks_and_gqa_copies(overrides, checkpoint, flash, expected):
+    cfg = _sdpa_cfg(*overrides, f"model.checkpoint={checkpoint!r}")
+    plan = plan_persistent_state(cfg, 2, 2, 1, device_type="cuda", flash_installed=flash)
+    assert plan.attention_bytes == expected
+    assert plan.need == plan.bytes_per_rank + plan.activation_bytes + expected + plan.runtime_bytes
+    assert plan_persistent_state(cfg, 2, 2, 1, flash_installed=flash).attention_bytes == 0  # CPU: not this path

@@ -173,6 +173,33 @@ def test_a_cpu_tensor_collective_anywhere_fails_the_dry_run(monkeypatch, module)
         dry_run(_tiny("parallel.tensor.size=2"), 4)
 
 
+def test_plan_counts_sdpa_masks_gqa_copies_and_the_runtime_allowance():
+    """A GPU without flash_attn runs packed rows through SDPA: the plan counts its masks and expanded K/V
+    in both columns (derived here from the dims: 3 layers, 3 rows of 60 tokens, 2 query heads of 16 per
+    TP rank over 1 KV head, bf16), and both columns carry 1 GiB per NCCL communicator (world and TP
+    group here) and 64 MiB of cuBLAS workspaces."""
+    cfg = _tiny("model.use_flash_attn=True", "model.dtype='torch.bfloat16'", "model.num_layers=3",
+                "data.seq_len=60", "data.micro_bsz=3", "parallel.tensor.size=2")
+    sdpa, flash = make_plan(cfg, 2, flash_attn=False), make_plan(cfg, 2, flash_attn=True)
+    mask = 3 * 60 * 60 + 3 * (3 * 60 * 64 * 2)  # the bool mask once, a bf16 copy per layer, rows padded to 64
+    gqa = 3 * (2 * 3 * 60 * 2 * 16 * 2)  # K and V expanded to the query heads, per layer
+    for column in ("traced", "closed_form"):
+        a, b = getattr(sdpa, column), getattr(flash, column)
+        assert (a["sdpa_mask"], a["gqa_kv"], b["sdpa_mask"], b["gqa_kv"]) == (mask, gqa, 0, 0), column
+        assert a["total_peak"] - b["total_peak"] == mask + gqa, column  # they sit at the backward's peak
+        assert (a["nccl"], a["cublas"]) == (2 * 2**30, 64 * 2**20), column
+    t = flash.traced
+    assert t["total_peak"] >= t["persistent"] + t["backward_extra"] + 2 * 2**30 + 64 * 2**20
+    assert "SDPA" in sdpa.format() and "NCCL communicators (allowance)" in sdpa.format()
+
+
+def test_plan_headroom_is_the_config_s():
+    cfg = _tiny("memory.headroom=0.25")
+    plan = make_plan(cfg, 1, trace=False, gpu="h100")
+    assert plan.headroom == 0.25 and make_plan(cfg, 1, trace=False, headroom=0.05).headroom == 0.05
+    assert plan.fits is (plan.peak <= 80 * 2**30 * 0.75)
+
+
 def test_7b_plan_is_fast_small_and_exact():
     """The acceptance run: configs/7B.py on its 8 ranks, under 3 minutes and 2 GiB, persistent within 1%."""
     t0 = time.time()
@@ -188,12 +215,16 @@ def test_7b_plan_is_fast_small_and_exact():
     assert plan["traced"]["total_peak"] == pytest.approx(plan["closed_form"]["total_peak"], rel=0.10)
     assert plan["comm_traced"]["TENSOR"] == pytest.approx(plan["comm_closed_form"]["TENSOR"], rel=0.01)
     assert plan["fits"] is True and plan["step_time_s"] > 0
+    # no flash_attn on this machine: packed rows of 2 x 2048 tokens keep the bool mask and a bf16 copy per layer
+    assert plan["traced"]["sdpa_mask"] == plan["closed_form"]["sdpa_mask"] == 2 * 2048**2 * (1 + 32 * 2)
+    assert plan["closed_form"]["nccl"] == 2 * 2**30  # world and TP group (TP 8 = world 8)
 
 
 def test_search_ranks_layouts_that_fit():
     cfg = Config.from_file(os.path.join(ROOT, "configs", "7B.py"))
     found = search_layouts(cfg, 8, 40.0, gpu="h100")
     assert found and all(c.peak <= 40 * 2**30 * 0.9 for c in found)
+    assert search_layouts(cfg, 8, 40.0, gpu="h100", headroom=0.5) != found  # the headroom is honoured
     assert [c.tokens_per_gpu_per_s for c in found] == sorted((c.tokens_per_gpu_per_s for c in found), reverse=True)
     # the same global batch everywhere: dp * micro_bsz * micro_num rows
     rows = {(8 // c.tp) * c.micro_bsz * c.micro_num for c in found}

@@ -6,7 +6,10 @@
 
 One training iteration of the config runs at its real size on meta tensors, in a fake process group
 of the real world size that refuses CPU tensors as NCCL does (``tessera.plan.dry_run``); the per-rank
-report puts each traced figure beside its closed form. ``--search`` ranks the layouts (TP, ZeRO,
+report puts each traced figure beside its closed form, and adds in both columns what a GPU holds beyond
+the tensors traced: SDPA's packed-row masks and expanded GQA K/V when flash_attn does not run
+(``--flash-attn`` says it is installed on the planned GPUs), and an allowance for NCCL communicators and
+cuBLAS workspaces. ``--search`` ranks the layouts (TP, ZeRO,
 checkpointing, micro-batch size) that fit by predicted throughput, then traces the best one.
 Everything is planned, not measured.
 """
@@ -18,6 +21,7 @@ import json
 import logging
 import sys
 
+from tessera.cli_args import fraction
 from tessera.config import Config, ConfigError
 from tessera.plan.planner import make_plan, search_layouts, with_layout
 from tessera.plan.report import GPUS
@@ -32,8 +36,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rank", type=int, default=0, help="the rank to simulate (default 0)")
     p.add_argument("--gpu", default="h100", choices=sorted(GPUS), help="datasheet memory and peak (default h100)")
     p.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilization assumed for the step time")
-    p.add_argument("--headroom", type=float, default=0.1,
-                   help="fraction of GPU memory kept free for the CUDA context and fragmentation (default 0.1)")
+    p.add_argument("--headroom", type=fraction, default=None,
+                   help="fraction of GPU memory kept free for the CUDA context and fragmentation (default: the "
+                        "config's memory.headroom, 0.1 unless set)")
+    p.add_argument("--flash-attn", action=argparse.BooleanOptionalAction, default=None,
+                   help="whether flash_attn is installed on the planned GPUs (default: whether it is here); "
+                        "without it SDPA's packed-row masks and expanded GQA K/V are counted")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.add_argument("--search", action="store_true", help="rank the layouts that fit")
     p.add_argument("--gpus", type=int, default=None, help="--search: number of GPUs (default --world)")
@@ -54,14 +62,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.search:
         gpus = args.gpus or world
         memory = args.memory or GPUS[args.gpu][0]
-        found = search_layouts(cfg, gpus, memory, gpu=args.gpu, mfu=args.mfu, headroom=args.headroom)
+        found = search_layouts(cfg, gpus, memory, gpu=args.gpu, mfu=args.mfu, headroom=args.headroom,
+                               flash_attn=args.flash_attn)
         if not found:
             print(f"no layout of {gpus} GPUs with {memory:.0f} GiB fits {args.config}", file=sys.stderr)
             return 1
         best = found[0]
         plan = make_plan(with_layout(cfg, tp=best.tp, zero1=best.zero1, checkpoint=best.checkpoint,
                                      micro_bsz=best.micro_bsz, micro_num=best.micro_num), gpus,
-                         config_name=args.config, gpu=args.gpu, mfu=args.mfu, headroom=args.headroom)
+                         config_name=args.config, gpu=args.gpu, mfu=args.mfu, headroom=args.headroom,
+                         flash_attn=args.flash_attn)
         if args.json:
             print(json.dumps({"layouts": [vars(c) for c in found[: args.top]], "best": plan.to_dict()},
                              indent=1, default=str))
@@ -75,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         plan = make_plan(cfg, world, config_name=args.config, gpu=args.gpu, mfu=args.mfu, headroom=args.headroom,
-                         rank=args.rank)
+                         rank=args.rank, flash_attn=args.flash_attn)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

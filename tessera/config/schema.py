@@ -19,7 +19,7 @@ from tessera.config.precision import parse_dtype
 from tessera.model.args import ModelArgs
 from tessera.parallel.sequence import TENSOR_MODES
 
-__all__ = ["Key", "Section", "SCHEMA", "REQUIRED", "NORM_TYPES"]
+__all__ = ["Key", "Section", "SCHEMA", "REQUIRED", "NORM_TYPES", "DEFAULT_MEMORY_HEADROOM"]
 
 REQUIRED: Any = object()  # the default of a key the file must set
 
@@ -90,6 +90,13 @@ def _str_list(v: Any) -> str | None:
 
 NORM_TYPES = ("rmsnorm",)
 DEFAULT_REDUCE_BUCKET_SIZE = 2**25  # elements (128 MiB of fp32 main grads), Megatron-sized
+# the share of a device's memory a run does not plan to use: the CUDA context, kernels loaded on first use and
+# the caching allocator's fragmentation. One figure for train.py's memory check and tools/plan.py
+DEFAULT_MEMORY_HEADROOM = 0.1
+
+
+def _headroom(v: Any) -> str | None:
+    return None if 0 <= v < 1 else "must be in [0, 1): the fraction of memory left unplanned"
 
 
 def _norm_type(v: Any) -> str | None:
@@ -293,6 +300,15 @@ SCHEMA = Section(
                 "progress_bar": Key(BOOL, True),
                 "peak_tflops": Key(FLOAT, None, _positive, nullable=True,
                                    doc="per-device peak for MFU; None: GPU table or measured CPU peak"),
+            }
+        ),
+        "memory": Section(
+            {
+                "headroom": Key(FLOAT, DEFAULT_MEMORY_HEADROOM, _headroom,
+                                doc="fraction of memory kept free for the CUDA context, kernels loaded on first "
+                                    "use and allocator fragmentation: train.py's memory check refuses a run whose "
+                                    "planned need exceeds (1 - headroom) x the free memory at launch; tools/plan.py "
+                                    "fits within (1 - headroom) x the GPU's memory"),
             }
         ),
         "generate": Section(

@@ -13,18 +13,39 @@ from typing import Any
 
 from tessera.config import Config, ConfigError, check_model_sizes
 from tessera.config.precision import resolve_precision
-from tessera.plan.report import Plan, _layout, _param_counts, closed_form_plan, gpu_spec, step_flops_per_rank
+from tessera.model.attention import flash_attn_available
+from tessera.plan.report import (
+    Plan,
+    _layout,
+    _param_counts,
+    closed_form_plan,
+    gpu_extras,
+    gpu_spec,
+    plan_notes,
+    step_flops_per_rank,
+)
+from tessera.train.memory_check import headroom_of
 
 __all__ = ["make_plan", "search_layouts", "Candidate", "with_layout"]
 
 
 def make_plan(cfg: Config, world: int, *, config_name: str = "config", gpu: str | None = None, mfu: float = 0.4,
-              headroom: float = 0.1, trace: bool = True, rank: int = 0, counts: tuple[int, int] | None = None) -> Plan:
-    """The plan of ``cfg`` on ``world`` ranks: closed forms, and (``trace``) one dry-run iteration."""
+              headroom: float | None = None, trace: bool = True, rank: int = 0, counts: tuple[int, int] | None = None,
+              flash_attn: bool | None = None) -> Plan:
+    """The plan of ``cfg`` on ``world`` ranks: closed forms, and (``trace``) one dry-run iteration.
+
+    ``headroom``: the share of the GPU's memory left unplanned (None: the config's ``memory.headroom``).
+    ``flash_attn``: whether flash_attn is installed on the planned GPU (None: whether it is here); without
+    it, packed rows and grouped KV heads cost SDPA's masks and K/V copies, counted in both columns.
+    """
+    flash = flash_attn_available() if flash_attn is None else flash_attn
     lay, shape = _layout(cfg, world, rank)
-    mem, comm, low, fp32 = closed_form_plan(cfg, lay, shape, counts)
+    mem, comm, low, fp32 = closed_form_plan(cfg, lay, shape, counts, flash)
+    extras = gpu_extras(cfg, lay, shape, flash)
     plan = Plan(config_name, lay, shape, low + fp32, closed_form=mem, comm_closed_form=comm,
-                flops_per_rank=step_flops_per_rank(cfg, lay, shape), mfu=mfu, headroom=headroom)
+                flops_per_rank=step_flops_per_rank(cfg, lay, shape), mfu=mfu,
+                headroom=headroom_of(cfg) if headroom is None else headroom,
+                notes=plan_notes(cfg, lay, flash, extras))
     if gpu:
         plan.gpu = gpu
         plan.gpu_memory, plan.peak_tflops = gpu_spec(gpu, resolve_precision(cfg.model.dtype).name)
@@ -32,10 +53,12 @@ def make_plan(cfg: Config, world: int, *, config_name: str = "config", gpu: str 
         from tessera.plan.dry_run import dry_run
 
         t = dry_run(cfg, world, rank=rank)
+        # SDPA's extras join the backward's peak (where the activations are); the allowance is there throughout
+        attention, runtime = extras["sdpa_mask"] + extras["gqa_kv"], extras["nccl"] + extras["cublas"]
         plan.traced = {**{k: float(v) for k, v in t.persistent.items()}, "persistent": float(t.persistent_total),
                        "backward_extra": float(t.backward_extra), "optimizer_extra": float(t.optimizer_extra),
-                       "comm_buffer": float(t.comm_buffer), "save_extra": float(t.save_extra),
-                       "total_peak": float(t.peak)}
+                       "comm_buffer": float(t.comm_buffer), "save_extra": float(t.save_extra), **extras,
+                       "total_peak": float(max(t.backward_peak + attention, t.step_peak, t.save_peak) + runtime)}
         plan.comm_traced = {g: sum(v for k, v in kinds.items() if not k.endswith("_calls"))
                             for g, kinds in t.comm.items()}
     return plan
@@ -71,7 +94,7 @@ class Candidate:
 
 
 def search_layouts(cfg: Config, gpus: int, memory_gib: float, *, gpu: str = "h100", mfu: float = 0.4,
-                   headroom: float = 0.1) -> list[Candidate]:
+                   headroom: float | None = None, flash_attn: bool | None = None) -> list[Candidate]:
     """Layouts of ``gpus`` GPUs of ``memory_gib`` each that fit, best predicted throughput first.
 
     The global batch (rows per step) of the config on ``gpus`` GPUs is kept: ``micro_bsz * micro_num *
@@ -79,8 +102,10 @@ def search_layouts(cfg: Config, gpus: int, memory_gib: float, *, gpu: str = "h10
     heads / KV heads / FFN / vocab, ZeRO over 1 rank or all of DP, checkpointing none / selective / full,
     micro_bsz 1 to 16. Predicted time (``Plan.predicted_step_time``): FLOPs (with recomputation) at the
     GPU's peak x ``mfu``, plus the TP collectives and the ZeRO weight all-gather at link speed (the
-    gradient reduction overlaps the backward).
+    gradient reduction overlaps the backward). ``headroom`` and ``flash_attn`` as for ``make_plan``.
     """
+    headroom = headroom_of(cfg) if headroom is None else headroom
+    flash = flash_attn_available() if flash_attn is None else flash_attn
     rows = cfg.data.micro_bsz * cfg.data.micro_num * max(1, gpus // cfg.parallel.tensor.size)
     out: list[Candidate] = []
     for tp in [t for t in range(1, gpus + 1) if gpus % t == 0]:
@@ -100,7 +125,8 @@ def search_layouts(cfg: Config, gpus: int, memory_gib: float, *, gpu: str = "h10
                 for mb in (m for m in (1, 2, 4, 8, 16) if per_replica % m == 0):
                     c = with_layout(cfg, tp=tp, zero1=zero1, checkpoint=checkpoint, micro_bsz=mb,
                                     micro_num=per_replica // mb)
-                    plan = make_plan(c, gpus, gpu=gpu, mfu=mfu, headroom=headroom, trace=False, counts=counts)
+                    plan = make_plan(c, gpus, gpu=gpu, mfu=mfu, headroom=headroom, trace=False, counts=counts,
+                                     flash_attn=flash)
                     peak = plan.closed_form.get("total_peak")
                     if peak is None or peak > memory_gib * 2**30 * (1 - headroom):
                         continue

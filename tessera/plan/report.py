@@ -2,8 +2,10 @@
 
 Closed forms: persistent state per parameter (``precision_report.closed_form_bytes``), activations of
 one micro-batch (``tessera.model.activations``), ring bytes of each collective, FLOPs per token
-(``tessera.model.flops``). Step time is the FLOPs of one rank divided by the GPU's datasheet peak at a
-stated MFU: a planning figure, not a measurement.
+(``tessera.model.flops``). Both columns add what a GPU run holds beyond them, from the config
+(``tessera.train.memory_extras``): SDPA's packed-row masks and expanded GQA K/V when flash_attn does not
+run, and the allowance for NCCL communicators and cuBLAS workspaces. Step time is the FLOPs of one rank
+divided by the GPU's datasheet peak at a stated MFU: a planning figure, not a measurement.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 
 from tessera.config import Config
 from tessera.config.precision import resolve_precision
+from tessera.config.schema import DEFAULT_MEMORY_HEADROOM
 from tessera.dist.layout import Layout
 from tessera.model import flops_per_token
 from tessera.model.activations import activation_bytes
@@ -21,18 +24,30 @@ from tessera.model.args import ModelArgs
 from tessera.parallel.sequence import TENSOR_MODES
 from tessera.plan.tracker import ring_bytes
 from tessera.train.memory_check import param_counts
+from tessera.train.memory_extras import (
+    MATMUL_STREAMS,
+    MATMUL_WORKSPACE_BYTES,
+    NCCL_COMMUNICATOR_BYTES,
+    communicators,
+    runtime_allowance,
+    sdpa_extra_bytes,
+)
 from tessera.train.metrics import gpu_peak_tflops
 from tessera.train.precision_report import closed_form_bytes
 
-__all__ = ["GPUS", "StepShape", "Plan", "closed_form_plan", "step_flops_per_rank", "gpu_spec", "gpu_for_device_name"]
+__all__ = ["GPUS", "StepShape", "Plan", "closed_form_plan", "step_flops_per_rank", "gpu_spec", "gpu_for_device_name",
+           "gpu_extras", "plan_notes"]
 
 GIB = 2**30
 
-# --gpu name -> (memory in GiB as sold, the name the datasheet-peak table knows)
+# --gpu name -> (memory in GiB as sold, the device name torch.cuda.get_device_name reports, which is its row
+# in the datasheet-peak table ``tessera.train.metrics.GPU_PEAK_TFLOPS``)
 GPUS: dict[str, tuple[float, str]] = {
-    "h100": (80.0, "H100"), "h200": (141.0, "H200"), "h800": (80.0, "H800"), "gh200": (96.0, "GH200"),
-    "b200": (180.0, "B200"), "a100": (80.0, "A100"), "a100-40gb": (40.0, "A100"), "a800": (80.0, "A800"),
-    "l40s": (48.0, "L40S"), "h20": (96.0, "H20"),
+    "h100": (80.0, "NVIDIA H100 80GB HBM3"), "h100-pcie": (80.0, "NVIDIA H100 PCIe"),
+    "h100-nvl": (94.0, "NVIDIA H100 NVL"), "h200": (141.0, "NVIDIA H200"), "h200-nvl": (141.0, "NVIDIA H200 NVL"),
+    "h800": (80.0, "NVIDIA H800"), "gh200": (96.0, "NVIDIA GH200 480GB"), "b200": (180.0, "NVIDIA B200"),
+    "a100": (80.0, "NVIDIA A100-SXM4-80GB"), "a100-40gb": (40.0, "NVIDIA A100-SXM4-40GB"),
+    "a800": (80.0, "NVIDIA A800-SXM4-80GB"), "l40s": (48.0, "NVIDIA L40S"), "h20": (96.0, "NVIDIA H20"),
 }
 
 GPUS_PER_NODE = 8
@@ -43,12 +58,8 @@ ROLES = ("weights", "main_grads", "masters", "compensation", "optimizer_states")
 
 
 def gpu_for_device_name(device_name: str) -> str | None:
-    """The ``GPUS`` key of a CUDA device name (``torch.cuda.get_device_name``), or None if unknown."""
-    name = device_name.lower()
-    for key, (_, table_name) in sorted(GPUS.items(), key=lambda kv: -len(kv[1][1])):
-        if table_name.lower() in name and not key.endswith("-40gb"):
-            return key
-    return None
+    """The ``GPUS`` key of a CUDA device name (``torch.cuda.get_device_name``), matched exactly, or None."""
+    return next((key for key, (_, name) in GPUS.items() if name == device_name.strip()), None)
 
 
 def gpu_spec(name: str, precision_name: str) -> tuple[float, float]:
@@ -56,8 +67,8 @@ def gpu_spec(name: str, precision_name: str) -> tuple[float, float]:
     key = name.lower()
     if key not in GPUS:
         raise ValueError(f"--gpu {name!r}: unknown; choose one of {', '.join(GPUS)}")
-    mem_gib, table_name = GPUS[key]
-    return mem_gib * GIB, float(gpu_peak_tflops(table_name, precision_name) or 0.0)
+    mem_gib, device_name = GPUS[key]
+    return mem_gib * GIB, float(gpu_peak_tflops(device_name, precision_name) or 0.0)
 
 
 @dataclass(frozen=True)
@@ -163,7 +174,8 @@ class Plan:
     gpu_memory: float = 0.0
     peak_tflops: float = 0.0
     mfu: float = 0.4
-    headroom: float = 0.1
+    headroom: float = DEFAULT_MEMORY_HEADROOM  # memory.headroom: the share of the GPU's memory left unplanned
+    notes: list[str] = field(default_factory=list)  # how the plan was made (the attention path it assumed)
 
     @property
     def step_time(self) -> float | None:
@@ -229,7 +241,11 @@ class Plan:
                 ("  of which the loss's fp32 softmax", "loss"),
                 ("  of which the largest collective's buffer", "comm_buffer"),
                 ("optimizer step temporaries (peak)", "optimizer_extra"),
-                ("extra during a checkpoint save", "save_extra"), ("= total peak", "total_peak")]
+                ("extra during a checkpoint save", "save_extra"),
+                ("SDPA packed-row masks (config, not traced)", "sdpa_mask"),
+                ("SDPA's expanded GQA K/V (config, not traced)", "gqa_kv"),
+                ("NCCL communicators (allowance)", "nccl"), ("cuBLAS workspaces (allowance)", "cublas"),
+                ("= total peak", "total_peak")]
         for label, key in rows:
             if key in self.traced or key in self.closed_form:
                 lines.append(f"{label:<44}{g(self.traced.get(key))}{g(self.closed_form.get(key)):>13}")
@@ -249,20 +265,50 @@ class Plan:
                              f"all-gather {self.zero_gather_time:.2f} s "
                              f"({link(self.layout.world_size > GPUS_PER_NODE)} GB/s) = "
                              f"{self.predicted_step_time:.2f} s, {self.tokens_per_gpu_per_s:,.0f} tokens/s per GPU")
+        lines += self.notes
         lines.append("planned, not measured: traced = live tensor bytes of one dry-run iteration on meta tensors")
         return "\n".join(lines)
 
 
+def gpu_extras(cfg: Config, lay: Layout, shape: StepShape, flash_installed: bool) -> dict[str, float]:
+    """What a GPU rank holds beyond the traced tensors (``tessera.train.memory_extras``): SDPA's packed-row
+    masks and expanded GQA K/V at the activation peak (none where flash_attn runs every layer), and the
+    allowance for NCCL communicators and cuBLAS workspaces."""
+    data = {"micro_bsz": shape.micro_bsz, "seq_len": shape.seq_len,
+            "pack_sample_into_one": cfg.data.pack_sample_into_one}
+    sdpa = sdpa_extra_bytes({"model": cfg.model, "data": data}, lay.tp_size, shape.checkpoint, flash_installed)
+    runtime = runtime_allowance(lay.world_size, lay.tp_size, lay.dp_size, lay.zero1_size, "cuda")
+    return {"sdpa_mask": sdpa["mask"], "gqa_kv": sdpa["gqa"], **runtime}
+
+
+def plan_notes(cfg: Config, lay: Layout, flash_installed: bool, extras: dict[str, float]) -> list[str]:
+    """What the plan assumed about the attention path and the runtime's buffers, for the report."""
+    if extras["sdpa_mask"] or extras["gqa_kv"]:
+        why = ("model.use_flash_attn=False" if not cfg.model.use_flash_attn else
+               "flash_attn is not installed here; --flash-attn plans GPUs where it is" if not flash_installed
+               else "fp32 q/k/v, which flash_attn refuses")
+        attention = f"attention through SDPA ({why}): its packed-row masks and expanded GQA K/V are counted"
+    else:
+        attention = "attention: nothing beyond the traced tensors (flash_attn, or SDPA without mask or K/V expansion)"
+    n = communicators(lay.world_size, lay.tp_size, lay.dp_size, lay.zero1_size)
+    return [attention, f"allowance: {n} NCCL communicator(s) x {NCCL_COMMUNICATOR_BYTES / GIB:g} GiB and cuBLAS "
+            f"workspaces ({MATMUL_STREAMS} stream x {MATMUL_WORKSPACE_BYTES / 2**20:g} MiB); see "
+            "tessera.train.memory_extras"]
+
+
 def closed_form_plan(cfg: Config, lay: Layout, shape: StepShape, counts: tuple[int, int] | None = None,
-                     ) -> tuple[dict[str, float], dict[str, float], int, int]:
+                     flash_installed: bool = False) -> tuple[dict[str, float], dict[str, float], int, int]:
     """(memory closed forms, communication closed forms, model-dtype params, fp32 params) of TP rank 0;
-    ``counts``: the parameter counts when known (they depend on the model and the TP size only)."""
+    ``counts``: the parameter counts when known (they depend on the model and the TP size only);
+    ``flash_installed``: whether flash_attn runs on the planned GPU (else SDPA's extras count)."""
     low, fp32 = counts or _param_counts(cfg, lay.tp_size)
     n = low + fp32
     per = closed_form_bytes(cfg.model.dtype, lay.zero1_size, low, fp32,
                             cfg.hybrid_zero_optimizer.get("reduce_dtype", "fp32"), _policy(cfg))
     mem = {role: per[role] * n for role in ROLES}
     mem["persistent"] = per["total"] * n
+    extras = gpu_extras(cfg, lay, shape, flash_installed)
+    mem.update(extras)
     tp = lay.tp_size
     if shape.checkpoint in (False, True, "selective") and not (cfg.model.get("fp8") or {}).get("enabled"):
         act = activation_bytes(cfg.model, shape.micro_bsz, shape.seq_len, tp, shape.mode, shape.checkpoint,
@@ -278,5 +324,5 @@ def closed_form_plan(cfg: Config, lay: Layout, shape: StepShape, counts: tuple[i
         full = float(shape.micro_bsz * shape.seq_len * a_h * act_e)
         mem["comm_buffer"] = 0.0 if tp == 1 else full * (1 + 1 / tp) if shape.mode == "msp" else full
         mem["save_extra"] = 0.0  # views of the live buffers; copies go to host memory
-        mem["total_peak"] = mem["persistent"] + act["peak"]
+        mem["total_peak"] = mem["persistent"] + act["peak"] + sum(extras.values())
     return mem, comm_closed_form(cfg, lay, shape, low, fp32), low, fp32

@@ -6,7 +6,11 @@ configured optimizer precision, with ZeRO-1 sharding — has a closed form
 model on the meta device with the run's TP size and fp32 marks. The activations of one micro-batch
 at their peak have another (``tessera.model.activations``, for checkpointing none / selective / full;
 fp8 linears and fractional checkpointing are not covered and count as zero). Both are checked against
-a traced dry run by ``tools/plan.py`` and its tests. Fast enough to run on every rank at launch; the
+a traced dry run by ``tools/plan.py`` and its tests. On CUDA two more terms count
+(``tessera.train.memory_extras``): what SDPA keeps for packed rows and grouped KV heads when flash_attn
+does not run, and a stated allowance for NCCL communicators and cuBLAS workspaces. The sum must fit in
+``(1 - memory.headroom)`` of the memory available at launch: the CUDA context, kernels loaded on first
+use and the allocator's fragmentation take the rest. Fast enough to run on every rank at launch; the
 local ranks share a CPU's available memory; on CUDA each rank has its device's free memory.
 """
 
@@ -25,14 +29,17 @@ import torch.distributed as dist
 
 from tessera.config import check_model_sizes, parallel_sizes
 from tessera.config.precision import resolve_precision
+from tessera.config.schema import DEFAULT_MEMORY_HEADROOM
 from tessera.model import build_model
 from tessera.model.activations import activation_bytes
+from tessera.model.attention import flash_attn_available
 from tessera.parallel import MetaGroup
 from tessera.parallel.comm import reduce_scalars
+from tessera.train.memory_extras import communicators, runtime_allowance, sdpa_extra_bytes
 from tessera.train.naive_amp import naive_amp_from_config
 from tessera.train.precision_report import closed_form_bytes
 
-__all__ = ["StatePlan", "param_counts", "plan_persistent_state", "available_bytes", "check_memory"]
+__all__ = ["StatePlan", "param_counts", "plan_persistent_state", "available_bytes", "check_memory", "headroom_of"]
 
 GIB = 2**30
 
@@ -45,10 +52,18 @@ class StatePlan:
     bytes_per_rank: float  # weights + main grads + masters + optimizer states
     activation_bytes: float = 0.0  # one micro-batch's activations at their peak (closed form; 0 if not covered)
     checkpoint: Any = False
+    attention_bytes: float = 0.0  # CUDA: SDPA's packed-row masks and expanded GQA K/V (memory_extras)
+    runtime_bytes: float = 0.0  # CUDA: NCCL communicators + cuBLAS workspaces, a stated allowance
+    communicators: int = 0  # NCCL communicators in runtime_bytes
 
     @property
     def need(self) -> float:
-        return self.bytes_per_rank + self.activation_bytes
+        return self.bytes_per_rank + self.activation_bytes + self.attention_bytes + self.runtime_bytes
+
+
+def headroom_of(cfg: Mapping[str, Any]) -> float:
+    """``memory.headroom`` of a config (a partial dict without the section gets the default)."""
+    return float((cfg.get("memory") or {}).get("headroom", DEFAULT_MEMORY_HEADROOM))
 
 
 @functools.lru_cache(maxsize=32)
@@ -69,10 +84,13 @@ def param_counts(model_cfg: Mapping[str, Any], tp: int) -> tuple[int, int]:
 
 
 def plan_persistent_state(cfg: Mapping[str, Any], world_size: int, tp: int, zero1: int,
-                          checkpoint: Any = None) -> StatePlan:
+                          checkpoint: Any = None, device_type: str = "cpu",
+                          flash_installed: bool | None = None) -> StatePlan:
     """Persistent bytes of TP rank 0 (the largest: it also holds its share of replicated norms), and the
-    activation peak of one micro-batch (``checkpoint``: the config's ``model.checkpoint`` by default)."""
-    _, _, zero1 = parallel_sizes(world_size, tp, zero1)
+    activation peak of one micro-batch (``checkpoint``: the config's ``model.checkpoint`` by default).
+    On ``device_type`` "cuda" also SDPA's extra tensors (``flash_installed``: whether flash_attn runs
+    there; None: whether it is installed here) and the communicator and workspace allowance."""
+    _, dp, zero1 = parallel_sizes(world_size, tp, zero1)
     model_cfg = dict(cfg["model"])
     low, fp32 = param_counts(model_cfg, tp)
     hzo = cfg.get("hybrid_zero_optimizer") or {}
@@ -85,7 +103,14 @@ def plan_persistent_state(cfg: Mapping[str, Any], world_size: int, tp: int, zero
     if checkpoint in (False, True, "selective") and not (model_cfg.get("fp8") or {}).get("enabled") and data:
         act = activation_bytes(model_cfg, data["micro_bsz"], data["seq_len"], tp, mode, checkpoint,
                                precision.dtype)["peak"]
-    return StatePlan(tp, zero1, low + fp32, per_param["total"] * (low + fp32), act, checkpoint)
+    attention = 0.0
+    if device_type == "cuda" and data:
+        flash = flash_attn_available() if flash_installed is None else flash_installed
+        attention = sum(sdpa_extra_bytes({"model": model_cfg, "data": data}, tp, checkpoint, flash).values())
+    runtime = sum(runtime_allowance(world_size, tp, dp, zero1, device_type).values())
+    comms = communicators(world_size, tp, dp, zero1) if device_type == "cuda" else 0
+    return StatePlan(tp, zero1, low + fp32, per_param["total"] * (low + fp32), act, checkpoint, attention, runtime,
+                     comms)
 
 
 def available_bytes(device: torch.device) -> tuple[float, str]:
@@ -106,7 +131,7 @@ def available_bytes(device: torch.device) -> tuple[float, str]:
     return avail / local, f"available host memory / {local} local rank(s)"
 
 
-def _layouts_that_fit(cfg: Mapping[str, Any], world_size: int, limit: float) -> list[StatePlan]:
+def _layouts_that_fit(cfg: Mapping[str, Any], world_size: int, limit: float, device_type: str) -> list[StatePlan]:
     fits = []
     for tp in (t for t in range(1, world_size + 1) if world_size % t == 0):
         try:
@@ -116,7 +141,7 @@ def _layouts_that_fit(cfg: Mapping[str, Any], world_size: int, limit: float) -> 
         dp = world_size // tp
         for zero1 in sorted({1, dp}):
             for checkpoint in ((False, "selective", True) if cfg["model"].get("checkpoint") is False else (None,)):
-                plan = plan_persistent_state(cfg, world_size, tp, zero1, checkpoint)
+                plan = plan_persistent_state(cfg, world_size, tp, zero1, checkpoint, device_type)
                 if plan.need <= limit:
                     fits.append(plan)
                     break  # the least recomputation that fits
@@ -124,16 +149,24 @@ def _layouts_that_fit(cfg: Mapping[str, Any], world_size: int, limit: float) -> 
 
 
 def check_memory(cfg: Mapping[str, Any], world_size: int, tp: int, zero1: int, device: torch.device) -> str | None:
-    """None when the persistent state fits on every rank, else the message to stop with (same on all
-    ranks: the verdict is agreed over the default group, on the device its backend serves)."""
-    plan = plan_persistent_state(cfg, world_size, tp, zero1)
+    """None when this rank's planned need fits in ``(1 - memory.headroom)`` of its available memory, else the
+    message to stop with (same on all ranks: the verdict is agreed over the default group, on the device its
+    backend serves)."""
+    plan = plan_persistent_state(cfg, world_size, tp, zero1, device_type=device.type)
     avail, where = available_bytes(device)
-    too_big = plan.need > avail
-    options = _layouts_that_fit(cfg, world_size, avail) if too_big else []  # before agreeing: ranks stay in step
+    headroom = headroom_of(cfg)
+    limit = avail * (1 - headroom)
+    too_big = plan.need > limit
+    options = _layouts_that_fit(cfg, world_size, limit, device.type) if too_big else []  # before agreeing
     if dist.is_initialized():  # every rank stops together, or none does
         too_big = bool(reduce_scalars([int(too_big)], None, op=dist.ReduceOp.MAX, dtype=torch.int32)[0])
     if not too_big:
         return None
+    return _refusal(cfg, plan, avail, where, headroom, options)
+
+
+def _refusal(cfg: Mapping[str, Any], plan: StatePlan, avail: float, where: str, headroom: float,
+             options: list[StatePlan]) -> str:
     hint = ("; layouts of these ranks that would fit: " + ", ".join(
         f"parallel.tensor.size={p.tp} parallel.zero1.size={p.zero1}"
         + (f" model.checkpoint={p.checkpoint!r}" if p.checkpoint != cfg["model"].get("checkpoint", False) else "")
@@ -141,8 +174,14 @@ def check_memory(cfg: Mapping[str, Any], world_size: int, tp: int, zero1: int, d
         else "; no TP x ZeRO-1 layout of these ranks fits: use more ranks or memory")
     act = (f" + activations {plan.activation_bytes / GIB:.1f} GiB at their peak (micro_bsz x seq_len, "
            f"model.checkpoint={plan.checkpoint!r})" if plan.activation_bytes else " (activations not estimated)")
+    if plan.attention_bytes:
+        act += f" + SDPA's packed-row masks and expanded GQA K/V {plan.attention_bytes / GIB:.1f} GiB (no flash_attn)"
+    if plan.runtime_bytes:
+        act += (f" + {plan.runtime_bytes / GIB:.1f} GiB allowed for {plan.communicators} NCCL communicator(s) and "
+                "cuBLAS workspaces")
     return (f"training needs {plan.need / GIB:.1f} GiB per rank: the persistent training state "
-            f"{plan.bytes_per_rank / GIB:.1f} GiB ({plan.params_per_rank:,} parameters on this rank, tp={tp}, "
+            f"{plan.bytes_per_rank / GIB:.1f} GiB ({plan.params_per_rank:,} parameters on this rank, tp={plan.tp}, "
             f"zero1={plan.zero1}, weights + main grads + masters + optimizer states){act}; only "
-            f"{avail / GIB:.1f} GiB is available ({where}){hint}. tools/plan.py --search ranks layouts; "
-            "train.py --skip-memory-check starts anyway.")
+            f"{avail * (1 - headroom) / GIB:.1f} GiB may be planned: {avail / GIB:.1f} GiB is available ({where}), "
+            f"less memory.headroom={headroom:g} for the CUDA context and fragmentation{hint}. tools/plan.py --search "
+            "ranks layouts; train.py --skip-memory-check starts anyway.")

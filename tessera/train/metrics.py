@@ -11,8 +11,8 @@ import logging
 import os
 import resource
 import time
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
 
 import torch
 
@@ -20,60 +20,110 @@ from tessera.parallel.lowp import linear
 
 logger = logging.getLogger("tessera")
 
-# Dense peak TFLOP/s per device by name fragment: (bf16/fp16 tensor core, tf32 tensor core, fp32 IEEE).
-# Vendor datasheet figures without sparsity; the first matching fragment wins, so longer names go first.
-GPU_PEAK_TFLOPS: list[tuple[str, tuple[float, float, float]]] = [
-    ("GH200", (989.0, 494.0, 67.0)),
-    ("H200", (989.0, 494.0, 67.0)),
-    ("H100 PCIe", (756.0, 378.0, 51.0)),
-    ("H100", (989.0, 494.0, 67.0)),
-    ("H800", (989.0, 494.0, 67.0)),
-    ("H20", (148.0, 74.0, 44.0)),
-    ("B200", (2250.0, 1100.0, 80.0)),
-    ("A100", (312.0, 156.0, 19.5)),
-    ("A800", (312.0, 156.0, 19.5)),
-    ("L40S", (362.0, 183.0, 91.6)),
-    ("A10", (125.0, 62.5, 31.2)),
-    ("V100", (125.0, 15.7, 15.7)),
-    ("4090", (165.0, 82.6, 82.6)),
-]
+class PeakTFLOPS(NamedTuple):
+    """Dense datasheet peaks (no sparsity) of one GPU, TFLOP/s; None where it has no such unit."""
+
+    bf16: float | None
+    fp16: float | None
+    tf32: float | None
+    fp32: float | None
+
+
+_H100_SXM = PeakTFLOPS(989.0, 989.0, 494.0, 67.0)
+_H100_PCIE = PeakTFLOPS(756.0, 756.0, 378.0, 51.0)
+_HOPPER_NVL = PeakTFLOPS(835.0, 835.0, 417.0, 60.0)  # H100 NVL / H200 NVL: 1,671 TFLOP/s bf16 with sparsity
+_A100 = PeakTFLOPS(312.0, 312.0, 156.0, 19.5)
+
+# Keyed by the full device name as torch.cuda.get_device_name reports it, matched exactly: variants of one chip
+# differ in clocks and power (the H100 NVL and PCIe cards are not the SXM part), and a name missing here gets a
+# peak measured on the device instead (``measure_matmul_tflops``) rather than another variant's.
+GPU_PEAK_TFLOPS: dict[str, PeakTFLOPS] = {
+    "NVIDIA H100 80GB HBM3": _H100_SXM,  # the SXM5 part
+    "NVIDIA H100 PCIe": _H100_PCIE,
+    "NVIDIA H100 NVL": _HOPPER_NVL,
+    "NVIDIA H200": _H100_SXM,  # the SXM part: H100's compute with more memory
+    "NVIDIA H200 NVL": _HOPPER_NVL,
+    "NVIDIA GH200 480GB": _H100_SXM,
+    "NVIDIA H800": _H100_SXM,
+    "NVIDIA H800 PCIe": _H100_PCIE,
+    "NVIDIA H20": PeakTFLOPS(148.0, 148.0, 74.0, 44.0),
+    "NVIDIA B200": PeakTFLOPS(2250.0, 2250.0, 1100.0, 80.0),
+    "NVIDIA A100-SXM4-80GB": _A100,
+    "NVIDIA A100-SXM4-40GB": _A100,
+    "NVIDIA A100 80GB PCIe": _A100,
+    "NVIDIA A100-PCIE-40GB": _A100,
+    "NVIDIA A800-SXM4-80GB": _A100,
+    "NVIDIA A800 80GB PCIe": _A100,
+    "NVIDIA L40S": PeakTFLOPS(362.0, 362.0, 183.0, 91.6),
+    "NVIDIA A10": PeakTFLOPS(125.0, 125.0, 62.5, 31.2),
+    "Tesla V100-SXM2-16GB": PeakTFLOPS(None, 125.0, 15.7, 15.7),  # no bf16 units; tf32 runs as fp32
+    "Tesla V100-SXM2-32GB": PeakTFLOPS(None, 125.0, 15.7, 15.7),
+    "NVIDIA GeForce RTX 4090": PeakTFLOPS(165.2, 165.2, 82.6, 82.6),  # fp32 accumulation
+}
 
 
 def gpu_peak_tflops(device_name: str, precision_name: str) -> float | None:
-    """Peak dense TFLOP/s of a GPU for a precision (float16/bfloat16/tf32/float32), or None if unknown."""
-    column = {"float16": 0, "bfloat16": 0, "tf32": 1, "float32": 2}[precision_name]
-    for fragment, peaks in GPU_PEAK_TFLOPS:
-        if fragment.lower() in device_name.lower():
-            return peaks[column]
-    return None
+    """Peak dense TFLOP/s of a GPU (its exact ``torch.cuda.get_device_name``) for a precision
+    (float16/bfloat16/tf32/float32), or None if the name is not in the table or has no such unit."""
+    peaks = GPU_PEAK_TFLOPS.get(device_name.strip())
+    if peaks is None:
+        return None
+    return {"bfloat16": peaks.bf16, "float16": peaks.fp16, "tf32": peaks.tf32, "float32": peaks.fp32}[precision_name]
 
 
-def measure_matmul_tflops(dtype: torch.dtype, device: torch.device, size: int = 1024, seconds: float = 0.5) -> float:
-    """Achieved TFLOP/s of a square matmul in ``dtype`` on this device with this process's threads.
+def probe_shape(device_type: str) -> tuple[int, int]:
+    """(matrix size, matmuls per synchronize) of ``measure_matmul_tflops`` on a device type.
 
-    Used as the CPU "peak" for MFU: there is no datasheet figure for an arbitrary CPU, so the best a
-    dense kernel reaches here is the honest denominator. It runs through ``tessera.parallel.lowp.linear``,
-    the kernel the model's linears use, so numerator and denominator share one kernel choice.
+    A GPU needs large matmuls to fill its SMs and reach its tensor-core rate (8192^3: about 1 ms on an
+    H100 at its datasheet peak), and many of them between synchronizations so the launch and sync
+    latency is spread out; a CPU runs each call to completion, and a 1024^3 matmul already takes its
+    threads to their dense rate.
     """
+    return (8192, 20) if device_type == "cuda" else (1024, 2)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_matmul_tflops(dtype: torch.dtype, device: torch.device, size: int | None = None, seconds: float = 0.5,
+                          *, iterations: int | None = None, warmup: int = 3,
+                          timer: Callable[[], float] = time.perf_counter) -> float:
+    """Achieved TFLOP/s of square matmuls in ``dtype`` on this device with this process's threads.
+
+    The MFU denominator where no datasheet figure applies: a CPU, or a GPU missing from
+    ``GPU_PEAK_TFLOPS``; the best a dense kernel reaches here is the honest figure. ``warmup`` matmuls
+    first (kernel selection, clocks), then windows of ``iterations`` back-to-back matmuls with one
+    synchronize at the end of each, timed as a whole; windows repeat for ``seconds`` (three at least) and
+    the best window's rate is returned. Sizes and iterations default to ``probe_shape``. It runs through
+    ``tessera.parallel.lowp.linear``, the kernel the model's linears use, so numerator and denominator
+    share one kernel choice; on CUDA the cache allocator's blocks are released after.
+    """
+    default_size, default_iterations = probe_shape(device.type)
+    size, iterations = size or default_size, iterations or default_iterations
     # a private generator: drawing from the ambient one would shift the training RNG streams (dropout)
     # by however many numbers this takes, and a resumed run, which measures after restoring them,
     # would no longer continue the interrupted run's streams
     g = torch.Generator(device=device).manual_seed(0)
     a = torch.randn(size, size, device=device, generator=g).to(dtype)
     b = torch.randn(size, size, device=device, generator=g).to(dtype)
-    for _ in range(2):
+    for _ in range(warmup):
         linear(a, b)
-    best = 0.0
-    deadline = time.perf_counter() + seconds
-    while time.perf_counter() < deadline:
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        linear(a, b)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
-        best = max(best, 2 * size**3 / dt / 1e12)
+    _synchronize(device)
+    best, windows = 0.0, 0
+    deadline = timer() + seconds
+    while windows < 3 or timer() < deadline:
+        t0 = timer()
+        for _ in range(iterations):
+            linear(a, b)
+        _synchronize(device)
+        dt = max(timer() - t0, 1e-12)
+        windows += 1
+        best = max(best, 2 * size**3 * iterations / dt / 1e12)
+    del a, b
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the probe's blocks back to the device before the run allocates
     return best
 
 

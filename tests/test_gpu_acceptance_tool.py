@@ -1,0 +1,72 @@
+"""tools/gpu_acceptance.py's plumbing, on CPU: it refuses to run without a GPU, its training run and the
+judgement of its metrics work on a real train.py run (CPU, gloo), and it reads pytest's per-test results.
+The GPU checks themselves are ``tests/test_cuda_path.py`` (marked ``cuda``)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from types import ModuleType
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "configs", "tiny.py")
+
+
+def _tool() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("gpu_acceptance", os.path.join(ROOT, "tools", "gpu_acceptance.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass looks its module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_without_a_gpu_it_exits_2_with_one_error_line():
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "gpu_acceptance.py")], capture_output=True,
+                          text=True, timeout=120, cwd=ROOT, env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "error: tools/gpu_acceptance.py needs a CUDA device (torch.cuda.is_available() is False)"]
+
+
+def test_a_training_run_is_judged_from_its_metrics(tmp_path):
+    """The tool's own train.py run (torchrun, one process; here on CPU) with 6 steps of the tiny config:
+    every step is logged, the loss falls, and the summary carries MFU and the peak's source."""
+    tool = _tool()
+    rc, out, metrics = tool.train_run(TINY, "bf16", 6, ["adam.lr=3e-3"], str(tmp_path), timeout=300)
+    summary = tool.summarize_run(metrics)
+    check = tool.judge_run("bf16", rc, out, summary, 6)
+    assert check.ok, check.detail
+    assert summary["steps"] == 6 and summary["mfu"] > 0 and "measured" in summary["peak_source"]
+    # a run that logged too few steps, or diverged, fails
+    assert not tool.judge_run("bf16", rc, out, summary, 7).ok
+    assert not tool.judge_run("bf16", rc, out, dict(summary, losses=[*summary["losses"][:-1], float("nan")]), 6).ok
+    assert not tool.judge_run("bf16", 1, "Traceback ...\nRuntimeError: boom", None, 6).ok
+
+
+def test_pytest_results_are_read_per_test(tmp_path):
+    (tmp_path / "test_three.py").write_text(
+        "import pytest\n\ndef test_ok():\n    pass\n\ndef test_bad():\n    assert 1 == 2\n\n"
+        "def test_skip():\n    pytest.skip('flash_attn is not installed')\n")
+    junit = tmp_path / "out.xml"
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}",
+                    str(tmp_path / "test_three.py")], capture_output=True, timeout=120, cwd=tmp_path)
+    checks = {c.name: c for c in _tool().parse_junit(str(junit))}
+    assert [checks[f"test_three::test_{n}"].ok for n in ("ok", "bad", "skip")] == [True, False, None]
+    assert "flash_attn is not installed" in checks["test_three::test_skip"].detail
+
+
+@pytest.mark.parametrize("ratio,ok", [(0.7, False), (0.8, True), (1.0, True), (1.1, False)])
+def test_the_memory_verdict_needs_the_peak_within_the_prediction(ratio, ok):
+    """The check may overcount a little (the peak down to 0.75 of the prediction) but never undercount by
+    more than 5%: a run it admits must fit."""
+    from tessera.config import Config
+    from tessera.train.memory_check import plan_persistent_state
+
+    tool = _tool()
+    need = plan_persistent_state(Config.from_file(TINY), 1, 1, 1, device_type="cuda").need / 2**30
+    assert tool.memory_check_vs_peak(TINY, [], need * ratio).ok is ok

@@ -1,0 +1,251 @@
+"""GPU acceptance: check tessera's CUDA path end to end on one GPU and print a report for BENCHMARKS.md.
+
+    python tools/gpu_acceptance.py [--config configs/1B.py] [--steps 20] [--out report.md] [key.sub=value ...]
+
+Each part runs in its own process, in this order:
+
+1. the CUDA tests, ``python -m pytest -m cuda`` (skipped on CPU-only machines): flash_attn's varlen kernel
+   against SDPA on packed rows (when flash_attn is installed), the memory check's prediction against the
+   allocator's peak of a real step, the matmul probe against the datasheet, packed documents on CUDA;
+2. ``train.py`` on this GPU (torchrun, one process, synthetic data) in bf16, then in fp16: it must exit 0,
+   its loss must stay finite and fall, and fp16's loss scaler must not skip half the steps;
+3. the memory check's prediction for the bf16 run (``tessera.train.memory_check``, with this machine's
+   flash_attn) beside the run's real peak (``torch.cuda.max_memory_allocated``, in metrics.jsonl);
+4. the runs' MFU against the device's peak (the table row of its exact name, or the measured probe),
+   and the bf16 matmul probe beside the table row.
+
+``key.sub=value`` overrides go to the training runs (and the prediction). The exit status is 0 when
+every check passed, 1 otherwise, 2 without a CUDA device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass
+from typing import Any
+
+from tessera.cli_args import positive_int
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool | None  # None: skipped
+    detail: str
+
+
+def run(cmd: list[str], timeout: float) -> tuple[int, str]:
+    """Exit status and combined output of ``cmd`` in the repository root (124 on a time-out)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(
+        p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout if isinstance(e.stdout, str) else (e.stdout or b"").decode(errors="replace")
+        return 124, out + f"\n(timed out after {timeout:.0f} s)"
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def parse_junit(path: str) -> list[Check]:
+    """One Check per test case of a pytest JUnit XML report (skips carry their reason)."""
+    checks = []
+    for case in ET.parse(path).getroot().iter("testcase"):
+        name = f"{case.get('classname', '').rsplit('.', 1)[-1]}::{case.get('name')}"
+        failed = case.find("failure") if case.find("failure") is not None else case.find("error")
+        skipped = case.find("skipped")
+        if failed is not None:
+            checks.append(Check(name, False, (failed.get("message") or "")[:300]))
+        elif skipped is not None:
+            checks.append(Check(name, None, (skipped.get("message") or "")[:300]))
+        else:
+            checks.append(Check(name, True, f"{float(case.get('time', 0)):.1f} s"))
+    return checks
+
+
+def cuda_tests(out_dir: str, timeout: float) -> list[Check]:
+    junit = os.path.join(out_dir, "cuda_tests.xml")
+    rc, out = run([sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-rs", "-s", "-p", "no:cacheprovider",
+                   f"--junitxml={junit}"], timeout)
+    if not os.path.exists(junit):
+        return [Check("pytest -m cuda", False, f"exit {rc}: {out[-500:]}")]
+    cases = parse_junit(junit)
+    passed, skipped = sum(c.ok is True for c in cases), sum(c.ok is None for c in cases)
+    summary = Check("pytest -m cuda", rc == 0 and passed > 0,
+                    f"exit {rc}: {passed} passed, {skipped} skipped, {len(cases) - passed - skipped} failed")
+    printed = [line for line in out.splitlines() if line.startswith(("predicted ", "NVIDIA", "Tesla"))]
+    if printed:
+        summary.detail += " (" + "; ".join(printed) + ")"
+    return [summary, *cases]
+
+
+def run_overrides(dtype: str, steps: int, log_folder: str, job: str) -> list[str]:
+    """train.py overrides of an acceptance run: synthetic data, ``steps`` steps, no checkpoint, no sample."""
+    return ["data.type='synthetic'", f"model.dtype='{dtype}'", f"data.total_steps={steps}", "data.valid_every=0",
+            "metrics.progress_bar=False", "metrics.tensorboard=False", f"log_folder='{log_folder}'",
+            f"job_name='{job}'", "ckpt.enable_save_ckpt=False", "ckpt.auto_resume=False",
+            "generate.max_new_tokens=0"]
+
+
+def train_run(config: str, dtype: str, steps: int, overrides: list[str], out_dir: str,
+              timeout: float) -> tuple[int, str, str]:
+    """Run train.py under torchrun with one process; (exit status, output, path of its metrics.jsonl)."""
+    log_folder = os.path.join(out_dir, "runs")
+    job = f"acceptance-{dtype}"
+    rc, out = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+                   os.path.join(ROOT, "train.py"), "--config", config,
+                   *run_overrides(dtype, steps, log_folder, job), *overrides], timeout)
+    return rc, out, os.path.join(log_folder, job, "metrics.jsonl")
+
+
+def summarize_run(metrics_path: str) -> dict[str, Any]:
+    """The figures of a run's metrics.jsonl that the report uses."""
+    train, peak_event = [], None
+    with open(metrics_path) as f:
+        for line in f:
+            record = json.loads(line)
+            if record.get("kind") == "train":
+                train.append(record)
+            elif record.get("kind") == "event" and "peak_tflops" in record:
+                peak_event = record
+    late = train[len(train) // 2:] or train
+    return {
+        "steps": len(train), "losses": [r["loss"] for r in train],
+        "skipped": train[-1]["skipped_steps"] if train else 0,
+        "mfu": statistics.median(r["mfu"] for r in late) if late else float("nan"),
+        "tflops": statistics.median(r["tflops"] for r in late) if late else float("nan"),
+        "step_time": statistics.median(r["step_time"] for r in late) if late else float("nan"),
+        "tgs": statistics.median(r["tgs"] for r in late) if late else float("nan"),
+        "peak_mem_gib": max((r["peak_mem_gib"] for r in train), default=float("nan")),
+        "peak_source": peak_event["message"] if peak_event else "",
+    }
+
+
+def judge_run(name: str, rc: int, out: str, summary: dict[str, Any] | None, steps: int) -> Check:
+    """A training run passes when it exits 0 after ``steps`` steps with finite losses whose last three
+    average below the first three, and skipped under half its steps."""
+    if rc != 0 or summary is None:
+        tail = " | ".join(line for line in out.splitlines()[-6:] if line.strip())
+        return Check(name, False, f"exit {rc}: {tail[-600:]}")
+    losses = summary["losses"]
+    if summary["steps"] != steps or not all(math.isfinite(x) for x in losses):
+        return Check(name, False, f"{summary['steps']} of {steps} steps logged, losses {losses}")
+    first, last = statistics.mean(losses[:3]), statistics.mean(losses[-3:])
+    ok = last < first and summary["skipped"] < steps / 2
+    return Check(name, ok, f"loss {first:.3f} -> {last:.3f} (mean of first / last 3 steps), {summary['skipped']} "
+                           f"skipped; median step {summary['step_time']:.3f} s, {summary['tgs']:,.0f} tokens/s, "
+                           f"{summary['tflops']:.1f} TFLOP/s, MFU {summary['mfu']:.1%}; {summary['peak_source']}")
+
+
+def memory_check_vs_peak(config: str, overrides: list[str], measured_gib: float) -> Check:
+    """The check's planned need for the run (one rank, CUDA, this machine's flash_attn) beside the
+    allocator's peak: within [0.75, 1.05] of the prediction passes (the check must not undercount)."""
+    from tessera.config import Config
+    from tessera.train.memory_check import plan_persistent_state
+
+    cfg = Config.from_file(config, overrides)
+    plan = plan_persistent_state(cfg, 1, 1, 1, device_type="cuda")
+    predicted = plan.need / 2**30
+    ratio = measured_gib / predicted
+    return Check("memory check vs real peak (bf16 run)", 0.75 <= ratio <= 1.05,
+                 f"predicted {predicted:.2f} GiB (state {plan.bytes_per_rank / 2**30:.2f} + activations "
+                 f"{plan.activation_bytes / 2**30:.2f} + SDPA extras {plan.attention_bytes / 2**30:.2f} + "
+                 f"workspaces {plan.runtime_bytes / 2**30:.2f}), torch.cuda.max_memory_allocated "
+                 f"{measured_gib:.2f} GiB: {ratio:.2f} of the prediction")
+
+
+def probe_vs_table() -> Check:
+    import torch
+
+    from tessera.train.metrics import gpu_peak_tflops, measure_matmul_tflops
+
+    name = torch.cuda.get_device_name()
+    measured = measure_matmul_tflops(torch.bfloat16, torch.device("cuda"), seconds=2.0)
+    sheet = gpu_peak_tflops(name, "bfloat16")
+    if sheet is None:
+        return Check("bf16 matmul probe", True, f"{measured:.0f} TFLOP/s ({name} has no table row: train.py uses "
+                                                "this probe as its MFU peak)")
+    ratio = measured / sheet
+    return Check("bf16 matmul probe vs datasheet", 0.4 <= ratio <= 1.02,
+                 f"{measured:.0f} TFLOP/s = {ratio:.0%} of the table's {sheet:.0f} for {name}")
+
+
+def environment() -> str:
+    import torch
+
+    name = torch.cuda.get_device_name()
+    major, minor = torch.cuda.get_device_capability()
+    try:
+        import flash_attn
+
+        flash = f"flash_attn {getattr(flash_attn, '__version__', '?')}"
+    except (ImportError, OSError) as e:  # not installed, or built for another torch/CUDA (undefined symbols)
+        flash = f"no flash_attn ({type(e).__name__}: {str(e)[:80]})"
+    return (f"{name} (sm {major}.{minor}, {torch.cuda.get_device_properties(0).total_memory / 2**30:.0f} GiB), "
+            f"torch {torch.__version__}, CUDA {torch.version.cuda}, {flash}")
+
+
+def to_markdown(env: str, checks: list[Check], command: str) -> str:
+    mark = {True: "pass", False: "FAIL", None: "skipped"}
+    lines = [f"GPU acceptance, {time.strftime('%Y-%m-%d')}: {env}", "", f"`{command}`", "",
+             "| check | result | details |", "|---|---|---|"]
+    lines += [f"| {c.name} | {mark[c.ok]} | {c.detail.replace('|', '/')} |" for c in checks]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=os.path.join(ROOT, "configs", "1B.py"), help="config of the training runs")
+    p.add_argument("--steps", type=positive_int, default=20, help="steps of each training run (default 20)")
+    p.add_argument("--out", default=None, help="also write the report (markdown) here")
+    p.add_argument("--skip-tests", action="store_true", help="leave out pytest -m cuda")
+    p.add_argument("--timeout", type=positive_int, default=1200, help="seconds allowed to each part")
+    p.add_argument("overrides", nargs="*", help="key.sub=value pairs for the training runs")
+    args = p.parse_intermixed_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("error: tools/gpu_acceptance.py needs a CUDA device (torch.cuda.is_available() is False)",
+              file=sys.stderr)
+        return 2
+    env = environment()
+    print(env, flush=True)
+    checks: list[Check] = []
+    with tempfile.TemporaryDirectory(prefix="tessera-gpu-acceptance-") as out_dir:
+        if not args.skip_tests:
+            checks += cuda_tests(out_dir, args.timeout)
+            print(f"{checks[0].name}: {checks[0].detail}", flush=True)
+        bf16_peak = None
+        for dtype in ("bf16", "fp16"):
+            rc, out, metrics = train_run(args.config, dtype, args.steps, args.overrides, out_dir, args.timeout)
+            summary = summarize_run(metrics) if rc == 0 and os.path.exists(metrics) else None
+            checks.append(judge_run(f"train.py {dtype}, {args.steps} steps", rc, out, summary, args.steps))
+            print(f"{checks[-1].name}: {checks[-1].detail}", flush=True)
+            if dtype == "bf16" and summary is not None:
+                bf16_peak = summary["peak_mem_gib"]
+                run_cfg = run_overrides(dtype, args.steps, out_dir, "x") + args.overrides
+                checks.append(memory_check_vs_peak(args.config, run_cfg, bf16_peak))
+        if bf16_peak is None:
+            checks.append(Check("memory check vs real peak (bf16 run)", False, "the bf16 run did not finish"))
+        checks.append(probe_vs_table())
+    command = "python tools/gpu_acceptance.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    report = to_markdown(env, checks, command.strip())
+    print(report)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(report + "\n")
+    return 0 if all(c.ok is not False for c in checks) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
