@@ -28,6 +28,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+import numpy as np
 import torch
 import torch.nn as nn
 from einops import rearrange
@@ -162,21 +163,21 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, seqlen: int) -> int:
         raise ValueError(f"cu_seqlens is on {cu_seqlens.device}: its boundaries are checked and max_seqlen is "
                          "computed on the host, before the copy to the device (reading them there waits for the "
                          "device); pass the host tensor, or max_seqlen with boundaries already checked")
-    cu = cu_seqlens.long()
+    cu = np.asarray(cu_seqlens.tolist(), dtype=np.int64)  # host values (tolist: no torch op, even under a fake mode)
     total = batch * seqlen
     first, last = int(cu[0]), int(cu[-1])
     if first != 0 or last != total:
         raise ValueError(f"cu_seqlens must start at 0 and end at batch*seq_len = {batch}*{seqlen} = {total}, got "
                          f"{first} ... {last} (cu_seqlens={_shown(cu.tolist())})")
-    lengths = cu[1:] - cu[:-1]
-    bad = (lengths <= 0).nonzero()
-    if bad.numel():
-        i = int(bad[0, 0]) + 1
+    lengths = np.diff(cu)
+    bad = np.flatnonzero(lengths <= 0)
+    if bad.size:
+        i = int(bad[0]) + 1
         raise ValueError(f"cu_seqlens must be strictly increasing: cu_seqlens[{i}]={int(cu[i])} <= "
                          f"cu_seqlens[{i - 1}]={int(cu[i - 1])} (cu_seqlens={_shown(cu.tolist())})")
-    missing = (~torch.isin(torch.arange(seqlen, total, seqlen), cu)).nonzero()
-    if missing.numel():
-        row = int(missing[0, 0]) + 1
+    missing = np.flatnonzero(~np.isin(np.arange(seqlen, total, seqlen), cu))
+    if missing.size:
+        row = int(missing[0]) + 1
         raise ValueError(f"every row boundary must be a document boundary: row {row} starts at token {row * seqlen} "
                          f"(= {row} x seq_len {seqlen}), which cu_seqlens={_shown(cu.tolist())} lacks (a document "
                          "would run across rows)")
