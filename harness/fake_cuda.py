@@ -7,8 +7,8 @@ CUDA device guard in C++ before dispatching, which a CPU-only build cannot do ("
 with support for cuda devices"). ``fake_cuda_mode`` routes exactly those calls, for fake CUDA
 tensors only, to the equivalent ATen operators, so the framework's real code — model, optimizer,
 trainer, collectives on a fake process group — runs unchanged. ``pin_memory`` of a host tensor (the
-trainer pins batches before copying them to CUDA) has no fake implementation: it returns the tensor. Used by the NCCL-rule tests (a CPU
-tensor reaching a CUDA-only group fails as it would with NCCL).
+trainer pins batches before copying them to CUDA) has no fake implementation: it returns the tensor.
+Used by the NCCL-rule tests (a CPU tensor reaching a CUDA-only group fails as it would with NCCL).
 """
 
 from __future__ import annotations
