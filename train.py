@@ -12,6 +12,8 @@ import logging
 import os
 import sys
 import traceback
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -31,7 +33,9 @@ from tessera.config import Config, ConfigError
 from tessera.config.precision import resolve_precision
 from tessera.data import build_data
 from tessera.data.errors import DataError
+from tessera.data.stdlib_corpus import prepare_stdlib_corpus
 from tessera.dist import ParallelMode, gpc, launch_from_slurm, launch_from_torch
+from tessera.files import os_error_text
 from tessera.model import flops_per_token
 from tessera.model.kv_cache import generate_ids_cached
 from tessera.optim.skips import TooManySkippedSteps
@@ -42,10 +46,24 @@ from tessera.train.metrics import MetricsWriter, gpu_peak_tflops, measure_matmul
 from tessera.train.stop import StopRequest
 
 logger = logging.getLogger("tessera")
+T = TypeVar("T")
 
 
 class TrainingStopped(RuntimeError):
-    """The run cannot go on (e.g. it diverged); the message names the step and where to resume from."""
+    """The run cannot go on (e.g. it diverged); the message names the step and where to resume from.
+    ``every_rank``: every rank raises it together (after an agreement), so each reports before any exits."""
+
+    def __init__(self, message: str, every_rank: bool = False) -> None:
+        super().__init__(message)
+        self.every_rank = every_rank
+
+
+_doing = "starting"  # what main() is doing: the context of an OSError that reaches run()
+
+
+def _now(what: str) -> None:
+    global _doing
+    _doing = what
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -84,12 +102,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
 
     # 1. config: every mistake is reported here, before any process group exists
+    _now(f"reading the config {args.config}")
     cfg = Config.from_file(args.config, args.overrides)
     seed = cfg.seed if args.seed is None else args.seed
     if args.dry_run:
         return dry_run_report(cfg, args.config)
 
     # 2. launch: process groups, RNG streams, TF32 switches
+    _now("launching")
     setup_logging(int(os.environ.get("RANK" if args.launcher == "torch" else "SLURM_PROCID", "0")))
     if args.launcher == "slurm":
         launch_from_slurm(cfg, host=args.host, port=args.port, seed=seed)
@@ -104,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # 2b. the folders the run writes (logs, checkpoints, data cache): a problem on any rank stops every rank
     #     now, not at the first save
+    _now("checking the output folders")
     problems = agree_on_errors(output_folder_problem(cfg))
     if problems:
         _exit_together("; ".join(problems))
@@ -119,20 +140,33 @@ def main(argv: list[str] | None = None) -> int:
         if problem:  # every rank agreed: each says so before any exits (torchrun stops the rest at the first exit)
             _exit_together(problem)
 
-    # 4. data
-    data = build_data(cfg.data, vocab_size=cfg.model.vocab_size, max_seq_len=cfg.model.max_position_embeddings,
-                      dp_rank=layout.dp_rank, dp_size=layout.dp_size, seed=seed, barrier=dist.barrier,
-                      is_main=layout.global_rank == 0, progress=is_rank0)
+    # 4. data: a problem on any rank (missing, unreadable, a disk full while preparing) stops every rank
+    _now(f"reading the data ({_data_keys(cfg)})")
+    if cfg.data.type == "stdlib":  # rank 0 prepares the corpus while the others wait in the agreement
+        _, problem = _data_step(cfg, lambda: prepare_stdlib_corpus(cfg.data.cache_folder, progress=True), is_rank0)
+        _exit_on(agree_on_errors(problem))
+    data, problem = _data_step(cfg, lambda: build_data(
+        cfg.data, vocab_size=cfg.model.vocab_size, max_seq_len=cfg.model.max_position_embeddings,
+        dp_rank=layout.dp_rank, dp_size=layout.dp_size, seed=seed, barrier=dist.barrier,
+        is_main=layout.global_rank == 0, progress=is_rank0))
+    _exit_on(agree_on_errors(problem))
+    assert data is not None  # no rank had a problem
     logger.info("data: %s", data.info)
 
     # 5. the training stack: model (fp32, TP-sharded; a weights-only start is loaded before the precision
     #    cast) -> precision wrapper -> optimizer (fp32 masters, ZeRO-1) -> LR schedule -> trainer
     def weights_only_start(model: torch.nn.Module) -> None:
         if cfg.ckpt.load_ckpt_folder and not _has_checkpoint(cfg):
-            load_checkpoint(cfg.ckpt.load_ckpt_folder, TrainState(model), layout=layout, load_optimizer=False,
-                            load_components=False)
+            _now(f"loading ckpt.load_ckpt_folder={cfg.ckpt.load_ckpt_folder}")
+            try:
+                load_checkpoint(cfg.ckpt.load_ckpt_folder, TrainState(model), layout=layout, load_optimizer=False,
+                                load_components=False)
+            except CheckpointError as e:  # name the key the path came from
+                raise CheckpointError(f"ckpt.load_ckpt_folder={cfg.ckpt.load_ckpt_folder}: {e}",
+                                      every_rank=e.every_rank) from None
             logger.info("initialized weights from %s", cfg.ckpt.load_ckpt_folder)
 
+    _now("building the model and optimizer")
     stack = build_training_stack(cfg, seed=seed, before_cast=weights_only_start)
     optimizer, scheduler, trainer = stack.optimizer, stack.scheduler, stack.trainer
 
@@ -144,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     # 7. resume from the newest complete checkpoint (damaged ones are skipped with a warning)
     last_ckpt = None
     if cfg.ckpt.auto_resume and cfg.ckpt.save_ckpt_folder:
+        _now(f"resuming from ckpt.save_ckpt_folder={cfg.ckpt.save_ckpt_folder}")
         last_ckpt, meta = find_resumable_checkpoint(cfg.ckpt.save_ckpt_folder, layout,
                                                     load=lambda path: load_checkpoint(path, state, layout=layout))
         if last_ckpt:
@@ -161,6 +196,11 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = os.path.join(cfg.log_folder, cfg.job_name)
     metrics = MetricsWriter(log_dir, is_rank0, cfg.data.total_steps, progress.step, cfg.metrics.tensorboard,
                             cfg.metrics.progress_bar)
+
+    def metrics_problem() -> str | None:  # rank 0's metrics files: a failure stops every rank (agreed)
+        return f"log_folder={cfg.log_folder}: {metrics.problem}" if metrics.problem else None
+
+    _exit_on(agree_on_errors(metrics_problem()))
     metrics.log_event(f"peak {peak:.3f} TFLOP/s per device ({peak_source}); {flops_tok / 1e6:.2f} MFLOP per token",
                       peak_tflops=peak, flops_per_token=flops_tok, resumed_from=last_ckpt, start_step=progress.step)
 
@@ -178,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
             metrics.log_valid(at_step, trainer.evaluate(data.valid))
 
     # 9. the loop
+    _now("training")
     stop = StopRequest(stop_file=args.stop_file)
     stop.install()
     saving = cfg.ckpt.enable_save_ckpt
@@ -205,15 +246,24 @@ def main(argv: list[str] | None = None) -> int:
         if (saving and cfg.ckpt.checkpoint_every and step % cfg.ckpt.checkpoint_every == 0
                 and step < cfg.data.total_steps):
             save()
-        requested, reason = stop.should_stop()
+        requested, reason = stop.should_stop(problem=metrics_problem())  # one agreement for both
         if requested:
             metrics.log_event(f"stop requested ({reason}) after step {step}")
             if saving:
                 save()
-            stop.consume()  # every rank has seen it: remove the stop file so a relaunch trains on
+            if stop.problems:  # the state so far is saved: stop with the problem on every rank
+                raise TrainingStopped(f"{reason}; stopped after step {step}, last checkpoint: {last_ckpt or 'none'}",
+                                      every_rank=True)
+            try:
+                stop.consume()  # every rank has seen it: remove the stop file so a relaunch trains on
+            except OSError as e:
+                raise TrainingStopped(f"--stop-file {args.stop_file}: cannot remove it after stopping "
+                                      f"({os_error_text(e)}): remove it before relaunching, or the next launch stops "
+                                      f"after its first step; last checkpoint: {last_ckpt or 'none'}") from None
             break
 
     # 10. the end: validation, checkpoint, a sample
+    _now("finishing")
     if progress.step >= cfg.data.total_steps:
         validate(progress.step)
         if saving:
@@ -228,6 +278,10 @@ def main(argv: list[str] | None = None) -> int:
             sample = data.tokenizer.decode(ids)
             metrics.log_event("sample:\n" + sample, sample=sample)
     metrics.close()
+    problems = agree_on_errors(metrics_problem())
+    if problems:
+        raise TrainingStopped(f"{'; '.join(problems)}; training finished at step {progress.step}, last checkpoint: "
+                              f"{last_ckpt or 'none'}", every_rank=True)
     gpc.destroy()
     return 0
 
@@ -263,6 +317,29 @@ def output_folder_problem(cfg: Config) -> str | None:
     return None
 
 
+def _data_keys(cfg: Config) -> str:
+    """The config keys naming where the data comes from, for error lines."""
+    if cfg.data.type == "stdlib":
+        return f"data.cache_folder={cfg.data.cache_folder}"
+    if cfg.data.type == "tokens":
+        return ", ".join(f"data.{k}={getattr(cfg.data, k)}" for k in ("train_folder", "valid_folder")
+                         if getattr(cfg.data, k))
+    return f"data.type={cfg.data.type}"
+
+
+def _data_step(cfg: Config, step: Callable[[], T], run_here: bool = True) -> tuple[T | None, str | None]:
+    """``(step(), None)``, or ``(None, its error as one line)``: a data error names its file already, a failed
+    file operation gets the data keys. With ``run_here`` False nothing runs (another rank does it)."""
+    if not run_here:
+        return None, None
+    try:
+        return step(), None
+    except DataError as e:
+        return None, str(e)
+    except OSError as e:
+        return None, f"{_data_keys(cfg)}: {os_error_text(e)}"
+
+
 def _has_checkpoint(cfg: Config) -> bool:
     """A run that already saved checkpoints resumes from them instead of re-loading load_ckpt_folder."""
     return bool(cfg.ckpt.auto_resume and cfg.ckpt.save_ckpt_folder and list_checkpoints(cfg.ckpt.save_ckpt_folder))
@@ -284,6 +361,12 @@ def _exit_together(message: str) -> None:
     os._exit(1)
 
 
+def _exit_on(problems: list[str]) -> None:
+    """``_exit_together`` when an agreement found problems (the same list on every rank)."""
+    if problems:
+        _exit_together("; ".join(problems))
+
+
 def run() -> None:
     """Exit non-zero on every failing rank at once; never wait on peers that may be gone."""
     try:
@@ -292,6 +375,11 @@ def run() -> None:
         if getattr(e, "every_rank", False) and dist.is_initialized():
             _exit_together(str(e))  # every rank raised it together: each reports before any exits
         _report(f"error: {e}")
+    except OSError as e:  # a file operation the environment refused (missing, unreadable, unwritable, full)
+        if e.filename is None:  # not a file (a socket, a timeout): the traceback says where
+            _report(f"training failed:\n{traceback.format_exc()}")
+        else:
+            _report(f"error: {_doing}: {os_error_text(e)}")
     except Exception:  # noqa: BLE001 - report with the traceback, then take the whole job down
         _report(f"training failed:\n{traceback.format_exc()}")
     # os._exit: skip interpreter teardown, which can block on a process group whose peers died;

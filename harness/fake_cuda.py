@@ -6,8 +6,9 @@ dispatcher. A handful of Python-level tensor methods (basic indexing, ``copy_``,
 CUDA device guard in C++ before dispatching, which a CPU-only build cannot do ("PyTorch is not linked
 with support for cuda devices"). ``fake_cuda_mode`` routes exactly those calls, for fake CUDA
 tensors only, to the equivalent ATen operators, so the framework's real code — model, optimizer,
-trainer, collectives on a fake process group — runs unchanged. Used by the NCCL-rule tests (a CPU
-tensor reaching a CUDA-only group fails as it would with NCCL).
+trainer, collectives on a fake process group — runs unchanged. ``pin_memory`` of a host tensor (the
+trainer pins batches before copying them to CUDA) has no fake implementation: it returns the tensor.
+Used by the NCCL-rule tests (a CPU tensor reaching a CUDA-only group fails as it would with NCCL).
 """
 
 from __future__ import annotations
@@ -101,6 +102,8 @@ class _FakeCudaBindings(TorchFunctionMode):
             return _to(*args, **kwargs)
         elif func is torch.Tensor.cuda and isinstance(args[0], torch.Tensor):
             return _to(args[0], device="cuda")
+        elif func is torch.Tensor.pin_memory and isinstance(args[0], torch.Tensor) and args[0].device.type == "cpu":
+            return args[0]  # page-locking needs a GPU; a copy to a fake CUDA tensor reads nothing from its source
         try:
             return func(*args, **kwargs)
         except RuntimeError as e:

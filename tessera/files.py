@@ -20,7 +20,8 @@ import tempfile
 from collections.abc import Callable
 
 __all__ = ["sha256_file", "fsync_file", "fsync_dir", "publish_file", "atomic_write", "atomic_write_text",
-           "hidden_sibling", "commit_folder", "discard_folder", "folder_write_problem", "REPLACED", "DELETING"]
+           "hidden_sibling", "commit_folder", "discard_folder", "folder_write_problem", "os_error_text", "REPLACED",
+           "DELETING"]
 
 REPLACED = "replaced"  # suffix of the previous copy of a folder while its new copy is renamed into place
 DELETING = "deleting"  # suffix of a folder being removed
@@ -113,6 +114,15 @@ def discard_folder(path: str) -> None:
     shutil.rmtree(trash, ignore_errors=True)
     os.replace(path, trash)
     shutil.rmtree(trash, ignore_errors=True)
+
+
+def os_error_text(e: OSError) -> str:
+    """``path: reason`` of a failed file operation (``path -> other: reason`` for a rename), as an error line
+    shows it; the exception's own text when it names no file."""
+    if not (e.filename and e.strerror):
+        return str(e)
+    where = f"{e.filename} -> {e.filename2}" if e.filename2 else f"{e.filename}"
+    return f"{where}: {e.strerror}"
 
 
 def folder_write_problem(path: str | os.PathLike) -> str | None:

@@ -92,13 +92,14 @@ def test_optimizer_step_and_validation_on_a_cuda_only_group(cuda_only_job, dtype
     cfg = Config.from_dict({"model": {**MODEL, "dtype": dtype, "fp32_modules": ["norm"]},
                             "parallel": {"tensor": {"size": 2}}, "adam": CFG["adam"],
                             "hybrid_zero_optimizer": CFG["hybrid_zero_optimizer"], "data": {"type": "synthetic"}})
+    batch = _batch()  # on the host, with values: its boundaries are checked there, before the copy
     with fake_cuda_mode():
         stack = build_training_stack(cfg, Groups(tp=tp, dp=dp, zero1=dp, world=dist.group.WORLD), device=CUDA)
         model, optimizer, trainer = stack.model, stack.optimizer, stack.trainer
         success, _ = optimizer.step()
         assert success and optimizer.num_steps == 1
         assert all(p.device.type == "cuda" for p in model.parameters())
-        out = trainer.evaluate([_batch()])  # fake tensors have no values: only that it ran matters
+        out = trainer.evaluate([batch])  # fake tensors have no values: only that it ran matters
         assert {"loss", "tokens", "bits_per_token"} <= set(out)
 
 

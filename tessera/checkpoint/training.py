@@ -31,7 +31,7 @@ from tessera.checkpoint.reshard import model_param_dims, reshard_tree
 from tessera.checkpoint.state import TrainState
 from tessera.checkpoint.tree import read_tree, tree_nbytes, write_tree
 from tessera.dist.layout import Layout
-from tessera.files import commit_folder, discard_folder, hidden_sibling
+from tessera.files import commit_folder, discard_folder, hidden_sibling, os_error_text
 from tessera.parallel.comm import reduce_scalars, share_texts
 
 __all__ = ["save_checkpoint", "load_checkpoint", "find_resumable_checkpoint"]
@@ -120,14 +120,14 @@ def save_checkpoint(
             shutil.rmtree(partial, ignore_errors=True)
             os.makedirs(partial)
         except OSError as e:
-            error = _os_error_text(e)
+            error = os_error_text(e)
     _check_save(_exchange_errors(error), folder, step, partial, planned, layout)  # also the barrier: partial exists
     files: dict[str, Any] = {}
     try:
         for name, tree in todo:
             files[name] = write(os.path.join(partial, name), tree)
     except OSError as e:
-        error = _os_error_text(e)
+        error = os_error_text(e)
     _check_save(_exchange_errors(error), folder, step, partial, planned, layout)
 
     gathered = _gather_to_rank0(files, layout)
@@ -143,20 +143,16 @@ def save_checkpoint(
                 before_commit(partial)
             commit_folder(partial, final)
         except OSError as e:
-            error = _os_error_text(e)
+            error = os_error_text(e)
         if error is None and keep_last > 0:
             for old in list_checkpoints(folder)[:-keep_last]:
                 try:
                     discard_folder(old)
                 except OSError as e:
                     logger.warning("could not remove the old checkpoint %s (ckpt.keep_last=%d): %s", old, keep_last,
-                                   _os_error_text(e))
+                                   os_error_text(e))
     _check_save(_exchange_errors(error), folder, step, partial, planned, layout)  # also the final barrier
     return final
-
-
-def _os_error_text(e: OSError) -> str:
-    return f"{e.filename}: {e.strerror}" if e.filename and e.strerror else str(e)
 
 
 def _check_save(errors: list[str], folder: str, step: int, partial: str, planned: int, layout: Layout) -> None:

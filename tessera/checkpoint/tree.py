@@ -20,6 +20,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from tessera.checkpoint.errors import CheckpointError
+from tessera.checkpoint.host_copy import host_copies, release_pinned_memory
 from tessera.checkpoint.meta import file_entry
 from tessera.files import atomic_write
 
@@ -29,8 +30,7 @@ __all__ = ["write_tree", "prepare_tree", "read_tree", "flat_state_metadata", "tr
 def _encode(obj: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
     """Nested dict/list/tensor/primitive -> JSON skeleton; tensors collected under their path."""
     if isinstance(obj, torch.Tensor):
-        t = obj.detach()
-        tensors[path] = (t if t.is_meta else t.cpu()).contiguous()  # meta (a dry run): nothing to copy
+        tensors[path] = obj.detach()  # where it lives: aliases are found before any copy to the host
         return {"t": path}
     if isinstance(obj, Mapping):
         return {"d": [[k, _encode(v, f"{path}/{k}", tensors)] for k, v in obj.items()]}
@@ -71,36 +71,47 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     return sa == sb and a0 < b1 and b0 < a1
 
 
+def _alias_key(t: torch.Tensor) -> tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype]:
+    """Tensors with the same key are the same values in the same memory (storage identity, offset, shape,
+    strides, dtype): stored once."""
+    return (t.untyped_storage()._cdata, int(t.storage_offset()), tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
 def prepare_tree(obj: Any) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """The tensors and metadata ``write_tree`` stores for ``obj``: each storage once (tied weights are
+    """The host tensors and metadata ``write_tree`` stores for ``obj``: each storage once (tied weights are
     aliases), views of one flat buffer as they are, only partly overlapping tensors copied (safetensors
-    refuses them). Storages are told apart by identity, so this also plans a save of meta tensors."""
+    refuses them). Aliases are found on the tensors where they live, before the copy to the host
+    (``host_copies``), which gives every device tensor a storage of its own. Storages are told apart by
+    identity, so this also plans a save of meta tensors."""
     tensors: dict[str, torch.Tensor] = {}
     skeleton = _encode(obj, "", tensors)
-    seen: dict[tuple[int, int, tuple[int, ...]], str] = {}
+    seen: dict[tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype], str] = {}
     aliases: dict[str, str] = {}
     unique: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
-        key = (t.untyped_storage()._cdata, int(t.storage_offset()), tuple(t.shape)) if t.numel() else None
+        key = _alias_key(t) if t.numel() else None
         if key is not None and key in seen:
             aliases[name] = seen[key]
             continue
         if key is not None:
             seen[key] = name
-        unique[name] = t.clone() if any(_overlap(t, u) for u in unique.values()) else t
-    return unique, {"skeleton": json.dumps(skeleton), "aliases": json.dumps(aliases)}
+        unique[name] = t
+    stored: dict[str, torch.Tensor] = {}
+    for name, t in host_copies(unique).items():
+        stored[name] = t.clone() if any(_overlap(t, u) for u in stored.values()) else t
+    return stored, {"skeleton": json.dumps(skeleton), "aliases": json.dumps(aliases)}
 
 
 def tree_nbytes(obj: Any) -> int:
     """Bytes of the tensors ``write_tree`` would store for ``obj`` (each view of a storage once), without
     copying anything: the size of its file, short of the header."""
-    seen: set[tuple[int, int, tuple[int, ...]]] = set()
+    seen: set[tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype]] = set()
     total = 0
 
     def visit(node: Any) -> None:
         nonlocal total
         if isinstance(node, torch.Tensor):
-            key = (node.untyped_storage()._cdata, int(node.storage_offset()), tuple(node.shape))
+            key = _alias_key(node)
             if key not in seen:
                 seen.add(key)
                 total += node.numel() * node.element_size()
@@ -119,7 +130,11 @@ def write_tree(path: str, obj: Any) -> dict[str, Any]:
     """Write ``obj`` to ``path`` atomically; returns its meta.json entry (size and sha256). A failed write
     (no space left, quota, I/O error) raises ``OSError`` with its errno and the file's name."""
     unique, metadata = prepare_tree(obj)
-    atomic_write(path, lambda tmp: _save_file(unique, tmp, metadata))
+    try:
+        atomic_write(path, lambda tmp: _save_file(unique, tmp, metadata))
+    finally:
+        unique.clear()  # the last references to the host copies: their pinned buffers go back, then are released
+        release_pinned_memory()
     return file_entry(path)
 
 

@@ -85,6 +85,8 @@ class Config(dict):
 def load_python_file(path: str | os.PathLike) -> dict[str, Any]:
     """Run the config file as a module and return its config-relevant globals."""
     path = os.fspath(path)
+    if os.path.isdir(path):
+        raise ConfigError(f"config file {path} is a folder, not a Python file")
     if not os.path.isfile(path):
         raise ConfigError(f"config file not found: {path}")
     spec = importlib.util.spec_from_file_location("_tessera_config", path)
@@ -96,6 +98,10 @@ def load_python_file(path: str | os.PathLike) -> dict[str, Any]:
     except SyntaxError as e:
         raise ConfigError(f"syntax error in config file {path}, line {e.lineno}: {e.msg}\n"
                           f"  {(e.text or '').rstrip()}") from None
+    except OSError as e:
+        if e.filename is None or os.path.abspath(os.fspath(e.filename)) != os.path.abspath(path):
+            raise ConfigError(f"error while running config file {path}: {type(e).__name__}: {e}") from e
+        raise ConfigError(f"cannot read config file {path}: {e.strerror or e}") from None  # e.g. permissions
     except Exception as e:  # any error while running user code is a config error
         raise ConfigError(f"error while running config file {path}: {type(e).__name__}: {e}") from e
     out: dict[str, Any] = {}

@@ -31,7 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tessera.model.args import ModelArgs, check_tensor_parallel_sizes
-from tessera.model.attention import Attention, KVCacheLike, check_cu_seqlens, plan_attention
+from tessera.model.attention import Attention, KVCacheLike, check_max_seqlen, plan_attention
 from tessera.model.context import ForwardContext
 from tessera.model.mlp import FeedForward
 from tessera.model.norm import RMSNorm
@@ -116,7 +116,9 @@ class Transformer(nn.Module):
     Logits are ``[B, S, V/tp]`` with ``parallel_output`` (feed them to ``vocab_parallel_cross_entropy``),
     else gathered to ``[B, S, V]``. ``cu_seqlens`` (1-D int, over the flattened ``B*S`` tokens, first 0,
     last ``B*S``, every row boundary included) marks packed documents: attention stays inside a
-    document and, unless ``position_ids`` is given, positions restart at 0 per document.
+    document and, unless ``position_ids`` is given, positions restart at 0 per document. ``max_seqlen``,
+    the longest document, comes with a ``cu_seqlens`` on the GPU (checked on the host before the copy,
+    ``tessera.train.batch``): boundaries on the device are never read back.
 
     ``cache`` (a ``tessera.model.kv_cache.KVCache``, inference only) continues cached sequences: the
     ids are the next positions, keys/values are appended to the cache. Generation thus runs through
@@ -184,6 +186,7 @@ class Transformer(nn.Module):
         cu_seqlens: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         cache: KVCacheLike | None = None,
+        max_seqlen: int | None = None,
     ) -> torch.Tensor:
         batch, seqlen = input_ids.shape
         past = 0
@@ -192,8 +195,8 @@ class Transformer(nn.Module):
                 raise ValueError("a KV cache is for inference on one document per row: call model.eval() "
                                  "and pass no cu_seqlens")
             past = cache.length
-        if cu_seqlens is not None:
-            cu_seqlens = check_cu_seqlens(cu_seqlens, batch, seqlen)
+        if cu_seqlens is not None:  # a device cu_seqlens comes with max_seqlen from the host: never read back
+            max_seqlen = check_max_seqlen(cu_seqlens, batch, seqlen, max_seqlen)
         sp = self.sequence_parallel_forward(cache)
         if sp and seqlen % self.tp_size:
             raise ValueError(f"sequence parallelism (tensor mode 'msp') splits the sequence over the "
@@ -206,7 +209,8 @@ class Transformer(nn.Module):
                 position_ids = torch.arange(past, past + seqlen, device=h.device).expand(batch, seqlen)
         cos, sin = rotary_cos_sin(position_ids.to(h.device), self.args.head_dim, self.args.rope_base)
         recompute = self.training and torch.is_grad_enabled()
-        ctx = ForwardContext(cos, sin, plan_attention(cu_seqlens, batch, seqlen, self.args.use_flash_attn),
+        plan = plan_attention(cu_seqlens, batch, seqlen, self.args.use_flash_attn, max_seqlen)
+        ctx = ForwardContext(cos, sin, plan,
                              sequence_parallel=sp, selective=recompute and self.selective_checkpoint, cache=cache)
         for i, layer in enumerate(self.layers):
             if recompute and i < self.num_checkpoint_layers:  # full and selective exclude each other (ModelArgs)

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from tessera.files import os_error_text
 from tessera.parallel.lowp import linear
 
 logger = logging.getLogger("tessera")
@@ -135,21 +136,34 @@ def peak_memory_gib(device: torch.device) -> float:
 
 
 class MetricsWriter:
-    """Writes metrics on rank 0 (no-op elsewhere): log line + tqdm, TensorBoard, metrics.jsonl."""
+    """Writes metrics on rank 0 (no-op elsewhere): log line + tqdm, TensorBoard, metrics.jsonl.
+
+    A file that cannot be opened or written (a full disk, a lost mount, a path taken by a folder) does not
+    raise here: the first failure is kept in ``problem`` (``cannot write the metrics: <path>: <reason>``)
+    and nothing more is written, so the caller decides, with the other ranks, to stop (train.py
+    agrees on it after every step: rank 0 alone must not leave the others waiting in a collective).
+    """
 
     def __init__(self, log_dir: str, enabled: bool, total_steps: int, start_step: int = 0,
                  tensorboard: bool = True, progress_bar: bool = True):
         self.enabled = enabled
         self.log_dir = log_dir
-        self._bar = None
-        self._tb = None
-        self._jsonl = None
+        self.problem: str | None = None
+        self._bar: Any = None
+        self._tb: Any = None
+        self._jsonl: Any = None
         if not enabled:
             return
-        os.makedirs(log_dir, exist_ok=True)
-        path = os.path.join(log_dir, "metrics.jsonl")
+        try:
+            self._open(total_steps, start_step, tensorboard, progress_bar)
+        except OSError as e:
+            self._fail(e)
+
+    def _open(self, total_steps: int, start_step: int, tensorboard: bool, progress_bar: bool) -> None:
+        os.makedirs(self.log_dir, exist_ok=True)
+        path = os.path.join(self.log_dir, "metrics.jsonl")
         torn = False
-        if os.path.exists(path) and os.path.getsize(path) > 0:
+        if os.path.isfile(path) and os.path.getsize(path) > 0:
             with open(path, "rb") as f:  # a run killed mid-write leaves half a line: start a fresh one
                 f.seek(-1, os.SEEK_END)
                 torn = f.read(1) != b"\n"
@@ -159,21 +173,51 @@ class MetricsWriter:
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(log_dir=os.path.join(log_dir, "tensorboard"))
+            self._tb = SummaryWriter(log_dir=os.path.join(self.log_dir, "tensorboard"))
         if progress_bar:
             from tqdm import tqdm
 
             self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
 
+    def _fail(self, e: OSError) -> None:
+        """Keep the first failure and stop writing files (the printed lines go on)."""
+        if self.problem is None:  # (a FileExistsError comes from os.makedirs: a file where a folder goes)
+            what = f"{e.filename} exists and is not a folder" if isinstance(e, FileExistsError) else os_error_text(e)
+            self.problem = f"cannot write the metrics: {what}"
+        jsonl, tb = self._jsonl, self._tb
+        self._jsonl = self._tb = None
+        for closing in (jsonl, tb):
+            try:
+                if closing is not None:
+                    closing.close()
+            except OSError:  # the buffered rest fails the same way: the first failure is the one reported
+                pass
+
+    def _record(self, record: Mapping[str, Any]) -> None:
+        """One line of metrics.jsonl (line-buffered: a failed write raises here, naming the file)."""
+        if self._jsonl is None:
+            return
+        try:
+            self._jsonl.write(json.dumps(record) + "\n")
+        except OSError as e:
+            e.filename = e.filename or self._jsonl.name  # a write error names no file
+            raise
+
     def _write(self, kind: str, step: int, values: Mapping[str, Any]) -> None:
-        record = {"kind": kind, "step": step, "time": time.time(), **values}
-        assert self._jsonl is not None  # opened in __init__ when enabled; callers return early otherwise
-        self._jsonl.write(json.dumps(record) + "\n")
-        if self._tb is not None:
-            prefix = "" if kind == "train" else f"{kind}/"
+        try:
+            self._record({"kind": kind, "step": step, "time": time.time(), **values})
+        except OSError as e:
+            self._fail(e)
+        if self._tb is None:
+            return
+        prefix = "" if kind == "train" else f"{kind}/"
+        try:
             for k, v in values.items():
                 if isinstance(v, (int, float)) and not isinstance(v, bool):
                     self._tb.add_scalar(prefix + k, v, step)
+        except OSError as e:  # raised by the event writer's thread on a later call
+            e.filename = e.filename or os.path.join(self.log_dir, "tensorboard")
+            self._fail(e)
 
     def _print(self, line: str) -> None:
         if self._bar is not None:
@@ -202,17 +246,23 @@ class MetricsWriter:
         """A one-off event (resume, checkpoint, skip) in the log and in metrics.jsonl."""
         if not self.enabled:
             return
-        assert self._jsonl is not None  # opened in __init__ when enabled
-        self._jsonl.write(json.dumps({"kind": "event", "time": time.time(), "message": message, **values}) + "\n")
+        try:
+            self._record({"kind": "event", "time": time.time(), "message": message, **values})
+        except OSError as e:
+            self._fail(e)
         self._print(message)
 
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
-        if self._tb is not None:
-            self._tb.close()
-        if self._jsonl is not None:
-            self._jsonl.close()
+        try:
+            if self._tb is not None:
+                self._tb.close()
+            if self._jsonl is not None:
+                self._jsonl.close()
+        except OSError as e:
+            self._fail(e)
+        self._tb = self._jsonl = None
         self.enabled = False
 
 

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from tessera.model.transformer import logits_are_vocab_sharded
 from tessera.parallel import vocab_parallel_cross_entropy
 from tessera.parallel.comm import reduce_scalars, to_host
+from tessera.train.batch import to_device
 
 
 @dataclass
@@ -26,10 +27,6 @@ class StepResult:
     success: bool  # False when the update was skipped (inf/NaN)
     tokens: int  # tokens processed by the whole job in this step
     step_time: float
-
-
-def _to_device(batch: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
-    return {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
 
 
 def _all_reduce_sum(values: list[float], group: dist.ProcessGroup | None, device: torch.device) -> list[float]:
@@ -61,8 +58,10 @@ class Trainer:
 
     def _loss(self, batch: Mapping[str, Any], reduction: str = "mean",
               label_smoothing: float | None = None) -> torch.Tensor:
+        # max_seqlen: set on the host with cu_seqlens (tessera.train.batch), so the model never reads it back
+        packed = {"max_seqlen": batch["max_seqlen"]} if "max_seqlen" in batch else {}
         logits = self.model(batch["input_ids"], cu_seqlens=batch.get("cu_seqlens"),
-                            position_ids=batch.get("position_ids"))
+                            position_ids=batch.get("position_ids"), **packed)
         return vocab_parallel_cross_entropy(
             logits, batch["labels"], self.loss_group, ignore_index=-100,
             label_smoothing=self.label_smoothing if label_smoothing is None else label_smoothing, reduction=reduction)
@@ -80,7 +79,7 @@ class Trainer:
         self.model.train()
         self.optimizer.zero_grad()
         local_tokens = sum(_labelled_tokens(b) for b in micro_batches)  # before the copy: no device sync
-        batches = [_to_device(b, self.device) for b in micro_batches]
+        batches = [to_device(b, self.device, f"micro-batch {i}") for i, b in enumerate(micro_batches)]
         global_tokens = max(_all_reduce_sum([local_tokens], self.dp_group, self.device)[0], 1.0)
         nats = []
         tokens = 0
@@ -108,11 +107,11 @@ class Trainer:
         """
         self.model.eval()
         nats = tokens = nbytes = 0.0
-        for batch in batches:
+        for i, batch in enumerate(batches):
             tokens += _labelled_tokens(batch)
             if "num_bytes" in batch:
                 nbytes += float(to_host(batch["num_bytes"].sum()))
-            batch = _to_device(batch, self.device)
+            batch = to_device(batch, self.device, f"validation batch {i}")
             nats += to_host(self._loss(batch, reduction="sum", label_smoothing=0.0).double())
         self.model.train()
         nats, tokens, nbytes = _all_reduce_sum([nats, tokens, nbytes], self.dp_group, self.device)
