@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from tessera.optim import master_policy
 from tessera.optim.hybrid_zero import HybridZeroOptimizer
 from tessera.optim.lowp_adamw import adamw_step, element_noise
 
@@ -135,7 +136,7 @@ class _Two(nn.Module):
         self.b = nn.Parameter(torch.randn(3, 7))
 
 
-def test_optimizer_uses_the_fused_update_for_adamw_and_the_inner_step_otherwise(caplog):
+def test_optimizer_uses_the_fused_update_for_adamw_and_the_inner_step_otherwise(caplog, monkeypatch):
     """HybridZeroOptimizer(AdamW) moves fp32 weights as torch's AdamW does, and logs the fused kernel;
     an SGD inner optimizer keeps its own step (moves as torch's SGD)."""
     torch.manual_seed(4)
@@ -146,6 +147,7 @@ def test_optimizer_uses_the_fused_update_for_adamw_and_the_inner_step_otherwise(
         opt = HybridZeroOptimizer(make(list(model.parameters())), zero_cfg={"clip_grad_norm": 0.0}, param_names=model)
         ref_opt = make(list(ref.parameters()))
         caplog.clear()
+        monkeypatch.setattr(master_policy, "_LOGGED", set())  # logged once per process: forget earlier tests'
         with caplog.at_level(logging.INFO, logger="tessera"):
             for _ in range(3):
                 x = torch.randn(40)
@@ -157,4 +159,5 @@ def test_optimizer_uses_the_fused_update_for_adamw_and_the_inner_step_otherwise(
         for p, q in zip(model.parameters(), ref.parameters()):
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
         text = caplog.text
+        assert opt.policy.fused(opt.optim) == fused
         assert ("fused AdamW kernel" in text) == fused and ("SGD.step()" in text) == (not fused), text
