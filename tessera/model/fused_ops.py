@@ -6,7 +6,7 @@ input and the normalized product, ``silu(gate)``, the ``rotate_half`` concatenat
 few passes, works in place on its own temporaries and saves only what its backward cannot cheaply
 recompute:
 
-- ``rms_norm``: torch's one-kernel forward; saves the input (in its own dtype) and the per-row ``rstd``.
+- ``rms_norm``: saves the input (in its own dtype) and the per-row ``rstd``.
 - ``rotary``: saves nothing per call (the half-width cos/sin of a forward are shared by every layer);
   the halves are rotated in place as views, no ``torch.cat``, no ``rotate_half`` temporary.
 - ``swiglu``: ``silu(gate) * up`` saves gate and up; backward recomputes ``silu``.
@@ -42,11 +42,12 @@ class _RMSNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        # torch's one-pass kernel (CPU, CUDA, meta): statistics and product in fp32 (fp64 for fp64), the output
-        # rounded once to x's dtype, and the per-row rstd returned, so nothing is recomputed for the backward
-        y, rstd = torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], weight, eps)
+        compute = compute_dtype(x.dtype)
+        y = x.to(compute, copy=True)  # for bf16/fp16 the one upcast; then normalized and scaled in place
+        rstd = torch.linalg.vecdot(y, y).div_(x.shape[-1]).add_(eps).rsqrt_().unsqueeze(-1)
+        y.mul_(rstd).mul_(weight)
         ctx.save_for_backward(x, weight, rstd)
-        return y
+        return y.to(x.dtype)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
