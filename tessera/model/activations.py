@@ -6,28 +6,29 @@ Why a closed form: it says what sequence parallelism and recomputation buy befor
 
 Notation: T = micro_bsz * seq_len tokens; s_r = T / tp under msp (each rank's sequence chunk), T under
 mtp; h hidden; q = heads * head_dim, k = kv_heads * head_dim; f the SwiGLU width; V vocab; x_t = x/tp;
-E bytes of the activation dtype (the norms and rotary compute in fp32, statistics are fp32).
+E bytes of the activation dtype (norm statistics and rotary angles are fp32).
 
-Kept per layer (bytes), Megatron-paper style but matched to tessera's layer:
+Kept per layer (bytes), Megatron-paper style but matched to tessera's layer (``tessera.model.fused_ops``):
 
-- none: ``(8 + 8) s_r h`` (each RMSNorm keeps its input in fp32 and the normalized fp32 product) ``+ 2E s_r h``
-  (the norm outputs the column-parallel GEMMs keep -- only the chunk under msp, re-gathered in backward)
-  ``+ E T (2 q_t + 2 k_t)`` (q, k after rotary, v, attention output) ``+ 4E T f_t`` (gate, up, silu(gate),
-  their product) ``+ 8 s_r + 4 B Hq_t S`` (norm statistics, attention log-sum-exp) ``+ 2E s_r h`` with
-  residual dropout (masks);
+- none: ``2E s_r h`` (each RMSNorm keeps its input, in the activation dtype) ``+ 2E s_r h`` (the norm
+  outputs the column-parallel GEMMs keep -- only the chunk under msp, re-gathered in backward)
+  ``+ E T (2 q_t + 2 k_t)`` (q, k after rotary, v, attention output) ``+ 3E T f_t`` (gate, up, their
+  SwiGLU product; silu(gate) is recomputed) ``+ 8 s_r + 4 B Hq_t S`` (norm statistics, attention
+  log-sum-exp) ``+ 2E s_r h`` with residual dropout (masks);
 - selective: ``E (2 s_r h + T (q_t + 2 k_t) + 2 T f_t)`` (block inputs x and x + attention; q, k, v;
   gate, up);
 - full: ``E s_r h`` (the layer input).
 
-Outside the layers: rotary cos/sin (``8 T head_dim``), the final norm (``(8 + E) s_r h``), the loss's
-fp32 softmax of the vocab shard (``4 T V_t``) and small index tensors.
+Outside the layers: rotary cos/sin at half width (``4 T head_dim``), the final norm (``2E s_r h + 4 s_r``:
+its input and output, its statistics), the loss's fp32 softmax of the vocab shard (``4 T V_t``) and
+small index tensors.
 
 The peak adds the backward's working set to what is kept at the end of the forward, at whichever of
 three points is largest (each counted from the tensors live there): the head's backward (the logits
 gradient, the head input's gradient and, under msp, the re-gathered head input), the final norm's
 backward (fp32 temporaries of ``s_r h``), and the last layer's MLP backward after its recomputation
-(the recomputed block, the gradients of the SwiGLU product, gate and up, and under msp the all-gathered
-gradient of the row-parallel output).
+(the recomputed block, the gradient of the SwiGLU product, the gradients of gate and up, and under msp
+the all-gathered gradient of the row-parallel output).
 """
 
 from __future__ import annotations
@@ -65,12 +66,12 @@ def activation_bytes(model_cfg: Any, micro_bsz: int, seq_len: int, tp: int, mode
     Th, srh, Tf = T * h, sr * h, T * f_t
     drop = 2 * e * srh if a.dropout > 0 else 0
 
-    layer_none = (16 * srh + 2 * e * srh + e * T * (2 * q_t + 2 * k_t) + 4 * e * Tf
+    layer_none = (4 * e * srh + e * T * (2 * q_t + 2 * k_t) + 3 * e * Tf
                   + 8 * sr + 4 * T * (a.num_attention_heads // t) + drop)
     per_layer = {False: layer_none, "selective": e * (2 * srh + T * (q_t + 2 * k_t) + 2 * Tf),
                  True: e * srh}[checkpoint]
-    top_keep = 8 * T * d + (9 * T if t > 1 else 0)  # rotary cos/sin; the embedding's local ids and mask
-    final_norm = 8 * srh + e * srh + 4 * sr
+    top_keep = 4 * T * d + (9 * T if t > 1 else 0)  # rotary cos/sin; the embedding's local ids and mask
+    final_norm = 2 * e * srh + 4 * sr
     loss = 4 * T * v_t + 10 * T  # fp32 softmax of the vocab shard; target indices and masks
     kept = a.num_layers * per_layer + top_keep + final_norm + loss
 
@@ -80,15 +81,16 @@ def activation_bytes(model_cfg: Any, micro_bsz: int, seq_len: int, tp: int, mode
         head = kept - loss + e * T * v_t + 2 * e * Th + grad_w_head
     else:
         head = kept - loss + max(e * T * v_t + e * Th + grad_w_head, 2 * e * Th)
-    # the final norm's backward on its (chunk of the) sequence: its product and output are freed, its
-    # fp32 input is still needed; five fp32 temporaries of its size (incoming, d/dy, d/dx, mean/pow terms)
-    norm = kept - loss - (4 + e) * srh - 4 * sr + 5 * 4 * srh
+    # the final norm's backward on its (chunk of the) sequence: the head's input (the norm output) is freed,
+    # the incoming gradient takes its place; two fp32 temporaries of its size (the normalized input, the
+    # gradient times it, reused for the input gradient), and a low-precision model's fp32 copy of the gradient
+    norm = kept - loss + (8 + (4 if e != 4 else 0)) * srh
     # the last layer's MLP backward: the other layers' kept tensors, and this layer's live ones -- all it
     # keeps (none), recomputes (full), or keeps plus its recomputed MLP block (selective: the ffn norm's
-    # product and output, its fp32 input copy for a low-precision model, silu(gate) and the product)
+    # output and statistics -- its input is the kept block input -- and the SwiGLU product)
     base = (a.num_layers - 1) * per_layer + top_keep
     if checkpoint == "selective":
-        rest = per_layer + 4 * srh + e * srh + (4 * srh if e != 4 else 0) + 2 * e * Tf
+        rest = per_layer + e * srh + 4 * sr + e * Tf
     else:
         rest = layer_none
     grad_in = e * srh + (e * Th if mode == "msp" and t > 1 else 0)  # residual gradient (+ gathered for w2)

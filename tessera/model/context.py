@@ -24,7 +24,7 @@ __all__ = ["ForwardContext"]
 class ForwardContext:
     """Per-forward inputs of the decoder blocks (frozen: one forward's layers cannot change it for the next).
 
-    ``cos``/``sin``: rotary angles ``[B, S, 1, head_dim]`` (fp32) of the full sequence, also under
+    ``cos``/``sin``: rotary angles ``[B, S, 1, head_dim / 2]`` (fp32) of the full sequence, also under
     sequence parallelism. ``plan``: the documents' layout; its packed mask is built once and shared.
     ``sequence_parallel``: blocks take and return this rank's sequence chunk (msp). ``selective``: each
     half of a layer runs under selective checkpointing. ``cache``: the whole KV cache (inference); each

@@ -6,8 +6,8 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
+from tessera.model.fused_ops import swiglu
 from tessera.model.recompute import keep_gemm_outputs
 from tessera.parallel.layers import ColumnParallelLinear, RowParallelLinear, column_parallel_linears
 
@@ -47,4 +47,4 @@ class FeedForward(nn.Module):
         """``sequence_parallel``: ``x`` is this rank's sequence chunk (msp), and so is the output."""
         with keep_gemm_outputs():  # entering the TP region once for w1 and w3 (one gradient collective)
             gate, up = column_parallel_linears(x, [self.w1, self.w3], sequence_parallel=sequence_parallel)
-        return self.w2(F.silu(gate) * up, sequence_parallel=sequence_parallel)
+        return self.w2(swiglu(gate, up), sequence_parallel=sequence_parallel)

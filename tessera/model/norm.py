@@ -1,10 +1,11 @@
 """RMSNorm with fp32 statistics.
 
-The mean of squares is computed in fp32 (fp64 for fp64 inputs) whatever the input dtype (bf16/fp16 sums of squares lose
-precision and can overflow); the result is scaled by the weight in fp32 and cast back to the input
-dtype once. The weight is TP-replicated. Under sequence parallelism (msp) a norm sees only this rank's
-sequence chunk, so its weight gradient is partial: ``forward(x, sequence_parallel=True)`` sums it over
-the TP group inside autograd (``process_group``), and the optimizer sees the full gradient as in mtp.
+The mean of squares is computed in fp32 (fp64 for fp64 inputs) whatever the input dtype (bf16/fp16 sums of
+squares lose precision and can overflow); the result is scaled by the weight in fp32 and cast back to the
+input dtype once (``tessera.model.fused_ops.rms_norm``). The weight is TP-replicated. Under sequence
+parallelism (msp) a norm sees only this rank's sequence chunk, so its weight gradient is partial:
+``forward(x, sequence_parallel=True)`` sums it over the TP group inside autograd (``process_group``), and
+the optimizer sees the full gradient as in mtp.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from tessera.model.fused_ops import compute_dtype, rms_norm
 from tessera.parallel.attrs import set_tensor_parallel_attrs
 from tessera.parallel.sequence import reduce_grad_over_group
 
@@ -41,13 +43,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, *, sequence_parallel: bool = False) -> torch.Tensor:
         """``sequence_parallel=True``: ``x`` is a sequence chunk; the weight gradient is summed over TP."""
-        compute = torch.promote_types(x.dtype, torch.float32)  # fp32, or fp64 for fp64 inputs
-        xc = x.to(compute)
-        y = xc * torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + self.eps)
-        weight = self.weight.to(compute)
-        if sequence_parallel:
-            weight = reduce_grad_over_group(weight, self.process_group)  # in fp32: summed before the cast back
-        return (y * weight).to(x.dtype)
+        weight: torch.Tensor = self.weight
+        if sequence_parallel:  # the partial weight gradients are summed in fp32, then cast back once
+            weight = reduce_grad_over_group(weight.to(compute_dtype(x.dtype)), self.process_group)
+        return rms_norm(x, weight, self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.dim}, eps={self.eps}"

@@ -14,10 +14,10 @@ stops at their inputs (non-reentrant checkpoint's early stop).
 Trade-off, per layer (``tessera.model.activations`` has the closed forms, BENCHMARKS.md section 9
 the measurements), with T tokens, hidden h, query/KV widths q/k, SwiGLU width f, TP size t, mtp, fp32:
 
-- none keeps the norms' inputs and products, their outputs, q/k after rotary, v, the attention output,
-  the SwiGLU gate, up, silu(gate) and product: ``6 T h + T (2q + 2k)/t + 4 T f/t`` elements;
-- selective keeps x, h, q, k, v, gate, up: ``2 T h + T (q + 2k)/t + 2 T f/t`` -- 0.44x of none for a
-  LLaMA-shaped layer at t=2 -- for the cost of the elementwise ops and one more attention forward
+- none keeps the norms' inputs and outputs, q/k after rotary, v, the attention output, the SwiGLU gate,
+  up and product: ``4 T h + T (2q + 2k)/t + 3 T f/t`` elements;
+- selective keeps x, h, q, k, v, gate, up: ``2 T h + T (q + 2k)/t + 2 T f/t`` -- 0.62x of none for a
+  LLaMA-7B-shaped layer at t=2 -- for the cost of the elementwise ops and one more attention forward
   (``4 T s h / t`` FLOPs per layer at sequence length s); no GEMM runs twice;
 - full keeps x only (``T h``) and recomputes the whole forward (+1/3 of a step's FLOPs), and its peak
   holds one recomputed layer besides.

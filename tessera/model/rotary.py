@@ -2,15 +2,18 @@
 
 The rotate_half (GPT-NeoX / Hugging Face Llama) convention pairs dim ``i`` with dim ``i + d/2``, so the
 q/k projection rows are in the order a Hugging Face Llama checkpoint expects: export needs no
-permutation. Angles are computed in fp32 from the positions on every forward (no cached table, so
-there is no buffer to allocate on the meta device and no length limit).
+permutation. Angles are computed in fp32 from the positions once per forward of the model (no cached
+table, so there is no buffer to allocate on the meta device and no length limit), at half width: both
+halves of a pair share one angle, so the other half would be a copy.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["rotary_cos_sin", "apply_rotary", "rotate_half", "positions_from_cu_seqlens"]
+from tessera.model.fused_ops import rotary
+
+__all__ = ["rotary_cos_sin", "apply_rotary", "positions_from_cu_seqlens"]
 
 
 def rotary_inv_freq(head_dim: int, base: float, device: torch.device | None = None) -> torch.Tensor:
@@ -20,23 +23,17 @@ def rotary_inv_freq(head_dim: int, base: float, device: torch.device | None = No
 
 
 def rotary_cos_sin(position_ids: torch.Tensor, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin of shape ``[B, S, 1, head_dim]`` (fp32) for ``position_ids`` ``[B, S]``."""
+    """cos/sin of shape ``[B, S, 1, head_dim / 2]`` (fp32) for ``position_ids`` ``[B, S]``: the angle of the
+    pair (``i``, ``i + head_dim/2``) at index ``i``."""
     inv_freq = rotary_inv_freq(head_dim, base, position_ids.device)
-    angles = position_ids.float().unsqueeze(-1) * inv_freq  # [B, S, d/2]
-    emb = torch.cat((angles, angles), dim=-1).unsqueeze(2)  # [B, S, 1, d]
-    return emb.cos(), emb.sin()
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """``[x1, x2] -> [-x2, x1]`` over the last dim's two halves."""
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    angles = (position_ids.float().unsqueeze(-1) * inv_freq).unsqueeze(2)  # [B, S, 1, d/2]
+    return angles.cos(), angles.sin()
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[B, S, heads, d]`` by the angles; computed in (at least) fp32, returned in ``x``'s dtype."""
-    xc = x.to(torch.promote_types(x.dtype, torch.float32))
-    return (xc * cos + rotate_half(xc) * sin).to(x.dtype)
+    """Rotate ``x`` ``[B, S, heads, d]`` by ``rotary_cos_sin``'s angles; computed in (at least) fp32, returned in
+    ``x``'s dtype (``tessera.model.fused_ops.rotary``)."""
+    return rotary(x, cos, sin)
 
 
 def document_ids(cu_seqlens: torch.Tensor, batch: int, seqlen: int) -> torch.Tensor:
