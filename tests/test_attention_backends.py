@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from harness.fake_cuda import fake_cuda_mode
-from tessera.model import attention
+from tessera.model import attention, flash_probe
 from tessera.model.attention import _sdpa, attend, plan_attention
 
 CUDA = torch.device("cuda")
@@ -40,7 +40,9 @@ def calls(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(flash_attn_func=flash,
                                                                          flash_attn_varlen_func=varlen))
-    monkeypatch.setattr(attention, "flash_attn_available", lambda: True)
+    monkeypatch.setattr(flash_probe, "_PROBE", None)  # probed again: finds the stand-in above
+    monkeypatch.setattr(flash_probe, "_CAPABILITY", {})
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(attention.lowp, "scaled_dot_product_attention", sdpa)
     return seen
 
@@ -89,9 +91,10 @@ def test_gqa_is_expanded_on_cuda_where_sdpa_would_fall_to_math(calls, dtype, pac
     assert kwargs["enable_gqa"] is (not expanded)
 
 
-def test_cpu_keeps_sdpa_grouped_query_path(calls):
+def test_cpu_sdpa_keeps_the_grouped_query_path(calls):
+    """On the CPU, SDPA (used there only with attention dropout) gets the grouped K/V heads, not expanded."""
     plan = plan_attention(torch.tensor([0, 3, 8, 16], dtype=torch.int32), 2, 8, use_flash_attn=True)
-    attend(*_qkv(torch.float32, torch.device("cpu")), plan, 0.0)
+    attend(*_qkv(torch.float32, torch.device("cpu")), plan, 0.1)
     (name, _, k, kwargs), = calls
     assert name == "sdpa" and k.shape[1] == 2 and kwargs["enable_gqa"] is True
 
