@@ -54,6 +54,10 @@ _LOGGED: set[str] = set()
 
 
 def _log_once(message: str) -> None:
+    """Log ``message`` the first time only; not from code dynamo traces (a logger call would break the graph
+    there): under ``torch.compile`` the choice is logged by the first call made eagerly."""
+    if torch.compiler.is_compiling():
+        return
     if message not in _LOGGED:
         _LOGGED.add(message)
         logger.info(message)
