@@ -13,11 +13,11 @@ error (Frobenius) of the output and of dq against ``softmax(QK^T/sqrt(d) + mask)
 Candidates, one document per row: ``sdpa`` (torch's CPU flash kernel in the input dtype), ``sdpa fp32``
 (on fp32 copies; autograd of the casts), ``tessera`` (``cpu_attention.causal_attention`` under the rule),
 ``blocked fp32`` (a block-causal kernel written below: batched GEMMs per query block over the keys up to
-the diagonal, fp32 softmax, its own backward). Packed rows (documents of exponential lengths, mean S/4):
-``sdpa mask`` (the ``[B, 1, S, S]`` block-diagonal mask, in the input dtype and on fp32 copies),
-``tessera`` (``cpu_attention.packed_attention``: the flash kernel per document, in length buckets, under
-the rule; and in the input dtype), ``blocked fp32`` (the same blocked kernel with a document mask,
-skipping the keys before each query block's earliest document).
+the diagonal, fp32 softmax, its own backward). Packed rows (documents of exponential lengths, mean S/4
+or ``--mean-doc``): ``sdpa mask`` (the ``[B, 1, S, S]`` block-diagonal mask, in the input dtype and on
+fp32 copies), ``tessera`` (``cpu_attention.packed_attention``: the flash kernel per document, in length
+buckets, under the rule; and in the input dtype), ``blocked fp32`` (the same blocked kernel with a
+document mask, skipping the keys before each query block's earliest document).
 """
 
 from __future__ import annotations
@@ -202,14 +202,16 @@ def _saved_bytes(fn: Kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) 
     return out, sum(storages.values())
 
 
-def measure(shape: Shape, dtype: torch.dtype, packed: bool, rounds: int, log: Callable[[str], None]) -> None:
+def measure(shape: Shape, dtype: torch.dtype, packed: bool, rounds: int, log: Callable[[str], None],
+            mean_doc: float | None = None) -> None:
     torch.manual_seed(0)
     b, s, d = shape.batch, shape.seqlen, shape.head_dim
     q = torch.randn(b, s, shape.heads, d).to(dtype)
     k = torch.randn(b, s, shape.kv_heads, d).to(dtype)
     v = torch.randn(b, s, shape.kv_heads, d).to(dtype)
     go = torch.randn(b, s, shape.heads, d).to(dtype)
-    cu = packed_cu_seqlens(b, s, s / 4) if packed else None
+    mean = mean_doc if mean_doc is not None else s / 4
+    cu = packed_cu_seqlens(b, s, mean) if packed else None
     kernels = candidates(shape, dtype, cu)
     ref = ref_dq = None
     if s <= REFERENCE_MAX_SEQ:
@@ -236,7 +238,7 @@ def measure(shape: Shape, dtype: torch.dtype, packed: bool, rounds: int, log: Ca
                                  float((qq.grad.double() - ref_dq).norm() / ref_dq.norm()))
             else:
                 fwd[name], bwd[name] = min(fwd[name], t1 - t0), min(bwd[name], t2 - t1)
-    layout = f"packed, {cu.numel() - 1} documents" if cu is not None else "one document per row"
+    layout = f"packed, {cu.numel() - 1} documents (mean length {mean:g})" if cu is not None else "one document per row"
     log(f"\n{shape.name}: B={b} H={shape.heads}/{shape.kv_heads} S={s} d={d} {str(dtype)[6:]}, {layout}")
     log("| kernel | forward ms | backward ms | total ms | kept for backward MiB | rel. error out | rel. error dq |")
     log("|---|---:|---:|---:|---:|---:|---:|")
@@ -267,6 +269,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m benchmarks at
     layout = ap.add_mutually_exclusive_group()
     layout.add_argument("--packed", action="store_true", help="packed rows only")
     layout.add_argument("--causal", action="store_true", help="one document per row only")
+    ap.add_argument("--mean-doc", type=float, default=None, help="mean document length of packed rows (default S/4)")
     ap.add_argument("--rounds", type=int, default=3, help="timed rounds (after one warm-up)")
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
@@ -281,7 +284,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m benchmarks at
             for packed in (False, True):
                 if (packed and args.causal) or (not packed and args.packed):
                     continue
-                measure(shape, dtypes[dt], packed, args.rounds, print)
+                measure(shape, dtypes[dt], packed, args.rounds, print, args.mean_doc)
     return 0
 
 
