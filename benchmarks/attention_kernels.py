@@ -11,12 +11,13 @@ table gives the fastest round of each (the least disturbed), the bytes autograd 
 error (Frobenius) of the output and of dq against ``softmax(QK^T/sqrt(d) + mask) V`` in fp64.
 
 Candidates, one document per row: ``sdpa`` (torch's CPU flash kernel in the input dtype), ``sdpa fp32``
-(on fp32 copies; autograd of the casts), ``tessera`` (``cpu_attention.causal_attention`` under the rule),
+(on fp32 copies; autograd of the casts), ``tessera`` (``cpu_attention.causal_attention`` under its rule,
+and forced to fp32 and to the input dtype: bf16 q/k/v and output kept for backward, cast in backward),
 ``blocked fp32`` (a block-causal kernel written below: batched GEMMs per query block over the keys up to
 the diagonal, fp32 softmax, its own backward). Packed rows (documents of exponential lengths, mean S/4
 or ``--mean-doc``): ``sdpa mask`` (the ``[B, 1, S, S]`` block-diagonal mask, in the input dtype and on
 fp32 copies), ``tessera`` (``cpu_attention.packed_attention``: the flash kernel per document, in length
-buckets, under the rule; and in the input dtype), ``blocked fp32`` (the same blocked kernel with a
+buckets, under its rule and forced to each precision), ``blocked fp32`` (the same blocked kernel with a
 document mask, skipping the keys before each query block's earliest document).
 """
 
@@ -140,14 +141,17 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
 
 
 def candidates(shape: Shape, dtype: torch.dtype, cu: torch.Tensor | None) -> dict[str, Kernel]:
-    b, s = shape.batch, shape.seqlen
-    rule, _ = cpu_attention.compute_dtype(dtype)
+    b, s, d = shape.batch, shape.seqlen, shape.head_dim
     low = dtype != torch.float32
+    forced = [torch.float32, dtype] if low else []  # tessera's kernels forced to each precision, beside the rule
     if cu is None:
+        rule = str(cpu_attention.compute_dtype(dtype, s, d)).removeprefix("torch.")
         kernels: dict[str, Kernel] = {"sdpa": lambda q, k, v: _sdpa(q, k, v, None, False)}
         if low:
             kernels["sdpa fp32"] = lambda q, k, v: _sdpa(q, k, v, None, True)
-        kernels[f"tessera ({str(rule)[6:]})"] = lambda q, k, v: cpu_attention.causal_attention(q, k, v, rule)
+        kernels[f"tessera (rule: {rule})"] = lambda q, k, v: cpu_attention.causal_attention(q, k, v)
+        for c in forced:
+            kernels[f"tessera {str(c)[6:]}"] = lambda q, k, v, c=c: cpu_attention.causal_attention(q, k, v, c)
         kernels["blocked fp32"] = lambda q, k, v: blocked_attention(q, k, v, None)
         return kernels
     docs = document_ids(cu, b, s)
@@ -156,9 +160,9 @@ def candidates(shape: Shape, dtype: torch.dtype, cu: torch.Tensor | None) -> dic
     kernels = {"sdpa mask": lambda q, k, v: _sdpa(q, k, v, mask, False)}
     if low:
         kernels["sdpa mask fp32"] = lambda q, k, v: _sdpa(q, k, v, mask, True)
-    kernels[f"tessera ({str(rule)[6:]})"] = lambda q, k, v: cpu_attention.packed_attention(q, k, v, buckets, rule)
-    if rule != dtype:
-        kernels[f"tessera ({str(dtype)[6:]})"] = lambda q, k, v: cpu_attention.packed_attention(q, k, v, buckets, dtype)
+    kernels["tessera (rule)"] = lambda q, k, v: cpu_attention.packed_attention(q, k, v, buckets)
+    for c in forced:
+        kernels[f"tessera {str(c)[6:]}"] = lambda q, k, v, c=c: cpu_attention.packed_attention(q, k, v, buckets, c)
     kernels["blocked fp32"] = lambda q, k, v: blocked_attention(q, k, v, cu)
     return kernels
 

@@ -4,7 +4,8 @@ The reference is ``softmax(Q K^T / sqrt(d) + causal/document mask) V`` in fp64 w
 query-head group; outputs and q/k/v gradients are compared for one-document rows, packed rows (documents
 of length 1, a document spanning a whole row, many short ones), grouped KV heads and bf16 inputs. Also:
 documents never see each other (perturbing one leaves the others bitwise unchanged), the packed kernel
-keeps nothing of size S^2 for backward, the dtype rule and its log line, and dynamo tracing.
+keeps nothing of size S^2 for backward, the precision rule per dtype and length (per bucket when packed),
+the log lines, and dynamo tracing.
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tessera.model import attention, cpu_attention
 from tessera.model.attention import attend, plan_attention
 
-CPU = torch.device("cpu")
+F32, BF16 = torch.float32, torch.bfloat16
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
@@ -141,22 +143,59 @@ def test_packed_rows_keep_no_mask_for_backward():
     assert max(kernel) <= tokens and max(sdpa) >= b * s * s
 
 
-def test_dtype_rule_and_one_log_line_per_choice(monkeypatch, caplog):
+def test_precision_rule_per_dtype_and_length(monkeypatch):
+    rule = cpu_attention.compute_dtype
     monkeypatch.delenv("TESSERA_CPU_LOWP_MATMUL", raising=False)
     monkeypatch.setattr(cpu_attention.lowp, "_cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))
-    assert cpu_attention.compute_dtype(torch.bfloat16)[0] == torch.float32
-    assert cpu_attention.compute_dtype(torch.float16)[0] == torch.float32
-    assert cpu_attention.compute_dtype(torch.float32)[0] == torch.float32
-    monkeypatch.setattr(cpu_attention.lowp, "_cpu_flags", lambda: frozenset({"amx_bf16", "amx_tile"}))
-    assert cpu_attention.compute_dtype(torch.bfloat16)[0] == torch.bfloat16
-    assert cpu_attention.compute_dtype(torch.float16)[0] == torch.float32  # no amx_fp16
+    # bf16 with native instructions: short sequences in fp32 (<= 128 tokens, or length x head_dim <= 8192)
+    assert rule(torch.bfloat16, 128, 128) == rule(torch.bfloat16, 256, 32) == rule(torch.bfloat16, 1, 256) == F32
+    assert rule(torch.bfloat16, 256, 64) == rule(torch.bfloat16, 129, 128) == rule(torch.bfloat16, 4096, 64) == BF16
+    assert rule(torch.float16, 4096, 64) == F32  # no avx512_fp16/amx_fp16: fp16 always in fp32
+    assert rule(torch.float32, 4096, 64) == F32
+    monkeypatch.setattr(cpu_attention.lowp, "_cpu_flags", lambda: frozenset({"avx2"}))
+    assert rule(torch.bfloat16, 4096, 64) == F32
+    monkeypatch.setattr(cpu_attention.lowp, "_cpu_flags", lambda: frozenset({"amx_bf16", "amx_fp16"}))
+    assert rule(torch.bfloat16, 4096, 64) == BF16 and rule(torch.float16, 4096, 64) == torch.float16
+    assert rule(torch.bfloat16, 64, 64) == F32
     monkeypatch.setenv("TESSERA_CPU_LOWP_MATMUL", "upcast")
-    assert cpu_attention.compute_dtype(torch.bfloat16)[0] == torch.float32
+    assert rule(torch.bfloat16, 4096, 64) == F32
     monkeypatch.setenv("TESSERA_CPU_LOWP_MATMUL", "native")
-    monkeypatch.setattr(cpu_attention.lowp, "_cpu_flags", lambda: frozenset())
-    assert cpu_attention.compute_dtype(torch.bfloat16)[0] == torch.bfloat16
+    assert rule(torch.bfloat16, 64, 64) == BF16
 
-    monkeypatch.delenv("TESSERA_CPU_LOWP_MATMUL")
+
+class _FlashCalls(TorchDispatchMode):
+    """(dtype, sequence length) of every CPU flash forward call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[torch.dtype, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default:
+            self.calls.append((args[0].dtype, args[0].shape[2]))
+        return func(*args, **(kwargs or {}))
+
+
+def test_bf16_short_documents_in_fp32_long_ones_in_bf16(monkeypatch, caplog):
+    """One packed batch, documents of 3, 20, 297 and 320 tokens (head_dim 64): the short ones' buckets run in fp32,
+    the long one in bf16; the result matches the reference either way; one log line states the rule."""
+    monkeypatch.delenv("TESSERA_CPU_LOWP_MATMUL", raising=False)
+    monkeypatch.setattr(cpu_attention.lowp, "_cpu_flags", lambda: frozenset({"avx512_bf16"}))
+    monkeypatch.setattr(attention, "_LOGGED", set())
+    cu = torch.tensor([0, 3, 23, 320, 640], dtype=torch.int32)  # row 1: one document spanning the row
+    q, k, v = _qkv(2, 320, 2, 1, 64, torch.bfloat16)
+    with caplog.at_level(logging.INFO, logger="tessera"), _FlashCalls() as seen:
+        for _ in range(2):
+            out = attend(q, k, v, plan_attention(cu, 2, 320, use_flash_attn=False), 0.0)
+    assert set(seen.calls) == {(F32, 3), (F32, 24), (BF16, 320)}  # buckets of 3, 20 (to 24), 297 and 320 (to 320)
+    _check(q, k, v, cu, out, rtol=1e-2, atol=1e-2, grad_tol=2e-2)
+    lines = [r.getMessage() for r in caplog.records if "attention backend" in r.getMessage()]
+    assert len(lines) == 1 and "per document" in lines[0] and "at most 128 tokens or length x head_dim <= 8192" in lines[0]
+
+
+def test_one_log_line_per_choice(monkeypatch, caplog):
+    monkeypatch.delenv("TESSERA_CPU_LOWP_MATMUL", raising=False)
+    monkeypatch.setattr(cpu_attention.lowp, "_cpu_flags", lambda: frozenset({"avx2"}))
     monkeypatch.setattr(attention, "_LOGGED", set())
     q, k, v = _qkv(3, 24, 4, 2, 16, torch.bfloat16)
     with caplog.at_level(logging.INFO, logger="tessera"):
@@ -166,7 +205,7 @@ def test_dtype_rule_and_one_log_line_per_choice(monkeypatch, caplog):
     lines = [r.getMessage() for r in caplog.records if "attention backend" in r.getMessage()]
     assert len(lines) == 2, lines
     assert "is_causal (one document per row)" in lines[0] and "per document" in lines[1]
-    assert all("in float32 for bfloat16" in ln and "because this CPU has no amx_bf16" in ln for ln in lines)
+    assert all("bfloat16 q/k/v, computed in float32 (this CPU has none of avx512_bf16/amx_bf16" in ln for ln in lines)
 
 
 def test_one_document_rows_trace_into_one_graph():

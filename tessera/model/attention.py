@@ -12,7 +12,8 @@ gets fp32 tensors) and logged once per distinct choice, with the reason:
    head dim suit it (``tessera.model.flash_probe``);
 2. on the CPU without attention dropout, ``tessera.model.cpu_attention``: torch's CPU flash kernel with
    ``is_causal`` when every row is one document, run per document (grouped by length) for packed rows
-   -- no ``[S, S]`` mask -- in fp32 for bf16/fp16 inputs on CPUs without AMX (that module says why);
+   -- no ``[S, S]`` mask -- bf16/fp16 inputs computed in fp32 or in their own dtype by a measured rule
+   (that module says which and why);
 3. otherwise ``F.scaled_dot_product_attention``: ``is_causal=True`` when every row is one document
    (torch picks its flash / memory-efficient kernel on CUDA), or a block-diagonal causal boolean mask
    ``[B, 1, S, S]`` built once per forward and shared by all layers when rows hold several documents.
@@ -198,14 +199,14 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPla
         out = kernels.varlen_func(q_, k_, v_, cu, cu, max_seqlen, max_seqlen, dropout_p=dropout_p, causal=True)
         return rearrange(out, "(b s) h d -> b s h d", b=q.shape[0])
     if q.device.type == "cpu" and dropout_p == 0.0:
-        compute, because = cpu_attention.compute_dtype(q.dtype)
         kernel = ("run per document, grouped by length (packed rows)" if plan.packed
                   else "is_causal (one document per row)")
-        _log_once(f"attention backend: CPU flash kernel {kernel}, in {str(compute).removeprefix('torch.')} for "
-                  f"{str(q.dtype).removeprefix('torch.')} q/k/v because {because}; flash_attn not used: {why}")
+        rule = cpu_attention.precision_rule(q.dtype, None if plan.packed else q.shape[1], q.shape[-1])
+        _log_once(f"attention backend: CPU flash kernel {kernel} for {str(q.dtype).removeprefix('torch.')} q/k/v, "
+                  f"{rule}; flash_attn not used: {why}")
         if plan.packed:
-            return cpu_attention.packed_attention(q, k, v, plan.document_buckets(), compute)
-        return cpu_attention.causal_attention(q, k, v, compute)
+            return cpu_attention.packed_attention(q, k, v, plan.document_buckets())
+        return cpu_attention.causal_attention(q, k, v)
     cpu_dropout = " (attention dropout: the CPU kernels above take none)" if q.device.type == "cpu" else ""
     _log_once(
         f"attention backend: torch scaled_dot_product_attention on {q.device.type} for {q.dtype}{cpu_dropout} "

@@ -1,24 +1,28 @@
 """Causal attention on the CPU: which kernel, in which precision, and packed documents without a mask.
 
-The rule, fixed per dtype and layout (chosen from measurements at one thread, BENCHMARKS.md), never timed
-at run time:
+The rule, fixed per dtype and shape regime (chosen from measurements at one thread, BENCHMARKS.md), never
+timed at run time:
 
-- Every row one document: torch's CPU flash kernel (``scaled_dot_product_attention`` with
-  ``is_causal``): it skips the blocks above the diagonal and never holds the ``[S, S]`` scores. A
-  block-causal kernel of batched GEMMs written in Python lost to it at every measured shape.
+- Every row one document: torch's CPU flash kernel with ``is_causal``: it skips the blocks above the
+  diagonal and never holds the ``[S, S]`` scores. A block-causal kernel of batched GEMMs written in
+  Python (``benchmarks/attention_kernels.py``) lost to it at every measured shape.
 - Packed rows (several documents per row): the same flash kernel run per document (``packed_attention``).
   Documents are grouped by length into buckets (lengths rounded up to 2^k or 3*2^(k-1), at most the
   row), each bucket gathered into a ``[docs, L]`` batch and run causally, the results scattered back.
   Padding sits after each document's last token, so causality alone keeps real tokens from seeing it;
   nothing attends across a document boundary because no two documents share a batch row. Memory is
   the gathered copies of q/k/v (about the tokens' own size), not the ``[B, 1, S, S]`` mask SDPA would
-  need, which it converts to a float mask per layer and keeps for backward; the compute is each
-  document's own triangle, not every row's full square (SDPA runs a masked call without causal skipping).
-- bf16/fp16: both kernels run on fp32 copies of q/k/v and round the output (and the gradients) to the
-  input dtype: faster than the low-precision CPU kernel on CPUs without AMX (its backward especially)
-  and more accurate (fp32 probabilities). On CPUs with AMX tiles for the dtype the kernels run in the
-  input dtype (not measured here: the rule keeps torch's own choice there). ``TESSERA_CPU_LOWP_MATMUL``
-  (``native`` / ``upcast``) overrides it, as for the matmuls (``tessera.parallel.lowp``).
+  need (converted to a float mask per layer and kept for backward); the compute is each document's own
+  triangle, not every row's full square (a masked SDPA call skips nothing).
+- bf16/fp16 (``compute_dtype``): in fp32 on fp32 copies of q/k/v, the output and gradients rounded to the
+  input dtype, when the CPU has no native instructions for the dtype (avx512_bf16/AMX for bf16,
+  avx512_fp16/AMX for fp16; torch's kernels are reference loops there), and for short sequences (per
+  document when packed: at most ``UPCAST_MAX_LEN`` tokens, or length x head_dim at most
+  ``UPCAST_MAX_LEN_X_HEAD_DIM``), where the low-precision kernel's backward is the slower one; longer
+  sequences run in the input dtype, where it is the faster. Both are exact attention with fp32 softmax;
+  fp32 is the more accurate. ``TESSERA_CPU_LOWP_MATMUL`` (``native`` / ``upcast``) forces one, as for the
+  matmuls (``tessera.parallel.lowp``). The regime bounds were measured on a CPU with avx512_bf16 and
+  without AMX.
 
 Attention dropout is not handled here (``tessera.model.attention`` keeps SDPA for it).
 """
@@ -33,24 +37,57 @@ import torch
 
 from tessera.parallel import lowp
 
-__all__ = ["DocumentBucket", "document_buckets", "packed_attention", "causal_attention", "compute_dtype"]
+__all__ = ["DocumentBucket", "document_buckets", "packed_attention", "causal_attention", "compute_dtype",
+           "precision_rule", "UPCAST_MAX_LEN", "UPCAST_MAX_LEN_X_HEAD_DIM"]
 
-_AMX = {torch.bfloat16: "amx_bf16", torch.float16: "amx_fp16"}
+UPCAST_MAX_LEN = 128
+UPCAST_MAX_LEN_X_HEAD_DIM = 8192
+_NATIVE = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
-def compute_dtype(dtype: torch.dtype) -> tuple[torch.dtype, str]:
-    """The dtype CPU attention computes in for ``dtype`` inputs, and why."""
-    if dtype not in _AMX:
-        return dtype, "it is the input dtype"
-    name = str(dtype).removeprefix("torch.")
+def _forced_or_missing(dtype: torch.dtype) -> tuple[torch.dtype | None, str]:
+    """The dtype every sequence computes in (None: the sequence's length decides), and why."""
+    if dtype not in _NATIVE:
+        return dtype, f"{_name(dtype)}, as given"
     choice = os.environ.get("TESSERA_CPU_LOWP_MATMUL", "auto")
     if choice in ("native", "upcast"):
-        return (dtype if choice == "native" else torch.float32), f"TESSERA_CPU_LOWP_MATMUL={choice}"
-    if _AMX[dtype] in lowp._cpu_flags():
-        return dtype, f"this CPU has {_AMX[dtype]} ({name} kernels kept)"
-    return torch.float32, f"this CPU has no {_AMX[dtype]} (fp32 runs faster than {name} there, and more accurately)"
+        forced = dtype if choice == "native" else torch.float32
+        return forced, f"{_name(forced)} (TESSERA_CPU_LOWP_MATMUL={choice})"
+    if not any(flag in lowp._cpu_flags() for flag in _NATIVE[dtype]):
+        return torch.float32, (f"float32 (this CPU has none of {'/'.join(_NATIVE[dtype])}: torch's {_name(dtype)} "
+                               "kernels are slow there)")
+    return None, ""
+
+
+def _short(length: int, head_dim: int) -> bool:
+    return length <= UPCAST_MAX_LEN or length * head_dim <= UPCAST_MAX_LEN_X_HEAD_DIM
+
+
+def compute_dtype(dtype: torch.dtype, length: int, head_dim: int) -> torch.dtype:
+    """The dtype CPU attention computes in for ``dtype`` q/k/v over sequences of ``length`` tokens."""
+    forced, _ = _forced_or_missing(dtype)
+    if forced is not None:
+        return forced
+    return torch.float32 if _short(length, head_dim) else dtype
+
+
+def precision_rule(dtype: torch.dtype, length: int | None, head_dim: int) -> str:
+    """What ``compute_dtype`` does for ``dtype`` and why, for the log line (``length`` None: packed rows,
+    whose documents' lengths vary)."""
+    forced, why = _forced_or_missing(dtype)
+    if forced is not None:
+        return f"computed in {why}"
+    short = (f"sequences of at most {UPCAST_MAX_LEN} tokens or length x head_dim <= {UPCAST_MAX_LEN_X_HEAD_DIM} in "
+             f"float32, faster than {_name(dtype)} there; longer ones in {_name(dtype)}, faster there")
+    if length is None:
+        return f"computed per document: {short}"
+    return f"computed in {_name(compute_dtype(dtype, length, head_dim))} ({short})"
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _bucket_length(length: int, seqlen: int) -> int:
@@ -115,28 +152,27 @@ class _PackedFlash(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                buckets: list[DocumentBucket], compute: torch.dtype) -> torch.Tensor:
+                buckets: list[DocumentBucket], computes: list[torch.dtype]) -> torch.Tensor:
         out = q.new_empty(q.shape[0] + 1, q.shape[1], q.shape[2])
         lses = []
-        for bucket in buckets:
+        for bucket, compute in zip(buckets, computes, strict=True):
             o, lse = _flash(_gather(q, bucket, compute), _gather(k, bucket, compute), _gather(v, bucket, compute),
                             0.0, True)
             _scatter(out, o, bucket)
             lses.append(lse)
         out = out[:-1]
         ctx.save_for_backward(q, k, v, out, *lses)
-        ctx.buckets, ctx.compute = buckets, compute
+        ctx.buckets, ctx.computes = buckets, computes
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         q, k, v, out, *lses = ctx.saved_tensors
-        compute = ctx.compute
         grad = grad.contiguous()
         dq = q.new_empty(q.shape[0] + 1, *q.shape[1:])
         dk = k.new_empty(k.shape[0] + 1, *k.shape[1:])
         dv = v.new_empty(v.shape[0] + 1, *v.shape[1:])
-        for bucket, lse in zip(ctx.buckets, lses, strict=True):
+        for bucket, compute, lse in zip(ctx.buckets, ctx.computes, lses, strict=True):
             g = grad.index_select(0, bucket.gather).to(compute)
             if bucket.padding is not None:  # padding queries get no gradient (their outputs are dropped)
                 g = g.view(bucket.docs, bucket.length, *grad.shape[1:]).masked_fill_(bucket.padding, 0)
@@ -149,17 +185,18 @@ class _PackedFlash(torch.autograd.Function):
 
 
 def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, buckets: list[DocumentBucket],
-                     compute: torch.dtype) -> torch.Tensor:
+                     compute: torch.dtype | None = None) -> torch.Tensor:
     """Causal attention within documents: q ``[B, S, Hq, d]``, k/v ``[B, S, Hkv, d]`` -> ``[B, S, Hq, d]``,
-    computed in ``compute`` (``compute_dtype``)."""
+    each bucket computed in ``compute_dtype`` of its length (``compute``: in that dtype for all)."""
     return _packed_eager(q, k, v, buckets, compute)
 
 
 def _packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, buckets: list[DocumentBucket],
-            compute: torch.dtype) -> torch.Tensor:
+            compute: torch.dtype | None) -> torch.Tensor:
     b, s, hq, d = q.shape
+    computes = [compute or compute_dtype(q.dtype, bucket.length, d) for bucket in buckets]
     flat = [t.reshape(b * s, t.shape[2], d) for t in (q, k, v)]
-    return _PackedFlash.apply(*flat, buckets, compute).view(b, s, hq, d)
+    return _PackedFlash.apply(*flat, buckets, computes).view(b, s, hq, d)
 
 
 # the buckets are host-side data of each batch: one graph break under torch.compile, not a recompile per batch
@@ -187,7 +224,10 @@ class _CausalFlash(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, compute: torch.dtype) -> torch.Tensor:
-    """Causal attention, one document per row: layouts and ``compute`` as ``packed_attention``."""
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     compute: torch.dtype | None = None) -> torch.Tensor:
+    """Causal attention, one document per row: layouts as ``packed_attention``; computed in ``compute_dtype``
+    of the sequence length (``compute``: in that dtype)."""
+    compute = compute or compute_dtype(q.dtype, q.shape[1], q.shape[-1])
     out = _CausalFlash.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), compute)
     return out.transpose(1, 2)
