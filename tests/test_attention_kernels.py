@@ -147,9 +147,9 @@ def test_precision_rule_per_dtype_and_length(monkeypatch):
     rule = cpu_attention.compute_dtype
     monkeypatch.delenv("TESSERA_CPU_LOWP_MATMUL", raising=False)
     monkeypatch.setattr(cpu_attention.lowp, "_cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))
-    # bf16 with native instructions: short sequences in fp32 (<= 128 tokens, or length x head_dim <= 8192)
-    assert rule(torch.bfloat16, 128, 128) == rule(torch.bfloat16, 256, 32) == rule(torch.bfloat16, 1, 256) == F32
-    assert rule(torch.bfloat16, 256, 64) == rule(torch.bfloat16, 129, 128) == rule(torch.bfloat16, 4096, 64) == BF16
+    # bf16 with native instructions: short sequences in fp32 (length x head_dim <= 16384)
+    assert rule(torch.bfloat16, 128, 128) == rule(torch.bfloat16, 256, 64) == rule(torch.bfloat16, 1, 256) == F32
+    assert rule(torch.bfloat16, 257, 64) == rule(torch.bfloat16, 129, 128) == rule(torch.bfloat16, 4096, 64) == BF16
     assert rule(torch.float16, 4096, 64) == F32  # no avx512_fp16/amx_fp16: fp16 always in fp32
     assert rule(torch.float32, 4096, 64) == F32
     monkeypatch.setattr(cpu_attention.lowp, "_cpu_flags", lambda: frozenset({"avx2"}))
@@ -190,7 +190,7 @@ def test_bf16_short_documents_in_fp32_long_ones_in_bf16(monkeypatch, caplog):
     assert set(seen.calls) == {(F32, 3), (F32, 24), (BF16, 320)}  # buckets of 3, 20 (to 24), 297 and 320 (to 320)
     _check(q, k, v, cu, out, rtol=1e-2, atol=1e-2, grad_tol=2e-2)
     lines = [r.getMessage() for r in caplog.records if "attention backend" in r.getMessage()]
-    assert len(lines) == 1 and "per document" in lines[0] and "at most 128 tokens or length x head_dim <= 8192" in lines[0]
+    assert len(lines) == 1 and "per document" in lines[0] and "length x head_dim <= 16384 in float32" in lines[0]
 
 
 def test_one_log_line_per_choice(monkeypatch, caplog):

@@ -5,7 +5,7 @@ timed at run time:
 
 - Every row one document: torch's CPU flash kernel with ``is_causal``: it skips the blocks above the
   diagonal and never holds the ``[S, S]`` scores. A block-causal kernel of batched GEMMs written in
-  Python (``benchmarks/attention_kernels.py``) lost to it at every measured shape.
+  Python (``benchmarks/attention_kernels.py``) was never faster beyond noise, and kept fp32 copies.
 - Packed rows (several documents per row): the same flash kernel run per document (``packed_attention``).
   Documents are grouped by length into buckets (lengths rounded up to 2^k or 3*2^(k-1), at most the
   row), each bucket gathered into a ``[docs, L]`` batch and run causally, the results scattered back.
@@ -13,16 +13,17 @@ timed at run time:
   nothing attends across a document boundary because no two documents share a batch row. Memory is
   the gathered copies of q/k/v (about the tokens' own size), not the ``[B, 1, S, S]`` mask SDPA would
   need (converted to a float mask per layer and kept for backward); the compute is each document's own
-  triangle, not every row's full square (a masked SDPA call skips nothing).
+  triangle, where the masked SDPA call (measured slower than the causal one at equal shapes) does not skip
+  what lies above the diagonal or between documents.
 - bf16/fp16 (``compute_dtype``): in fp32 on fp32 copies of q/k/v, the output and gradients rounded to the
   input dtype, when the CPU has no native instructions for the dtype (avx512_bf16/AMX for bf16,
   avx512_fp16/AMX for fp16; torch's kernels are reference loops there), and for short sequences (per
-  document when packed: at most ``UPCAST_MAX_LEN`` tokens, or length x head_dim at most
-  ``UPCAST_MAX_LEN_X_HEAD_DIM``), where the low-precision kernel's backward is the slower one; longer
-  sequences run in the input dtype, where it is the faster. Both are exact attention with fp32 softmax;
-  fp32 is the more accurate. ``TESSERA_CPU_LOWP_MATMUL`` (``native`` / ``upcast``) forces one, as for the
-  matmuls (``tessera.parallel.lowp``). The regime bounds were measured on a CPU with avx512_bf16 and
-  without AMX.
+  document when packed: length x head_dim at most ``UPCAST_MAX_LEN_X_HEAD_DIM``), where the
+  low-precision kernel's backward is the slower one; longer sequences run in the input dtype, where it is
+  the faster. Both are exact attention with an fp32 softmax; fp32 is the more accurate, and it is kept
+  where the two were within measurement noise. ``TESSERA_CPU_LOWP_MATMUL`` (``native`` / ``upcast``)
+  forces one, as for the matmuls (``tessera.parallel.lowp``). The bound was measured on a CPU with
+  avx512_bf16 and without AMX.
 
 Attention dropout is not handled here (``tessera.model.attention`` keeps SDPA for it).
 """
@@ -38,10 +39,9 @@ import torch
 from tessera.parallel import lowp
 
 __all__ = ["DocumentBucket", "document_buckets", "packed_attention", "causal_attention", "compute_dtype",
-           "precision_rule", "UPCAST_MAX_LEN", "UPCAST_MAX_LEN_X_HEAD_DIM"]
+           "precision_rule", "UPCAST_MAX_LEN_X_HEAD_DIM"]
 
-UPCAST_MAX_LEN = 128
-UPCAST_MAX_LEN_X_HEAD_DIM = 8192
+UPCAST_MAX_LEN_X_HEAD_DIM = 16384
 _NATIVE = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
@@ -61,16 +61,12 @@ def _forced_or_missing(dtype: torch.dtype) -> tuple[torch.dtype | None, str]:
     return None, ""
 
 
-def _short(length: int, head_dim: int) -> bool:
-    return length <= UPCAST_MAX_LEN or length * head_dim <= UPCAST_MAX_LEN_X_HEAD_DIM
-
-
 def compute_dtype(dtype: torch.dtype, length: int, head_dim: int) -> torch.dtype:
     """The dtype CPU attention computes in for ``dtype`` q/k/v over sequences of ``length`` tokens."""
     forced, _ = _forced_or_missing(dtype)
     if forced is not None:
         return forced
-    return torch.float32 if _short(length, head_dim) else dtype
+    return torch.float32 if length * head_dim <= UPCAST_MAX_LEN_X_HEAD_DIM else dtype
 
 
 def precision_rule(dtype: torch.dtype, length: int | None, head_dim: int) -> str:
@@ -79,8 +75,8 @@ def precision_rule(dtype: torch.dtype, length: int | None, head_dim: int) -> str
     forced, why = _forced_or_missing(dtype)
     if forced is not None:
         return f"computed in {why}"
-    short = (f"sequences of at most {UPCAST_MAX_LEN} tokens or length x head_dim <= {UPCAST_MAX_LEN_X_HEAD_DIM} in "
-             f"float32, faster than {_name(dtype)} there; longer ones in {_name(dtype)}, faster there")
+    short = (f"sequences of length x head_dim <= {UPCAST_MAX_LEN_X_HEAD_DIM} in float32, faster than "
+             f"{_name(dtype)} there or as fast; longer ones in {_name(dtype)}, faster there")
     if length is None:
         return f"computed per document: {short}"
     return f"computed in {_name(compute_dtype(dtype, length, head_dim))} ({short})"
