@@ -5,7 +5,8 @@ timed at run time:
 
 - Every row one document: torch's CPU flash kernel with ``is_causal``: it skips the blocks above the
   diagonal and never holds the ``[S, S]`` scores. A block-causal kernel of batched GEMMs written in
-  Python (``benchmarks/attention_kernels.py``) was never faster beyond noise, and kept fp32 copies.
+  Python (``benchmarks/attention_kernels.py``) was slower, or within a few percent (grouped KV heads in
+  fp32), at every measured shape, and keeps fp32 copies for backward.
 - Packed rows (several documents per row): the same flash kernel run per document (``packed_attention``).
   Documents are grouped by length into buckets (lengths rounded up to 2^k or 3*2^(k-1), at most the
   row), each bucket gathered into a ``[docs, L]`` batch and run causally, the results scattered back.
