@@ -95,7 +95,8 @@ class AttentionPlan:
 
     The backend is not part of it: each call picks one from the q/k/v it is given (an fp32-marked
     attention inside a bf16 model gets fp32 tensors, which flash_attn refuses). What a backend needs
-    (flash varlen boundaries, the SDPA block-diagonal mask) is built on first use and reused.
+    (flash varlen boundaries, the SDPA block-diagonal mask, the CPU kernel's document buckets) is built on
+    first use and reused.
     """
 
     batch: int
@@ -207,7 +208,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPla
         if plan.packed:
             return cpu_attention.packed_attention(q, k, v, plan.document_buckets())
         return cpu_attention.causal_attention(q, k, v)
-    cpu_dropout = " (attention dropout: the CPU kernels above take none)" if q.device.type == "cpu" else ""
+    cpu_dropout = " (attention dropout: tessera's CPU kernels have none)" if q.device.type == "cpu" else ""
     _log_once(
         f"attention backend: torch scaled_dot_product_attention on {q.device.type} for {q.dtype}{cpu_dropout} "
         "(is_causal for one document per row, block-diagonal causal mask for packed rows); flash_attn not used: "
