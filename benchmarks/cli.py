@@ -10,6 +10,7 @@ Run from the repository root (``benchmarks`` is not part of the installed packag
     python -m benchmarks precision-study [--only NAME ...]   # section 8: the demo under each precision policy
     python -m benchmarks activations [--layers N ...]        # section 9's table: activation peak per TP rank
     python -m benchmarks roofline [--quick] [--against PATH]  # section 10: where a step's time goes, MFU
+    python -m benchmarks attention-kernels [--only SHAPE ...] # CPU attention kernels side by side
 
 Sections: (1) framework overhead vs a plain PyTorch step of the same model, (2) bf16/fp16/fp32/tf32,
 (3) TP=2 and DP=2 vs one process on the same cores with the communication share, (4) measured bytes
@@ -83,6 +84,7 @@ SUBCOMMANDS = {
     "precision-study": ("benchmarks.precision_study", "section 8: the demo trained under each precision policy"),
     "activations": ("benchmarks.activations", "section 9's table: activation peak and step time per TP rank"),
     "roofline": ("benchmarks.roofline", "section 10: a step split into GEMMs, attention, optimizer, collectives, rest"),
+    "attention-kernels": ("benchmarks.attention_kernels", "CPU attention kernels per shape and dtype (1 thread)"),
 }
 
 

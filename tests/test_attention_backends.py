@@ -7,6 +7,7 @@ expansion are checked on the CPU against SDPA's own grouped-query path.
 
 from __future__ import annotations
 
+import logging
 import sys
 import types
 
@@ -15,8 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from harness.fake_cuda import fake_cuda_mode
-from tessera.model import attention
-from tessera.model.attention import _sdpa, attend, plan_attention
+from tessera.model import attention, flash_probe
+from tessera.model.attention import _sdpa, attend, plan_attention, select_backend
 
 CUDA = torch.device("cuda")
 
@@ -40,7 +41,9 @@ def calls(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(flash_attn_func=flash,
                                                                          flash_attn_varlen_func=varlen))
-    monkeypatch.setattr(attention, "flash_attn_available", lambda: True)
+    monkeypatch.setattr(flash_probe, "_PROBE", None)  # probed again: finds the stand-in above
+    monkeypatch.setattr(flash_probe, "_CAPABILITY", {})
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(attention.lowp, "scaled_dot_product_attention", sdpa)
     return seen
 
@@ -89,9 +92,10 @@ def test_gqa_is_expanded_on_cuda_where_sdpa_would_fall_to_math(calls, dtype, pac
     assert kwargs["enable_gqa"] is (not expanded)
 
 
-def test_cpu_keeps_sdpa_grouped_query_path(calls):
+def test_cpu_sdpa_keeps_the_grouped_query_path(calls):
+    """On the CPU, SDPA (used there only with attention dropout) gets the grouped K/V heads, not expanded."""
     plan = plan_attention(torch.tensor([0, 3, 8, 16], dtype=torch.int32), 2, 8, use_flash_attn=True)
-    attend(*_qkv(torch.float32, torch.device("cpu")), plan, 0.0)
+    attend(*_qkv(torch.float32, torch.device("cpu")), plan, 0.1)
     (name, _, k, kwargs), = calls
     assert name == "sdpa" and k.shape[1] == 2 and kwargs["enable_gqa"] is True
 
@@ -105,3 +109,82 @@ def test_expanded_kv_equals_grouped_query_attention():
     expanded = F.scaled_dot_product_attention(q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1), attn_mask=mask)
     torch.testing.assert_close(expanded, ref, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(_sdpa(q, k, v, mask, False, 0.0), ref, rtol=1e-6, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------- the flash_attn probe
+BROKEN = {  # what a wheel built for another torch / CUDA raises when its compiled extension loads
+    "ImportError": "raise ImportError('flash_attn_2_cuda.so: undefined symbol: _ZN3c104cuda9SetDeviceEi')",
+    "OSError": "raise OSError('libcudart.so.11.0: cannot open shared object file: No such file or directory')",
+    "RuntimeError": "raise RuntimeError('CUDA error: no kernel image is available for execution on the device')",
+}
+
+
+@pytest.fixture
+def probe(monkeypatch):
+    """A fresh probe (forgotten again afterwards); SDPA recorded; a GPU of compute capability 9.0."""
+    monkeypatch.setattr(flash_probe, "_PROBE", None)
+    monkeypatch.setattr(flash_probe, "_CAPABILITY", {})
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(attention, "_LOGGED", set())
+    monkeypatch.delitem(sys.modules, "flash_attn", raising=False)
+    seen: list[str] = []
+    monkeypatch.setattr(attention.lowp, "scaled_dot_product_attention",
+                        lambda q, k, v, **kw: seen.append("sdpa") or torch.empty_like(q))
+    return seen
+
+
+@pytest.mark.parametrize("error", BROKEN)
+def test_a_broken_flash_attn_falls_back_to_sdpa_with_one_line(probe, error, tmp_path, monkeypatch, caplog):
+    """The package is found on the path (find_spec would say 'installed') but its import fails: SDPA runs,
+    one log line says why, and the import is tried once however many calls follow."""
+    package = tmp_path / "flash_attn"
+    package.mkdir()
+    (package / "__init__.py").write_text(f"open({str(tmp_path / 'imports')!r}, 'a').write('x')\n{BROKEN[error]}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    plan = plan_attention(torch.tensor([0, 3, 8, 16], dtype=torch.int32), 2, 8, use_flash_attn=True)
+    with caplog.at_level(logging.INFO, logger="tessera"), fake_cuda_mode():
+        for _ in range(3):
+            attend(*_qkv(torch.bfloat16, CUDA), plan, 0.0)
+    assert probe == ["sdpa"] * 3
+    assert (tmp_path / "imports").read_text() == "x"  # imported once
+    lines = [r.getMessage() for r in caplog.records if "attention backend" in r.getMessage()]
+    assert len(lines) == 1 and f"flash_attn not used: importing flash_attn failed ({error}: " in lines[0]
+
+
+def _stand_in(monkeypatch, seen):
+    module = types.ModuleType("flash_attn")
+    module.__version__ = "2.7.4"
+    module.flash_attn_func = lambda q, *a, **kw: seen.append("flash_attn") or torch.empty_like(q)
+    module.flash_attn_varlen_func = lambda q, *a, **kw: seen.append("flash_attn_varlen") or torch.empty_like(q)
+    monkeypatch.setitem(sys.modules, "flash_attn", module)
+
+
+@pytest.mark.parametrize("capability,head_dim,dtype,why", [
+    ((9, 0), 64, torch.bfloat16, None),
+    ((8, 0), 256, torch.float16, None),
+    ((7, 5), 64, torch.float16, "compute capability is 7.5"),
+    ((9, 0), 264, torch.bfloat16, "head_dim 264"),
+    ((9, 0), 20, torch.bfloat16, "head_dim 20"),
+    ((9, 0), 64, torch.float32, "q/k/v are torch.float32"),
+])
+def test_flash_attn_only_where_the_gpu_head_dim_and_dtype_suit_it(probe, monkeypatch, capability, head_dim, dtype,
+                                                                  why, caplog):
+    _stand_in(monkeypatch, probe)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    q = torch.randn(2, 8, 4, head_dim, dtype=dtype)
+    with caplog.at_level(logging.INFO, logger="tessera"), fake_cuda_mode():
+        for _ in range(2):
+            attend(q.to(CUDA), q[:, :, :2].to(CUDA), q[:, :, :2].to(CUDA), plan_attention(None, 2, 8, True), 0.0)
+    lines = [r.getMessage() for r in caplog.records if "attention backend" in r.getMessage()]
+    assert len(lines) == 1
+    if why is None:
+        assert probe == ["flash_attn"] * 2 and "flash_attn 2.7.4" in lines[0]
+    else:
+        assert probe == ["sdpa"] * 2 and why in lines[0].split("flash_attn not used: ")[1]
+
+
+def test_flash_attn_not_installed(probe, monkeypatch):
+    monkeypatch.setitem(sys.modules, "flash_attn", None)  # import raises ModuleNotFoundError for flash_attn itself
+    with fake_cuda_mode():
+        assert select_backend(CUDA, torch.bfloat16, True, 64) == ("sdpa", "the flash_attn package is not installed")
+    assert select_backend(torch.device("cpu"), torch.bfloat16, True, 64) == ("sdpa", "the device is cpu, not cuda")

@@ -26,7 +26,7 @@ from torch.overrides import TorchFunctionMode
 from harness.fake_cuda import fake_cuda_mode
 from tessera.checkpoint import Layout, TrainState, host_copy, load_checkpoint, save_checkpoint, tree
 from tessera.config import Config
-from tessera.model import attention, build_model
+from tessera.model import attention, build_model, flash_probe
 from tessera.model.attention import check_cu_seqlens
 from tessera.train import batch as batch_mod
 from tessera.train.batch import to_device
@@ -82,7 +82,8 @@ def flash_standin(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(flash_attn_func=dense,
                                                                          flash_attn_varlen_func=varlen))
-    monkeypatch.setattr(attention, "select_backend", lambda device, dtype, use_flash: ("flash_attn", ""))
+    monkeypatch.setattr(attention, "select_backend", lambda device, dtype, use_flash, head_dim=None: ("flash_attn", ""))
+    monkeypatch.setattr(flash_probe, "_PROBE", None)  # probed again: finds the stand-in above
 
     def refuse(t):  # the one sanctioned device read of older code paths: refuse it for CUDA tensors too
         raise AssertionError(f"to_host of a {t.device} tensor in the forward")

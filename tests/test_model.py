@@ -308,10 +308,13 @@ def test_attention_backend_logged_once(caplog):
     model = build_model(_model_cfg(), seed=1)
     ids, _, cu = _batch()
     with caplog.at_level(logging.INFO, logger="tessera"):
-        model(ids)
-        model(ids, cu_seqlens=cu)
+        for _ in range(2):  # the same choices again: nothing more logged
+            model(ids)
+            model(ids, cu_seqlens=cu)
     records = [r.getMessage() for r in caplog.records if "attention backend" in r.getMessage()]
-    assert len(records) == 1 and "flash_attn not used" in records[0] and "use_flash_attn=False" in records[0]
+    # one line per distinct choice (CPU: one kernel for one-document rows, another for packed rows), each saying why
+    assert len(records) == 2 and "one document per row" in records[0] and "packed rows" in records[1]
+    assert all("flash_attn not used" in r and "use_flash_attn=False" in r for r in records)
 
 
 # ---------------------------------------------------------------------------- counts and FLOPs

@@ -5,11 +5,16 @@ Heads are split contiguously over the TP group: rank r holds query heads
 every local query head's KV head is local too.
 
 Backends, chosen per call from the q/k/v actually passed (an fp32-marked attention in a bf16 model
-gets fp32 tensors) and logged once per distinct choice:
+gets fp32 tensors) and logged once per distinct choice, with the reason:
 
 1. the ``flash_attn`` package (``flash_attn_varlen_func`` with ``cu_seqlens``, ``flash_attn_func``
-   otherwise) when installed, on CUDA, for fp16/bf16, with ``use_flash_attn=True``;
-2. otherwise ``F.scaled_dot_product_attention``: ``is_causal=True`` when every row is one document
+   otherwise) with ``use_flash_attn=True``, on CUDA, for fp16/bf16, when it really imports and the GPU and
+   head dim suit it (``tessera.model.flash_probe``);
+2. on the CPU without attention dropout, ``tessera.model.cpu_attention``: torch's CPU flash kernel with
+   ``is_causal`` when every row is one document, run per document (grouped by length) for packed rows
+   -- no ``[S, S]`` mask -- bf16/fp16 inputs computed in fp32 or in their own dtype by a measured rule
+   (that module says which and why);
+3. otherwise ``F.scaled_dot_product_attention``: ``is_causal=True`` when every row is one document
    (torch picks its flash / memory-efficient kernel on CUDA), or a block-diagonal causal boolean mask
    ``[B, 1, S, S]`` built once per forward and shared by all layers when rows hold several documents.
    With grouped KV heads on CUDA, K/V are expanded where SDPA's GQA support would fall to the math
@@ -21,7 +26,6 @@ over the cached keys/values (``attend_cached``).
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -33,6 +37,7 @@ import torch
 import torch.nn as nn
 from einops import rearrange
 
+from tessera.model import cpu_attention, flash_probe
 from tessera.model.args import check_sizes
 from tessera.model.recompute import keep_gemm_outputs
 from tessera.model.rotary import apply_rotary, document_ids
@@ -49,35 +54,31 @@ __all__ = ["Attention", "AttentionPlan", "KVCacheLike", "plan_attention", "check
 
 logger = logging.getLogger("tessera")
 _LOGGED: set[str] = set()
-_FLASH_AVAILABLE: bool | None = None
-
-
-def flash_attn_available() -> bool:
-    """Whether the ``flash_attn`` package is importable (checked once, without importing it)."""
-    global _FLASH_AVAILABLE
-    if _FLASH_AVAILABLE is None:
-        _FLASH_AVAILABLE = importlib.util.find_spec("flash_attn") is not None
-    return _FLASH_AVAILABLE
 
 
 def _log_once(message: str) -> None:
+    """Log ``message`` the first time only; not from code dynamo traces (a logger call would break the graph
+    there): under ``torch.compile`` the choice is logged by the first call made eagerly."""
+    if torch.compiler.is_compiling():
+        return
     if message not in _LOGGED:
         _LOGGED.add(message)
         logger.info(message)
 
 
-def select_backend(device: torch.device, dtype: torch.dtype, use_flash_attn: bool) -> tuple[str, str]:
-    """``("flash_attn", "")`` or ``("sdpa", why flash_attn was not used)``."""
+def select_backend(device: torch.device, dtype: torch.dtype, use_flash_attn: bool,
+                   head_dim: int | None = None) -> tuple[str, str]:
+    """``("flash_attn", "")`` or ``("sdpa", why flash_attn was not used)``; ``head_dim`` None skips its check."""
     if not use_flash_attn:
         why = "disabled by model.use_flash_attn=False"
-    elif not flash_attn_available():
-        why = "the flash_attn package is not installed"
     elif device.type != "cuda":
         why = f"the device is {device.type}, not cuda"
     elif dtype not in (torch.float16, torch.bfloat16):
         why = f"q/k/v are {dtype}, flash_attn needs float16/bfloat16"
     else:
-        return "flash_attn", ""
+        why = flash_probe.flash_attn_unusable(device, head_dim)
+        if not why:
+            return "flash_attn", ""
     return "sdpa", why
 
 
@@ -96,9 +97,9 @@ class AttentionPlan:
 
     The backend is not part of it: each call picks one from the q/k/v it is given (an fp32-marked
     attention inside a bf16 model gets fp32 tensors, which flash_attn refuses). What a backend needs
-    (flash varlen boundaries, the SDPA block-diagonal mask) is built on first use and reused.
-    ``max_seqlen`` (the longest document) comes from the host with the boundaries checked there
-    (``check_cu_seqlens``), so a ``cu_seqlens`` on the GPU is never read back.
+    (flash varlen boundaries, the SDPA block-diagonal mask, the CPU kernel's document buckets) is built on
+    first use and reused. ``max_seqlen`` (the longest document) comes from the host with the boundaries
+    checked there (``check_cu_seqlens``), so a ``cu_seqlens`` on the GPU is never read back.
     """
 
     batch: int
@@ -108,6 +109,7 @@ class AttentionPlan:
     max_seqlen: int | None = None  # set with cu_seqlens (plan_attention)
     _varlen: tuple[torch.Tensor, int] | None = field(default=None, repr=False)
     _mask: torch.Tensor | None = field(default=None, repr=False)
+    _buckets: list[cpu_attention.DocumentBucket] | None = field(default=None, repr=False)
 
     @property
     def packed(self) -> bool:
@@ -130,6 +132,13 @@ class AttentionPlan:
             causal = torch.ones(self.seqlen, self.seqlen, dtype=torch.bool, device=device).tril()
             self._mask = ((docs.unsqueeze(2) == docs.unsqueeze(1)) & causal).unsqueeze(1)
         return self._mask
+
+    def document_buckets(self) -> list[cpu_attention.DocumentBucket]:
+        """The documents grouped by padded length for the CPU per-document kernel (read on the host)."""
+        if self._buckets is None:
+            assert self.cu_seqlens is not None, "document buckets need cu_seqlens"
+            self._buckets = cpu_attention.document_buckets(self.cu_seqlens, self.batch, self.seqlen)
+        return self._buckets
 
 
 def _shown(values: list[int], limit: int = 12) -> str:
@@ -231,20 +240,31 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPla
 
     The backend is picked here, from the tensors passed, and logged once per distinct choice.
     """
-    backend, why = select_backend(q.device, q.dtype, plan.use_flash_attn)
+    backend, why = select_backend(q.device, q.dtype, plan.use_flash_attn, q.shape[-1])
     if backend == "flash_attn":
-        from flash_attn import flash_attn_func, flash_attn_varlen_func
-
-        _log_once("attention backend: flash_attn (flash_attn_varlen_func for packed rows, flash_attn_func otherwise)")
+        kernels, version = flash_probe.load_flash_attn()
+        assert kernels is not None
+        _log_once(f"attention backend: {version} (flash_attn_varlen_func for packed rows, flash_attn_func otherwise)")
         if not plan.packed:
-            return flash_attn_func(q, k, v, dropout_p=dropout_p, causal=True)
+            return kernels.func(q, k, v, dropout_p=dropout_p, causal=True)
         cu, max_seqlen = plan.varlen(q.device)
         q_, k_, v_ = (rearrange(t, "b s h d -> (b s) h d") for t in (q, k, v))
-        out = flash_attn_varlen_func(q_, k_, v_, cu, cu, max_seqlen, max_seqlen, dropout_p=dropout_p, causal=True)
+        out = kernels.varlen_func(q_, k_, v_, cu, cu, max_seqlen, max_seqlen, dropout_p=dropout_p, causal=True)
         return rearrange(out, "(b s) h d -> b s h d", b=q.shape[0])
+    if q.device.type == "cpu" and dropout_p == 0.0:
+        kernel = ("run per document, grouped by length (packed rows)" if plan.packed
+                  else "is_causal (one document per row)")
+        rule = cpu_attention.precision_rule(q.dtype, None if plan.packed else q.shape[1], q.shape[-1])
+        _log_once(f"attention backend: CPU flash kernel {kernel} for {str(q.dtype).removeprefix('torch.')} q/k/v, "
+                  f"{rule}; flash_attn not used: {why}")
+        if plan.packed:
+            return cpu_attention.packed_attention(q, k, v, plan.document_buckets())
+        return cpu_attention.causal_attention(q, k, v)
+    cpu_dropout = " (attention dropout: tessera's CPU kernels have none)" if q.device.type == "cpu" else ""
     _log_once(
-        f"attention backend: torch scaled_dot_product_attention on {q.device.type} for {q.dtype} (is_causal for "
-        f"one document per row, block-diagonal causal mask for packed rows); flash_attn not used: {why}"
+        f"attention backend: torch scaled_dot_product_attention on {q.device.type} for {q.dtype}{cpu_dropout} "
+        "(is_causal for one document per row, block-diagonal causal mask for packed rows); flash_attn not used: "
+        f"{why}"
     )
     mask = plan.mask(q.device) if plan.packed else None
     q, k, v = (rearrange(t, "b s h d -> b h s d") for t in (q, k, v))

@@ -53,7 +53,8 @@ def upcast_on_cpu(dtype: torch.dtype) -> bool:
                if upcast else "torch's native kernels")
         why = f"TESSERA_CPU_LOWP_MATMUL={choice}" if choice != "auto" else (
             f"this CPU has {'none' if upcast else 'one'} of {'/'.join(_NATIVE_FLAGS[dtype])}")
-        logger.info("CPU %s matmuls and attention: %s (%s)", str(dtype).split(".")[-1], how, why)
+        logger.info("CPU %s matmuls (and SDPA attention: KV cache, dropout): %s (%s)", str(dtype).split(".")[-1], how,
+                    why)
     return upcast
 
 

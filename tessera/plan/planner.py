@@ -13,7 +13,7 @@ from typing import Any
 
 from tessera.config import Config, ConfigError, check_model_sizes
 from tessera.config.precision import resolve_precision
-from tessera.model.attention import flash_attn_available
+from tessera.model.flash_probe import flash_attn_available
 from tessera.plan.report import (
     Plan,
     _layout,

@@ -32,7 +32,7 @@ from tessera.config.precision import resolve_precision
 from tessera.config.schema import DEFAULT_MEMORY_HEADROOM
 from tessera.model import build_model
 from tessera.model.activations import activation_bytes
-from tessera.model.attention import flash_attn_available
+from tessera.model.flash_probe import flash_attn_available
 from tessera.parallel import MetaGroup
 from tessera.parallel.comm import reduce_scalars
 from tessera.train.memory_extras import communicators, runtime_allowance, sdpa_extra_bytes
