@@ -42,10 +42,11 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 REPLY = "@@roofline "
-# matmul operators as the dispatcher sees them (F.linear and matmul arrive decomposed into these)
-GEMM_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "addbmm", "_addmm_activation", "linear", "matmul", "mv",
-                      "addmv", "_int_mm", "_scaled_mm", "mkldnn_linear", "_linear_pointwise"})
-_FIRST_OPERAND_SECOND = frozenset({"addmm", "baddbmm", "addbmm", "_addmm_activation", "addmv"})  # (input, a, b)
+# matmul operators as the dispatcher sees them (F.linear and matmul arrive decomposed into these); matrix-vector
+# products (a norm's backward reduction) are bandwidth-bound reductions, not model FLOPs: they stay in "other"
+GEMM_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "addbmm", "_addmm_activation", "linear", "matmul",
+                      "_int_mm", "_scaled_mm", "mkldnn_linear", "_linear_pointwise"})
+_FIRST_OPERAND_SECOND = frozenset({"addmm", "baddbmm", "addbmm", "_addmm_activation"})  # (input, a, b)
 _COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional", "_dtensor"})
 _DIST_FNS = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
              "broadcast", "all_to_all", "all_to_all_single", "reduce", "gather", "scatter", "barrier",
