@@ -109,6 +109,10 @@ def use_fast_all_reduce(group: dist.ProcessGroup | None, impl: Any | None) -> No
 
 
 def fast_all_reduce_for(group: Any) -> Any | None:
+    """``group``'s fast all-reduce route, or None. Code that ``torch.compile`` traces gets None: its collectives
+    are torch.distributed's, which Dynamo turns into graph ops (the route is plain Python)."""
+    if torch.compiler.is_compiling():
+        return None
     try:
         return _FAST_ALL_REDUCE.get(group)
     except TypeError:  # a group object that cannot be weakly referenced has no route
