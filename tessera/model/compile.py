@@ -37,7 +37,7 @@ from tessera.model.context import ForwardContext
 from tessera.model.transformer import DecoderLayer
 from tessera.parallel import lowp
 
-__all__ = ["BACKENDS", "MODES", "compile_blocks", "compiled_blocks"]
+__all__ = ["BACKENDS", "MODES", "compile_blocks", "compiled_blocks", "settings_problem"]
 
 logger = logging.getLogger("tessera")
 
@@ -143,16 +143,24 @@ def _probe(backend: str, mode: str, device: torch.device) -> None:
                            "or set model.compile.enabled=False") from None
 
 
+def settings_problem(backend: str, mode: str) -> str | None:
+    """What is wrong with this backend and mode, naming the keys (the config checks call it too), or None."""
+    if backend not in BACKENDS:
+        return f"model.compile.backend={backend!r}: must be one of {list(BACKENDS)}"
+    if mode not in MODES:
+        return f"model.compile.mode={mode!r}: must be one of {list(MODES)}"
+    if mode != "default" and backend != "inductor":
+        return f"model.compile.mode={mode!r} is a mode of the inductor backend, not of model.compile.backend={backend!r}"
+    return None
+
+
 def compile_blocks(model: nn.Module, *, backend: str = "inductor", mode: str = "default") -> int:
     """Run every ``DecoderLayer`` inside ``model`` (a ``Transformer``, or a wrapper holding one) through
     ``torch.compile`` from its second call on (see the module docstring); returns how many were set up
     (0 for a model on meta or fake tensors: a dry run stays eager)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"model.compile.backend={backend!r}: must be one of {list(BACKENDS)}")
-    if mode not in MODES:
-        raise ValueError(f"model.compile.mode={mode!r}: must be one of {list(MODES)}")
-    if mode != "default" and backend != "inductor":
-        raise ValueError(f"model.compile.mode={mode!r} is an inductor mode; backend is {backend!r}")
+    problem = settings_problem(backend, mode)
+    if problem:
+        raise ValueError(problem)
     layers = [m for m in model.modules() if isinstance(m, DecoderLayer)]
     if not layers:
         raise ValueError(f"model.compile: {type(model).__name__} holds no DecoderLayer to compile")
