@@ -95,9 +95,10 @@ def _graph_breaks() -> int:
 
 
 def _compare(eager: torch.nn.Module, compiled: torch.nn.Module, tol: float, cu_seqlens: torch.Tensor | None,
-             evaluate: bool = True) -> dict[str, float]:
+             evaluate: bool = True, grad_tol: float | None = None) -> dict[str, float]:
     """Run both models STEPS times on the same inputs; assert agreement; return the worst relative errors."""
     worst = {"loss": 0.0, "grad": 0.0, "logits": 0.0}
+    grad_tol = tol if grad_tol is None else grad_tol
     for step in range(STEPS):
         le, ge = _step(eager, step, cu_seqlens)
         lc, gc = _step(compiled, step, cu_seqlens)
@@ -105,7 +106,7 @@ def _compare(eager: torch.nn.Module, compiled: torch.nn.Module, tol: float, cu_s
         worst["loss"] = max(worst["loss"], abs(lc - le) / abs(le))
         for name in ge:
             err = _rel(gc[name], ge[name])
-            assert err <= tol, (step, name, err)
+            assert err <= grad_tol, (step, name, err)
             worst["grad"] = max(worst["grad"], err)
     if evaluate:  # evaluation forwards: the first warms up eagerly, the second is compiled
         eager.eval(), compiled.eval()
@@ -158,12 +159,20 @@ def test_fp32_marked_norms_in_a_bf16_model():
 
 
 @pytest.mark.slow
-def test_fp8_linears():
-    """fp8 rounds each operand to 3 mantissa bits: a product that fusion moves by one fp32 ulp can land on the
-    neighbouring fp8 value, so the agreement is a few percent in norm, not bf16's."""
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_fp8_linears(backend):
+    """Traced without code generation (aot_eager) the fp8 linears compute exactly what eager does. With
+    inductor, fusion moves values upstream by bf16 ulps and the e5m2 gradients (2 mantissa bits) round some of
+    them to the neighbouring fp8 value: the loss (e4m3 forward) still agrees to 1e-3, the gradients only to
+    about the size of fp8's own rounding (5-10 % in norm, as far as bf16 is from fp8 here)."""
+    if backend == "inductor" and _backend() != "inductor":
+        pytest.skip("no C++ compiler for inductor")
     eager, compiled = _model("bfloat16", fp8=True), _model("bfloat16", fp8=True)
-    compile_blocks(compiled, backend=_backend())
-    _compare(eager, compiled, 5e-2, PACKED, evaluate=False)
+    compile_blocks(compiled, backend=backend)
+    if backend == "aot_eager":
+        _compare(eager, compiled, 1e-6, PACKED)
+    else:
+        _compare(eager, compiled, 1e-3, PACKED, evaluate=False, grad_tol=0.2)
     _check_compiled_ran()
 
 
