@@ -217,9 +217,7 @@ class NaiveAMPModel(nn.Module):
 
     def _to_model_dtype_hook(self, module: nn.Module, args: tuple, output: Any) -> Any:
         cast = _cast_floating(output, self.dtype)
-        # a marked module inside a compiled block (``model.compile``) never makes the model's output
-        if self.output_to_fp32 and isinstance(output, torch.Tensor) and cast is not output \
-                and not torch.compiler.is_compiling():
+        if self.output_to_fp32 and isinstance(output, torch.Tensor) and cast is not output:
             self._fp32_twins[id(cast)] = (cast, output)
         return cast
 
