@@ -128,8 +128,8 @@ def _check_compiled_ran() -> None:
 
 
 CASES = [  # (dtype, checkpoint, packed documents)
-    ("float32", False, True),
     ("bfloat16", False, True),
+    ("float32", False, True),
     ("bfloat16", True, False),
     ("bfloat16", "selective", True),
     ("float32", "selective", False),
@@ -205,6 +205,23 @@ def test_selective_checkpoint_keeps_gemm_outputs_when_compiled():
     counts = [sum(n.op == "call_function" and n.target in gemms for n in gm.graph.nodes) for gm in backward_graphs]
     assert counts == [14], counts
     assert _graph_breaks() == 0
+
+
+def test_a_graph_break_inside_the_gemm_marks_is_a_clean_break():
+    """Code that Dynamo cannot trace inside ``keep_gemm_outputs`` (a fused kernel, a collective) splits the graph
+    there; it must not throw the whole function back to eager."""
+    from tessera.model.recompute import keep_gemm_outputs
+
+    def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        with keep_gemm_outputs():
+            y = x @ w
+            torch._dynamo.graph_break()
+            y = y @ w
+        return y.relu()
+
+    x, w = torch.randn(4, 4), torch.randn(4, 4)
+    torch.testing.assert_close(torch.compile(f, backend="eager")(x, w), f(x, w))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2  # both sides of the break compiled
 
 
 def test_generation_and_cache_forwards_stay_eager():
