@@ -132,7 +132,7 @@ def _probe(backend: str, mode: str, device: torch.device) -> None:
     """Compile and run a two-op function on ``device``: a backend that cannot compile here (inductor on a CPU
     without a C++ compiler) fails now, in one line naming the key, not inside the first step."""
     fn = torch.compile(lambda t: torch.nn.functional.silu(t) * t, backend=backend, dynamic=False,
-                       **({} if backend != "inductor" else {"mode": mode}))
+                       mode=mode if backend == "inductor" else None)
     try:
         fn(torch.ones(8, device=device))
     except Exception as e:  # noqa: BLE001 - any failure to compile is reported the same way
@@ -150,7 +150,8 @@ def settings_problem(backend: str, mode: str) -> str | None:
     if mode not in MODES:
         return f"model.compile.mode={mode!r}: must be one of {list(MODES)}"
     if mode != "default" and backend != "inductor":
-        return f"model.compile.mode={mode!r} is a mode of the inductor backend, not of model.compile.backend={backend!r}"
+        return (f"model.compile.mode={mode!r} is a mode of the inductor backend, not of "
+                f"model.compile.backend={backend!r}")
     return None
 
 
@@ -173,8 +174,7 @@ def compile_blocks(model: nn.Module, *, backend: str = "inductor", mode: str = "
     lowp.decide_cpu_kernels()  # a per-process constant before anything is traced
     device = params[0].device
     _probe(backend, mode, device)
-    fn = torch.compile(_block_forward, backend=backend, dynamic=False,
-                       **({} if backend != "inductor" else {"mode": mode}))
+    fn = torch.compile(_block_forward, backend=backend, dynamic=False, mode=mode if backend == "inductor" else None)
     shared = _Shared(fn, backend, mode, len(layers))
     for i, layer in enumerate(layers):
         layer.forward = _CompiledForward(layer, shared, i)  # type: ignore[method-assign]

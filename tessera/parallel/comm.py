@@ -102,7 +102,7 @@ _FAST_ALL_REDUCE: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionar
 
 # the routes by id, for the graph op below (a compiled graph names its route by a number)
 _ROUTES: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
-_OP_NAMES = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.MAX: "max", dist.ReduceOp.MIN: "min"}
+_OP_NAMES: dict[Any, str] = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.MAX: "max", dist.ReduceOp.MIN: "min"}
 
 
 def use_fast_all_reduce(group: dist.ProcessGroup | None, impl: Any | None) -> None:
