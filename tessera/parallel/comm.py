@@ -100,16 +100,17 @@ def _check_can_communicate(x: torch.Tensor, group: Any) -> bool:
 _FAST_ALL_REDUCE: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 
-# the routes by id, for the graph op below (a compiled graph names its route by a number)
-_ROUTES: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+# the routes in use by id, for the graph op below (a compiled graph names its route by a number)
+_ROUTES: dict[int, Any] = {}
 _OP_NAMES: dict[Any, str] = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.MAX: "max", dist.ReduceOp.MIN: "min"}
 
 
 def use_fast_all_reduce(group: dist.ProcessGroup | None, impl: Any | None) -> None:
     """Route this module's all-reduces over ``group`` through ``impl`` (``None`` removes the route)."""
-    if impl is None:
-        _FAST_ALL_REDUCE.pop(group, None)
-    else:
+    old = _FAST_ALL_REDUCE.pop(group, None)
+    if old is not None:
+        _ROUTES.pop(id(old), None)
+    if impl is not None:
         _FAST_ALL_REDUCE[group] = impl
         _ROUTES[id(impl)] = impl
 
