@@ -9,6 +9,7 @@ Run from the repository root (``benchmarks`` is not part of the installed packag
     python -m benchmarks --section dp    # only section 7 (DP bytes and overlap), the rest of the file kept
     python -m benchmarks precision-study [--only NAME ...]   # section 8: the demo under each precision policy
     python -m benchmarks activations [--layers N ...]        # section 9's table: activation peak per TP rank
+    python -m benchmarks compile [--tp 2 --demo ...]         # section 10: compiled blocks vs eager step time
 
 Sections: (1) framework overhead vs a plain PyTorch step of the same model, (2) bf16/fp16/fp32/tf32,
 (3) TP=2 and DP=2 vs one process on the same cores with the communication share, (4) measured bytes
@@ -81,6 +82,7 @@ def keep_sections(path: str, text: str) -> str:
 SUBCOMMANDS = {
     "precision-study": ("benchmarks.precision_study", "section 8: the demo trained under each precision policy"),
     "activations": ("benchmarks.activations", "section 9's table: activation peak and step time per TP rank"),
+    "compile": ("benchmarks.compile_step", "section 10: training step with compiled blocks vs eager"),
 }
 
 
