@@ -52,8 +52,8 @@ def measure(overrides: list[str], steps: int, group: Any = None) -> dict[str, An
     apply_precision(cfg.model.dtype)
     batches = build_data(cfg.data, vocab_size=cfg.model.vocab_size, max_seq_len=cfg.model.max_position_embeddings,
                          dp_rank=0, dp_size=1, seed=cfg.seed).train.next_step_batches()
-    stacks = {name: build_training_stack(_config(overrides, compiled), Groups(tp=group), device="cpu",
-                                         sync_buffer=False) for name, compiled in (("eager", False), ("compiled", True))}
+    stacks = {name: build_training_stack(_config(overrides, on), Groups(tp=group), device="cpu", sync_buffer=False)
+              for name, on in (("eager", False), ("compiled", True))}
     first: dict[str, list[float]] = {name: [] for name in stacks}
     times: dict[str, list[float]] = {name: [] for name in stacks}
     for i in range(2 + steps):
