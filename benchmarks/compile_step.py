@@ -119,6 +119,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m benchmarks co
             from harness.distributed import run_distributed
 
             result = run_distributed(_tp2_worker, 2, overrides, args.steps, timeout=1800.0)[0]
-        label = f"{'demo' if args.demo else 'hidden 512'}, TP={args.tp}, {dtype or 'config dtype'}"
+        label = (f"{'demo' if args.demo else 'hidden 512'}{' + overrides' if args.overrides else ''}, TP={args.tp}, "
+                 f"{dtype or 'config dtype'}")
         print(_row(label, result), flush=True)
     return 0
