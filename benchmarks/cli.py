@@ -11,6 +11,7 @@ Run from the repository root (``benchmarks`` is not part of the installed packag
     python -m benchmarks activations [--layers N ...]        # section 9's table: activation peak per TP rank
     python -m benchmarks roofline [--quick] [--against PATH]  # section 10: where a step's time goes, MFU
     python -m benchmarks attention-kernels [--only SHAPE ...] # CPU attention kernels side by side
+    python -m benchmarks compile [--tp 2 --demo ...]         # section 11: compiled blocks vs eager step time
 
 Sections: (1) framework overhead vs a plain PyTorch step of the same model, (2) bf16/fp16/fp32/tf32,
 (3) TP=2 and DP=2 vs one process on the same cores with the communication share, (4) measured bytes
@@ -85,6 +86,7 @@ SUBCOMMANDS = {
     "activations": ("benchmarks.activations", "section 9's table: activation peak and step time per TP rank"),
     "roofline": ("benchmarks.roofline", "section 10: a step split into GEMMs, attention, optimizer, collectives, rest"),
     "attention-kernels": ("benchmarks.attention_kernels", "CPU attention kernels per shape and dtype (1 thread)"),
+    "compile": ("benchmarks.compile_step", "section 11: training step with compiled blocks vs eager"),
 }
 
 

@@ -159,10 +159,11 @@ def _loadavg() -> list[float]:
 
 @contextlib.contextmanager
 def _env(name: str, value: str | None) -> Iterator[None]:
-    """Set an environment variable for a block (lowp reads TESSERA_CPU_LOWP_MATMUL on every call)."""
+    """Set an environment variable for a block (lowp's choice of TESSERA_CPU_LOWP_MATMUL is made again)."""
     old = os.environ.get(name)
     if value is not None:
         os.environ[name] = value
+        lowp.forget_cpu_kernels()
     try:
         yield
     finally:
@@ -171,6 +172,7 @@ def _env(name: str, value: str | None) -> Iterator[None]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = old
+            lowp.forget_cpu_kernels()
 
 
 @contextlib.contextmanager

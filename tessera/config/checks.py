@@ -18,6 +18,7 @@ from tessera.config.errors import ConfigError, where
 from tessera.config.precision import resolve_precision
 from tessera.config.schema import SCHEMA
 from tessera.model.args import ModelArgs, ModelSizeError, check_tensor_parallel_sizes
+from tessera.model.compile import settings_problem as compile_settings_problem
 
 __all__ = ["check_config", "check_data", "check_model_sizes", "check_world_size", "parallel_sizes",
            "resolve_zero1_size"]
@@ -83,6 +84,9 @@ def check_config(cfg: dict[str, Any], source: str | None = None) -> None:
         raise ConfigError(f"grad_scaler.fp16.initial_scale={gs['fp16']['initial_scale']} is outside "
                           f"[min_scale, max_scale]{w}")
     check_optimizer_precision(cfg, source)
+    problem = compile_settings_problem(m["compile"]["backend"], m["compile"]["mode"])
+    if problem:
+        raise ConfigError(problem + w)
     ck = cfg["ckpt"]
     if ck["enable_save_ckpt"] and not ck["save_ckpt_folder"]:
         raise ConfigError(f"ckpt.save_ckpt_folder is required when ckpt.enable_save_ckpt=True{w}")

@@ -17,6 +17,8 @@ import torch
 from tessera.config.errors import ConfigError
 from tessera.config.precision import parse_dtype
 from tessera.model.args import ModelArgs
+from tessera.model.compile import BACKENDS as COMPILE_BACKENDS
+from tessera.model.compile import MODES as COMPILE_MODES
 from tessera.parallel.sequence import TENSOR_MODES
 
 __all__ = ["Key", "Section", "SCHEMA", "REQUIRED", "NORM_TYPES", "DEFAULT_MEMORY_HEADROOM"]
@@ -174,6 +176,16 @@ SCHEMA = Section(
                 "allow_reduced_precision_reduction": Key(
                     BOOL, False, doc="let cuBLAS reduce bf16/fp16 GEMM partial sums (split-K) in bf16/fp16, "
                                      "faster on some shapes; False: fp32, as the precision table promises"),
+                "compile": Section(
+                    {
+                        "enabled": Key(BOOL, False, doc="run each decoder block's forward through torch.compile "
+                                                        "(from its second call on; generation stays eager)"),
+                        "backend": Key(STR, "inductor", _one_of(*COMPILE_BACKENDS),
+                                       doc="inductor generates fused kernels (on CPU it needs a C++ compiler); "
+                                           "aot_eager / eager only trace (debugging)"),
+                        "mode": Key(STR, "default", _one_of(*COMPILE_MODES), doc="inductor's mode"),
+                    }
+                ),
                 "fp8": Section(
                     {
                         "enabled": Key(BOOL, False, doc="fp8 GEMMs in the parallel linears (bf16 model only)"),

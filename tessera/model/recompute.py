@@ -39,6 +39,7 @@ import contextlib
 import functools
 import threading
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -51,9 +52,20 @@ _aten = torch.ops.aten
 _GEMMS = frozenset({_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default})
 
 
+def keep_gemm_outputs() -> AbstractContextManager[None]:
+    """Mark the GEMMs run inside as kept by selective checkpointing (no effect anywhere else).
+
+    Inside code that ``torch.compile`` traces it is a ``nullcontext`` (which Dynamo can carry across a
+    graph break, unlike a generator context manager): a compiled selective checkpoint keeps every GEMM
+    output its backward needs (``_policy``), the same set the marks select in eager mode.
+    """
+    if torch.compiler.is_compiling():
+        return contextlib.nullcontext()
+    return _mark_gemms()
+
+
 @contextlib.contextmanager
-def keep_gemm_outputs() -> Iterator[None]:
-    """Mark the GEMMs run inside as kept by selective checkpointing (no effect anywhere else)."""
+def _mark_gemms() -> Iterator[None]:
     previous = getattr(_STATE, "keep", False)
     _STATE.keep = True
     try:
@@ -63,8 +75,10 @@ def keep_gemm_outputs() -> Iterator[None]:
 
 
 def _policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    # the same answer in the forward and in the recomputation: the same code sets the same marks
-    if op in _GEMMS and getattr(_STATE, "keep", False):
+    # the same answer in the forward and in the recomputation: the same code sets the same marks. Compiled, the
+    # policy is applied to the traced graph, where only the GEMM outputs that the backward reads are saved: those
+    # of the marked (column-parallel) GEMMs; the row-parallel outputs feed a residual add only
+    if op in _GEMMS and (getattr(_STATE, "keep", False) or torch.compiler.is_compiling()):
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 

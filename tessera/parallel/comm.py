@@ -100,12 +100,19 @@ def _check_can_communicate(x: torch.Tensor, group: Any) -> bool:
 _FAST_ALL_REDUCE: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 
+# the routes in use by id, for the graph op below (a compiled graph names its route by a number)
+_ROUTES: dict[int, Any] = {}
+_OP_NAMES: dict[Any, str] = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.MAX: "max", dist.ReduceOp.MIN: "min"}
+
+
 def use_fast_all_reduce(group: dist.ProcessGroup | None, impl: Any | None) -> None:
     """Route this module's all-reduces over ``group`` through ``impl`` (``None`` removes the route)."""
-    if impl is None:
-        _FAST_ALL_REDUCE.pop(group, None)
-    else:
+    old = _FAST_ALL_REDUCE.pop(group, None)
+    if old is not None:
+        _ROUTES.pop(id(old), None)
+    if impl is not None:
         _FAST_ALL_REDUCE[group] = impl
+        _ROUTES[id(impl)] = impl
 
 
 def fast_all_reduce_for(group: Any) -> Any | None:
@@ -115,13 +122,33 @@ def fast_all_reduce_for(group: Any) -> Any | None:
         return None
 
 
+@torch.library.custom_op("tessera::routed_all_reduce", mutates_args=())
+def routed_all_reduce(x: torch.Tensor, route: int, op: str) -> torch.Tensor:
+    """A copy of ``x`` reduced over the group of fast route ``route`` (``id`` of the route object).
+
+    The route is plain Python; as one opaque op it stays inside a ``torch.compile`` graph (``model.compile``)
+    instead of breaking it, and compiled blocks keep the route that eager ones use.
+    """
+    out = x.clone(memory_format=torch.contiguous_format)
+    ops = {name: red for red, name in _OP_NAMES.items()}
+    return _ROUTES[route].all_reduce(out, ops[op])
+
+
+@routed_all_reduce.register_fake
+def _routed_all_reduce_shape(x: torch.Tensor, route: int, op: str) -> torch.Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
 def all_reduce(x: torch.Tensor, group: Any,
                op: dist.ReduceOp | dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
     """In-place all-reduce of ``x`` over ``group`` (no autograd); the identity for a 1-rank group."""
     if group_size(group) > 1 and _check_can_communicate(x, group):
         fast = fast_all_reduce_for(group)
         if fast is not None and fast.supports(x, op):
-            fast.all_reduce(x, op)
+            if torch.compiler.is_compiling():  # traced: the route as one graph op
+                x.copy_(routed_all_reduce(x, id(fast), _OP_NAMES[op]))
+            else:
+                fast.all_reduce(x, op)
         else:
             dist.all_reduce(x, op=op, group=group)
     return x

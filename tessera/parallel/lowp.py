@@ -5,8 +5,11 @@ result rounded to bf16. On a CPU without avx512_bf16/AMX, torch's bf16 kernels a
 far slower than its fp32 GEMMs (BENCHMARKS.md and the README's "CPU kernels" section have the figures).
 Upcasting the bf16 operands to fp32 and running the fp32 GEMM computes the same thing -- products of
 bf16 values are exact in fp32, accumulation is fp32, the output is rounded to bf16 -- so we do that,
-keeping bf16 tensors as the saved activations. The choice is made once per process and logged.
-``TESSERA_CPU_LOWP_MATMUL=native`` forces torch's own kernels (for benchmarks), ``=upcast`` forces ours.
+keeping bf16 tensors as the saved activations. The choice is made once per process per dtype (on first
+use, or by ``decide_cpu_kernels`` before ``torch.compile`` traces a model, so the traced code sees a
+constant, not an environment read) and logged. ``TESSERA_CPU_LOWP_MATMUL=native`` forces torch's own
+kernels (for benchmarks), ``=upcast`` forces ours; ``forget_cpu_kernels`` lets a process that changes the
+variable (benchmarks, tests) have it read again.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import torch.nn.functional as F
 logger = logging.getLogger("tessera")
 
 _NATIVE_FLAGS = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}
-_LOGGED: set[torch.dtype] = set()
+_UPCAST: dict[torch.dtype, bool] = {}  # the choice per dtype, made once (upcast_on_cpu)
 
 
 @functools.cache
@@ -36,26 +39,43 @@ def _cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
-def upcast_on_cpu(dtype: torch.dtype) -> bool:
-    """True when ``dtype`` matmuls on this CPU should run as fp32 GEMMs on upcast operands."""
-    if dtype not in _NATIVE_FLAGS:
-        return False
+def _decide(dtype: torch.dtype) -> bool:
     choice = os.environ.get("TESSERA_CPU_LOWP_MATMUL", "auto")
+    if choice not in ("auto", "native", "upcast"):
+        raise ValueError(f"TESSERA_CPU_LOWP_MATMUL={choice!r}: must be 'auto', 'native' or 'upcast'")
     if choice == "native":
         upcast = False
     elif choice == "upcast":
         upcast = True
     else:
         upcast = not any(flag in _cpu_flags() for flag in _NATIVE_FLAGS[dtype])
-    if dtype not in _LOGGED:
-        _LOGGED.add(dtype)
-        how = ("fp32 GEMMs on upcast operands, fp32 accumulation, output rounded to " + str(dtype).split(".")[-1]
-               if upcast else "torch's native kernels")
-        why = f"TESSERA_CPU_LOWP_MATMUL={choice}" if choice != "auto" else (
-            f"this CPU has {'none' if upcast else 'one'} of {'/'.join(_NATIVE_FLAGS[dtype])}")
-        logger.info("CPU %s matmuls (and SDPA attention: KV cache, dropout): %s (%s)", str(dtype).split(".")[-1], how,
-                    why)
+    how = ("fp32 GEMMs on upcast operands, fp32 accumulation, output rounded to " + str(dtype).split(".")[-1]
+           if upcast else "torch's native kernels")
+    why = f"TESSERA_CPU_LOWP_MATMUL={choice}" if choice != "auto" else (
+        f"this CPU has {'none' if upcast else 'one'} of {'/'.join(_NATIVE_FLAGS[dtype])}")
+    logger.info("CPU %s matmuls (and SDPA attention: KV cache, dropout): %s (%s)", str(dtype).split(".")[-1], how, why)
     return upcast
+
+
+def upcast_on_cpu(dtype: torch.dtype) -> bool:
+    """True when ``dtype`` matmuls on this CPU should run as fp32 GEMMs on upcast operands (decided on first
+    use for each dtype, then a dict lookup that ``torch.compile`` reads as a constant)."""
+    if dtype not in _NATIVE_FLAGS:
+        return False
+    if dtype not in _UPCAST:
+        _UPCAST[dtype] = _decide(dtype)
+    return _UPCAST[dtype]
+
+
+def decide_cpu_kernels() -> dict[torch.dtype, bool]:
+    """Make (and log) the choice for every low-precision dtype now, e.g. before compiling a model."""
+    return {dtype: upcast_on_cpu(dtype) for dtype in _NATIVE_FLAGS}
+
+
+def forget_cpu_kernels() -> None:
+    """Drop the choices made so far: the next use reads ``TESSERA_CPU_LOWP_MATMUL`` again. Code compiled
+    before keeps the choice it was traced with."""
+    _UPCAST.clear()
 
 
 def needs_upcast(x: torch.Tensor) -> bool:

@@ -64,6 +64,10 @@ TENSOR_MODES = ("mtp", "msp")
 SEQUENCE_DIM = -2  # activations are [..., seq, features]
 
 
+# torch >= 2.9 names it reduce_scatter_single (reduce_scatter_tensor is deprecated there)
+_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def _chunk_len(length: int, size: int) -> int:
     if length % size:
         raise ValueError(f"sequence length {length} is not divisible by tensor-parallel size {size} "
@@ -91,24 +95,26 @@ def reduce_scatter_sequence(x: torch.Tensor, group: Any, dim: int = SEQUENCE_DIM
     if size == 1:
         return x
     n = _chunk_len(x.shape[dim], size)
-    return _reduce_scatter_chunks([c.contiguous() for c in x.split(n, dim=dim)], group, dim)
+    d = dim % x.dim()
+    return _reduce_scatter_stacked(x.unflatten(d, (size, n)).movedim(d, 0).contiguous(), group)
 
 
-def _reduce_scatter_chunks(chunks: list[torch.Tensor], group: Any, dim: int) -> torch.Tensor:
-    """Sum over ``group`` of ``chunks[rank]``, one contiguous chunk per rank (rank order) given.
+def _reduce_scatter_stacked(stacked: torch.Tensor, group: Any) -> torch.Tensor:
+    """Sum over ``group`` of ``stacked[rank]``: ``stacked`` holds one chunk per rank (rank order) along dim 0.
 
-    Where ``group`` has a fast all-reduce route (the node-local shared-memory one on CPU), the sum goes
+    The tensor form of the collective, which ``torch.compile`` traces as a functional collective. Where
+    ``group`` has a fast all-reduce route (the node-local shared-memory one on CPU), the sum goes
     through it and this rank's chunk is cut afterwards: one route for mtp and msp alike.
     """
     if isinstance(group, MetaGroup):
-        if not chunks[0].is_meta:
+        if not stacked.is_meta:
             raise RuntimeError(f"a collective was called on a real tensor with {group}")
-        return chunks[group.rank].clone()
+        return stacked[group.rank].clone()
     fast = fast_all_reduce_for(group)
-    if fast is not None and fast.supports(chunks[0], dist.ReduceOp.SUM):
-        return sequence_chunk(all_reduce(torch.cat(chunks, dim), group), group, dim)
-    out = torch.empty_like(chunks[0])
-    dist.reduce_scatter(out, chunks, group=group)
+    if fast is not None and fast.supports(stacked, dist.ReduceOp.SUM):
+        return all_reduce(stacked, group)[group_rank(group)].clone()
+    out = torch.empty_like(stacked[0])
+    _reduce_scatter_tensor(out, stacked.flatten(0, 1), group=group)  # dim 0 = ranks x the chunk's dim 0
     return out
 
 
@@ -173,18 +179,18 @@ class _SequenceParallelLinears(torch.autograd.Function):
             grad_b.append(gb)
         del full
         grad_x = None
-        if needs[0]:  # the input gradient, computed chunk by chunk: the reduce-scatter's inputs, no extra copy
+        if needs[0]:  # the input gradient, computed chunk by chunk into the reduce-scatter's input
             n = x.shape[ctx.dim]
-            chunks: list[torch.Tensor] = []
-            for r in range(group_size(ctx.group)):
-                part: torch.Tensor | None = None
-                for g, w in zip(grads, weights):
+            stacked = x.new_empty((group_size(ctx.group), *x.shape))  # the reduce-scatter's input, rank r at [r]
+            for r in range(stacked.shape[0]):
+                for i, (g, w) in enumerate(zip(grads, weights)):
                     gx = linear_grads(g.narrow(ctx.dim, r * n, n), x, w, False, (True, False, False))[0]
                     assert gx is not None  # the input gradient was asked for
-                    part = gx if part is None else part.add_(gx)  # fresh from the GEMM: in place
-                assert part is not None  # count >= 1 linears
-                chunks.append(part)
-            grad_x = _reduce_scatter_chunks(chunks, ctx.group, ctx.dim)
+                    if i == 0:
+                        stacked[r].copy_(gx)
+                    else:
+                        stacked[r].add_(gx)
+            grad_x = _reduce_scatter_stacked(stacked, ctx.group)
         return (grad_x, None, None, None, *grad_w, *grad_b)
 
 

@@ -20,6 +20,7 @@ from torch import nn
 from tessera.config import Config
 from tessera.dist import ParallelMode, gpc
 from tessera.model import build_model
+from tessera.model.compile import compile_blocks
 from tessera.optim.hybrid_zero import HybridZeroOptimizer
 from tessera.optim.params import build_param_groups
 from tessera.train.lr_scheduler import WarmupCosineLR
@@ -96,6 +97,8 @@ def build_training_stack(
         before_cast(model)
     amp = naive_amp_from_config(model, cfg.model, sync_buffer=sync_buffer,
                                 parallel_mode=groups.dp if groups.dp is not None else ParallelMode.DATA)
+    if cfg.model.compile.enabled:  # a no-op on meta parameters (dry runs)
+        compile_blocks(model, backend=cfg.model.compile.backend, mode=cfg.model.compile.mode)
     optimizer = build_optimizer(amp, cfg, groups, seed)
     scheduler = WarmupCosineLR.from_config(optimizer.param_groups, cfg.adam, cfg.lr_scheduler)
     trainer = trainer_cls(amp, optimizer, tp_group=groups.tp, dp_group=groups.dp, device=device,
