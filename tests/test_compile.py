@@ -91,7 +91,10 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _graph_breaks() -> int:
-    return sum(torch._dynamo.utils.counters["graph_break"].values())
+    """Graph breaks, except the one designed in: CPU attention over packed rows runs eagerly
+    (``torch.compiler.disable``), its document buckets take new shapes every batch and would recompile."""
+    return sum(n for reason, n in torch._dynamo.utils.counters["graph_break"].items()
+               if not ("torch.compiler.disable" in reason and "function _packed " in reason))
 
 
 def _compare(eager: torch.nn.Module, compiled: torch.nn.Module, tol: float, cu_seqlens: torch.Tensor | None,

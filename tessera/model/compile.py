@@ -90,8 +90,7 @@ class _CompiledForward:
             return self.eager(layer, x, ctx)
         if self.warmup_ctx is not None and self.warmup_ctx() is ctx:  # a checkpoint recomputing the warm-up call
             return self.eager(layer, x, ctx)
-        if ctx.selective:
-            _prepare_plan(ctx, x)
+        _prepare_plan(ctx, x)
         shared = self.shared
         before, start = _graphs_compiled(), time.perf_counter()
         out = shared.fn(layer, x, ctx)
@@ -116,11 +115,16 @@ class _CompiledForward:
 
 
 def _prepare_plan(ctx: ForwardContext, x: torch.Tensor) -> None:
-    """Build the packed-document SDPA mask now, outside the compiled block: the plan builds it lazily on first
-    use, and Dynamo cannot trace that assignment inside a checkpointed region (selective checkpointing),
-    where it would leave the first block of every forward eager."""
+    """Build what packed rows need now, outside the compiled block: the CPU kernel's document buckets (read
+    from the host boundaries, which Dynamo cannot trace) or the SDPA mask (the plan builds it lazily on
+    first use, and Dynamo cannot trace that assignment inside a checkpointed region, where it would leave
+    the first block of every forward eager)."""
     plan = ctx.plan
-    if plan.packed and select_backend(x.device, x.dtype, plan.use_flash_attn)[0] == "sdpa":
+    if not plan.packed:
+        return
+    if x.device.type == "cpu":
+        plan.document_buckets()
+    elif select_backend(x.device, x.dtype, plan.use_flash_attn)[0] == "sdpa":
         plan.mask(x.device)
 
 

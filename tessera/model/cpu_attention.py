@@ -32,7 +32,6 @@ Attention dropout is not handled here (``tessera.model.attention`` keeps SDPA fo
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -49,14 +48,15 @@ _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_bac
 
 
 def _forced_or_missing(dtype: torch.dtype) -> tuple[torch.dtype | None, str]:
-    """The dtype every sequence computes in (None: the sequence's length decides), and why."""
+    """The dtype every sequence computes in (None: the sequence's length decides), and why. Follows the
+    process-wide CPU kernel choice of ``lowp`` (made once, so compiled code reads it as a constant)."""
     if dtype not in _NATIVE:
         return dtype, f"{_name(dtype)}, as given"
-    choice = os.environ.get("TESSERA_CPU_LOWP_MATMUL", "auto")
-    if choice in ("native", "upcast"):
-        forced = dtype if choice == "native" else torch.float32
-        return forced, f"{_name(forced)} (TESSERA_CPU_LOWP_MATMUL={choice})"
-    if not any(flag in lowp._cpu_flags() for flag in _NATIVE[dtype]):
+    upcast, source = lowp.upcast_on_cpu(dtype), lowp.choice_source(dtype)
+    if source in ("native", "upcast"):
+        forced = torch.float32 if upcast else dtype
+        return forced, f"{_name(forced)} (TESSERA_CPU_LOWP_MATMUL={source})"
+    if upcast:
         return torch.float32, (f"float32 (this CPU has none of {'/'.join(_NATIVE[dtype])}: torch's {_name(dtype)} "
                                "kernels are slow there)")
     return None, ""

@@ -25,6 +25,7 @@ logger = logging.getLogger("tessera")
 
 _NATIVE_FLAGS = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}
 _UPCAST: dict[torch.dtype, bool] = {}  # the choice per dtype, made once (upcast_on_cpu)
+_SOURCE: dict[torch.dtype, str] = {}  # what made it: "auto" (the CPU's flags), "native" or "upcast" (the variable)
 
 
 @functools.cache
@@ -64,7 +65,14 @@ def upcast_on_cpu(dtype: torch.dtype) -> bool:
         return False
     if dtype not in _UPCAST:
         _UPCAST[dtype] = _decide(dtype)
+        _SOURCE[dtype] = os.environ.get("TESSERA_CPU_LOWP_MATMUL", "auto")
     return _UPCAST[dtype]
+
+
+def choice_source(dtype: torch.dtype) -> str:
+    """``"auto"`` when this CPU's flags made the choice for ``dtype``, else the forcing variable's value."""
+    upcast_on_cpu(dtype)
+    return _SOURCE.get(dtype, "auto")
 
 
 def decide_cpu_kernels() -> dict[torch.dtype, bool]:
@@ -76,6 +84,7 @@ def forget_cpu_kernels() -> None:
     """Drop the choices made so far: the next use reads ``TESSERA_CPU_LOWP_MATMUL`` again. Code compiled
     before keeps the choice it was traced with."""
     _UPCAST.clear()
+    _SOURCE.clear()
 
 
 def needs_upcast(x: torch.Tensor) -> bool:
