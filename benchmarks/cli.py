@@ -87,6 +87,7 @@ SUBCOMMANDS = {
     "roofline": ("benchmarks.roofline", "section 10: a step split into GEMMs, attention, optimizer, collectives, rest"),
     "attention-kernels": ("benchmarks.attention_kernels", "CPU attention kernels per shape and dtype (1 thread)"),
     "compile": ("benchmarks.compile_step", "section 11: training step with compiled blocks vs eager"),
+    "optimizer-update": ("benchmarks.optimizer_update", "section 12: the AdamW update per precision policy vs a base"),
 }
 
 
