@@ -84,7 +84,8 @@ def keep_sections(path: str, text: str) -> str:
 SUBCOMMANDS = {
     "precision-study": ("benchmarks.precision_study", "section 8: the demo trained under each precision policy"),
     "activations": ("benchmarks.activations", "section 9's table: activation peak and step time per TP rank"),
-    "roofline": ("benchmarks.roofline", "section 10: a step split into GEMMs, attention, optimizer, collectives, rest"),
+    "roofline": ("benchmarks.roofline", "sections 10 and 13 (--policies): a step split into GEMMs, attention, "
+                                      "optimizer, collectives, rest"),
     "attention-kernels": ("benchmarks.attention_kernels", "CPU attention kernels per shape and dtype (1 thread)"),
     "compile": ("benchmarks.compile_step", "section 11: training step with compiled blocks vs eager"),
     "optimizer-update": ("benchmarks.optimizer_update", "section 12: the AdamW update per precision policy vs a base"),

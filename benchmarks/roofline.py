@@ -3,6 +3,7 @@ everything else, and how far the step is from the matmul peak (BENCHMARKS.md sec
 
     python -m benchmarks roofline [--quick] [--against PATH] [--threads N] [--dtypes bf16,fp32]
                                   [--layouts tp1,msp,mtp] [--out BENCHMARKS.md] [--json PATH] [key=value ...]
+    python -m benchmarks roofline --policies [--against PATH] ...   # section 13: the optimizer's share per policy
 
 Each checkout's steps run in persistent worker processes (``benchmarks/roofline_worker.py``, run by
 path with ``PYTHONPATH`` set to that checkout: ``--against /tmp/base`` after
@@ -51,6 +52,8 @@ ROWS = (("gemm", "GEMMs (replayed alone)"), ("attention", "attention (in place)"
         ("optimizer", "optimizer step, collectives excluded"), ("collectives", "collectives"),
         ("other", "other (step minus the above)"))
 SECTION, TITLE = "roofline", "## 10. Roofline: where a step's time goes"
+POLICY_SECTION = "roofline-policies"
+POLICY_TITLE = "## 13. The optimizer's share of a step, per precision policy"
 
 
 @dataclass(frozen=True)
@@ -158,6 +161,22 @@ def variant_overrides(layout: str, dtype: str, plan: Plan, extra: Sequence[str])
     return [*over, *extra]
 
 
+def policy_overrides(policy: str) -> list[str]:
+    """The ``hybrid_zero_optimizer`` overrides of one optimizer precision policy (``precision_report.POLICIES``)."""
+    from tessera.train.precision_report import POLICIES
+
+    return [f"hybrid_zero_optimizer.{k}='{v}'" for k, v in POLICIES[policy].items()]
+
+
+def variants(layout: str, dtypes: Sequence[str], plan: Plan, extra: Sequence[str],
+             policies: Sequence[str] = ()) -> dict[str, tuple[str, list[str]]]:
+    """Variant name -> (dtype, overrides): one per dtype, or one per dtype and optimizer policy."""
+    if not policies:
+        return {d: (d, variant_overrides(layout, d, plan, extra)) for d in dtypes}
+    return {f"{d} {p}": (d, variant_overrides(layout, d, plan, [*policy_overrides(p), *extra]))
+            for d in dtypes for p in policies}
+
+
 def _peak_size(plan: Plan, device: str) -> int:
     return max(plan.peak_size, 8192) if device == "cuda" else plan.peak_size
 
@@ -217,13 +236,13 @@ def paired(a: list[float], b: list[float]) -> dict[str, float]:
     return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "n": len(ratios)}
 
 
-def measure_layout(layout: str, sides: dict[str, str], dtypes: Sequence[str], raw: dict[str, Any], source: str,
-                   plan: Plan, extra: Sequence[str], threads: int, device: str, clock: str,
-                   tmpdir: str) -> dict[str, Any]:
-    """Build every side's stacks for ``layout``, interleave their steps, decompose each; per side and dtype."""
+def measure_layout(layout: str, sides: dict[str, str], named: dict[str, list[str]], raw: dict[str, Any], source: str,
+                   plan: Plan, threads: int, device: str, clock: str, tmpdir: str) -> dict[str, Any]:
+    """Build every side's stacks for ``layout`` (one per variant of ``named``: name -> overrides), interleave
+    their steps, decompose each; per side and variant."""
     world = LAYOUTS[layout][0]
-    start = {"raw": raw, "source": source, "device": device, "clock": clock,
-             "variants": {d: variant_overrides(layout, d, plan, extra) for d in dtypes}}
+    dtypes = list(named)
+    start = {"raw": raw, "source": source, "device": device, "clock": clock, "variants": named}
     groups: dict[str, WorkerGroup] = {}
     try:
         for side, checkout in sides.items():
@@ -288,25 +307,27 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
                     + (" (modified)" if _git(path, "status", "--porcelain", "--untracked-files=no") else "")
                     for side, path in sides.items()},
         "against_path": sides.get("against"), "loadavg": [os.getloadavg()], "layouts": {},
+        "policies": list(args.policies),
     }
     _log(f"roofline: {result['machine']['cpu']}, {args.threads} thread(s), commits {result['commits']}")
     fpt = {}  # model FLOPs per token from this checkout's closed form; building the configs checks the overrides
+    named = {layout: variants(layout, args.dtypes, plan, args.overrides, args.policies) for layout in args.layouts}
     for layout in args.layouts:
-        for d in args.dtypes:
+        for name, (_, overrides) in named[layout].items():
             cfg_raw = copy.deepcopy(raw)
-            apply_overrides(cfg_raw, variant_overrides(layout, d, plan, args.overrides), source=source)
+            apply_overrides(cfg_raw, overrides, source=source)
             cfg = Config.from_dict(cfg_raw, source=source)
-            fpt[(layout, d)] = flops_per_token(cfg.model, cfg.data.seq_len)
+            fpt[(layout, name)] = flops_per_token(cfg.model, cfg.data.seq_len)
     peaks = []
     with tempfile.TemporaryDirectory(prefix="roofline_") as tmpdir:
         for layout in args.layouts:  # the peak before each layout and after the last: the best of them counts
             peaks.append(_peaks(args.dtypes, args.threads, plan, args.device, args.clock))
             t0 = time.perf_counter()
-            res = measure_layout(layout, sides, args.dtypes, raw, source, plan, args.overrides, args.threads,
-                                 args.device, args.clock, tmpdir)
+            res = measure_layout(layout, sides, {n: o for n, (_, o) in named[layout].items()}, raw, source, plan,
+                                 args.threads, args.device, args.clock, tmpdir)
             for side in res:
-                for d in args.dtypes:
-                    res[side][d]["flops_per_token"] = fpt[(layout, d)]
+                for name, (d, _) in named[layout].items():
+                    res[side][name].update(flops_per_token=fpt[(layout, name)], dtype=d)
             result["layouts"][layout] = res
             result["loadavg"].append(os.getloadavg())
             _log(f"[{time.perf_counter() - t0:.0f}s] {layout} done")
@@ -316,12 +337,12 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
     for layout, res in result["layouts"].items():
         world = LAYOUTS[layout][0]
         for side in res:
-            for d, s in res[side].items():
+            for name, s in res[side].items():
                 job = statistics.median(s["job_times"])
                 s["tflops"] = s["flops_per_token"] * s["tokens"] / job / 1e12
-                s["mfu"] = s["tflops"] / (result["peaks_tflops"][d] * world)
+                s["mfu"] = s["tflops"] / (result["peaks_tflops"][s["dtype"]] * world)
                 if side == "ours" and "against" in res:
-                    s["vs_against"] = paired(s["job_times"], res["against"][d]["job_times"])
+                    s["vs_against"] = paired(s["job_times"], res["against"][name]["job_times"])
     return result
 
 
@@ -336,8 +357,8 @@ def _busy_warning(result: dict[str, Any]) -> list[str]:
                 "processes took the cores during parts of the run. Rerun on a quiet machine (or with `--clock cpu`).**"]
 
 
-def to_markdown(result: dict[str, Any]) -> list[str]:
-    """The section's lines (without its title)."""
+def _header(result: dict[str, Any]) -> list[str]:
+    """The command, the machine and the method, shared by both sections."""
     m = result["machine"]
     flags = ", ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if m["flags"].get(f)) or "none"
     no_flags = ", ".join(f for f in ("avx2", "avx512_bf16", "amx_bf16") if not m["flags"].get(f))
@@ -372,6 +393,16 @@ def to_markdown(result: dict[str, Any]) -> list[str]:
         "other = the step's median minus those (norms, rotary, SwiGLU, casts, copies, Python). TP=2: 2 gloo "
         "processes, rank 0's decomposition; MFU on the job's step (the slower rank) against 2x the peak.",
     ]
+    return lines
+
+
+def to_markdown(result: dict[str, Any]) -> list[str]:
+    """The section's lines (without its title)."""
+    if result.get("policies"):
+        return policies_markdown(result)
+    lines = _header(result)
+    dtypes = list(result["peaks_tflops"])
+    against = result["commits"].get("against")
     for layout, res in result["layouts"].items():
         tp, mode = LAYOUTS[layout]
         ours = res["ours"]
@@ -402,6 +433,35 @@ def to_markdown(result: dict[str, Any]) -> list[str]:
     return lines
 
 
+def policies_markdown(result: dict[str, Any]) -> list[str]:
+    """``--policies``: per layout, one row per (dtype, optimizer policy) with the optimizer's share of the step."""
+    lines = _header(result)
+    against = result["commits"].get("against")
+    lines += ["", "Each row is one optimizer precision policy (`tessera.train.precision_report.POLICIES`: the "
+                  "`hybrid_zero_optimizer` keys of `tools/precision_report.py --policies`) on the same workload; "
+                  "the optimizer column is `optimizer.step()` without its collectives, its share is of the same "
+                  "variant's median step."]
+    for layout, res in result["layouts"].items():
+        tp, mode = LAYOUTS[layout]
+        ours = res["ours"]
+        head = "| variant | step ms | optimizer ms | optimizer % of step | step / GEMM-only time |"
+        rule = "|---|---:|---:|---:|---:|"
+        if "against" in res:
+            head += f" step / {against}'s (paired rounds) | {against}: optimizer % of step |"
+            rule += "---:|---:|"
+        lines += ["", f"### TP={tp}" + (f" ({mode}), {tp} processes" if mode else ", 1 process"), "", head, rule]
+        for name, s in ours.items():
+            opt = s["parts"]["optimizer"]
+            row = (f"| {name} | {s['step_s'] * 1e3:.1f} | {opt * 1e3:.1f} | {100 * opt / s['step_s']:.1f}% | "
+                   f"{s['step_s'] / s['parts']['gemm']:.2f}x |")
+            if "against" in res:
+                a, v = res["against"][name], s["vs_against"]
+                row += (f" {v['median']:.2f}x [{v['min']:.2f}-{v['max']:.2f}] | "
+                        f"{100 * a['parts']['optimizer'] / a['step_s']:.1f}% |")
+            lines.append(row)
+    return lines
+
+
 def main(argv: Sequence[str] | None = None, prog: str = "python -m benchmarks roofline") -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
@@ -418,11 +478,32 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m benchmarks ro
                     help="cpu: every figure in CPU seconds of its process (for a busy machine; 1 thread per process)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cuda: TP=1 only")
     ap.add_argument("--config", default="configs/demo.py", help="the config the workload overrides")
-    ap.add_argument("--out", default="BENCHMARKS.md", help="file whose 'roofline' section is replaced ('' = none)")
+    ap.add_argument("--out", default="BENCHMARKS.md",
+                    help="file whose 'roofline' (with --policies: 'roofline-policies') section is replaced "
+                         "('' = none)")
     ap.add_argument("--json", default=None, help="also write the raw results as JSON here")
     ap.add_argument("--render", default=None, metavar="JSON", help="write the section from a --json file, no measuring")
+    ap.add_argument("--policies", nargs="?", const="all", default=None, metavar="NAMES",
+                    help="one variant per optimizer precision policy (comma-separated names of "
+                         "tessera.train.precision_report.POLICIES; default all) and write section 13 instead; "
+                         "default --layouts tp1 --dtypes bf16")
     ap.add_argument("overrides", nargs="*", help="key.sub=value overrides after the workload's")
     args = ap.parse_args(argv)
+    if args.policies is not None:
+        from tessera.train.precision_report import POLICIES
+
+        names = list(POLICIES) if args.policies == "all" else [p.strip() for p in args.policies.split(",") if p.strip()]
+        bad = [p for p in names if p not in POLICIES]
+        if bad or not names:
+            ap.error(f"--policies: {bad or 'nothing'} not among {list(POLICIES)}")
+        args.policies = names
+        explicit = {a.split("=")[0] for a in argv}
+        if "--layouts" not in explicit:
+            args.layouts = "tp1"
+        if "--dtypes" not in explicit:
+            args.dtypes = "bf16"
+    else:
+        args.policies = []
     args.dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     args.layouts = [v.strip() for v in args.layouts.split(",") if v.strip()]
     for flag, values, known in (("--dtypes", args.dtypes, DTYPES), ("--layouts", args.layouts, LAYOUTS)):
@@ -453,8 +534,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m benchmarks ro
     if args.out:
         from benchmarks.cli import write_section
 
-        write_section(args.out, SECTION, TITLE, lines)
-        _log(f"wrote the {SECTION} section of {args.out}")
+        section, title = (POLICY_SECTION, POLICY_TITLE) if result.get("policies") else (SECTION, TITLE)
+        write_section(args.out, section, title, lines)
+        _log(f"wrote the {section} section of {args.out}")
     if args.json and not args.render:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

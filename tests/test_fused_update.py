@@ -117,7 +117,8 @@ def _noise_in_python(index, param_key, step, seed):
         x = (x * 0x2C1B3C6D) & 0xFFFFFFFF
         return x ^ (x >> 16)
     key = mix(param_key ^ mix(step ^ mix(seed)))
-    return mix(index * 0x9E3779B9 + key) & 0xFFFF
+    pair = mix(index // 2 * 0x9E3779B9 + key)  # one hash per pair of elements: low half even, high half odd
+    return (pair >> 16 if index % 2 else pair) & 0xFFFF
 
 
 @pytest.mark.parametrize("start", [0, 5, 70_000, 2**31 - 40])
@@ -125,8 +126,12 @@ def test_noise_equals_the_hash_computed_with_python_integers(start):
     """The int32 wrapping arithmetic (cached index term, large and small draws, any start) is the hash."""
     n = 37 if start > 2**31 - 100 else 70_001  # a draw larger than one chunk goes the uncached way
     got = element_noise(start, start + n, 0xDEADBEEF, 12, 1024, "cpu")
-    for i in (0, 1, n // 2, n - 1):
+    for i in (0, 1, 2, n // 2, n // 2 + 1, n - 2, n - 1):
         assert int(got[i]) == _noise_in_python(start + i, 0xDEADBEEF, 12, 1024), i
+    for a, z in ((0, n), (1, n), (0, n - 1), (3, 10)):  # into `out`: pair-aligned or not, the same bits
+        out = torch.full((z - a,), -1, dtype=torch.int32)
+        assert element_noise(start + a, start + z, 0xDEADBEEF, 12, 1024, "cpu", out=out) is out
+        assert torch.equal(out, got[a:z])
 
 
 class _Two(nn.Module):

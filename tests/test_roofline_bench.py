@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from benchmarks.roofline import PLANS, _summary, variant_overrides
+from benchmarks.roofline import PLANS, _summary, variant_overrides, variants
 from benchmarks.roofline_worker import OpCall, Recorder, TensorSpec, Worker, _fresh, replay
 from tessera.config import load_python_file
 from tessera.model.flops import matmul_parameters
@@ -105,6 +105,41 @@ def test_workload_overrides_come_before_the_users():
     assert over.index("data.seq_len=256") < over.index("data.seq_len=64")
     assert "parallel.tensor.size=2" in over and "parallel.tensor.mode='msp'" in over
     assert "model.dtype='torch.bfloat16'" in over
+
+
+def test_policy_variants_carry_each_policys_optimizer_keys():
+    from tessera.train.precision_report import POLICIES
+
+    named = variants("tp1", ["bf16"], PLANS["full"], ["data.seq_len=64"], list(POLICIES))
+    assert list(named) == [f"bf16 {p}" for p in POLICIES]
+    for policy, (dtype, over) in zip(POLICIES, named.values()):
+        assert dtype == "bf16" and over[-1] == "data.seq_len=64"  # the user's overrides come last
+        assert {o for o in over if o.startswith("hybrid_zero_optimizer.")} == \
+            {f"hybrid_zero_optimizer.{k}='{v}'" for k, v in POLICIES[policy].items()}
+    assert variants("tp1", ["bf16", "fp32"], PLANS["full"], []) == {
+        d: (d, variant_overrides("tp1", d, PLANS["full"], [])) for d in ("bf16", "fp32")}
+
+
+@pytest.mark.slow
+def test_cli_policies_write_the_optimizer_share_section(tmp_path):
+    """``--policies``: one stack per policy, the optimizer's share per row, section 13 (not 10) written."""
+    out, js = tmp_path / "B.md", tmp_path / "r.json"
+    out.write_text("# Benchmarks\n")
+    cmd = [sys.executable, "-m", "benchmarks", "roofline", "--policies", "fp32 masters (default),bf16 masters + Kahan",
+           "--quick", "--clock", "cpu", "--rounds", "1", "--config", "configs/tiny.py", "--out", str(out),
+           "--json", str(js), "model.hidden_size=64", "model.num_layers=2", "model.num_attention_heads=4",
+           "model.num_kv_attention_heads=4", "data.seq_len=32", "data.micro_bsz=2"]
+    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(js.read_text())
+    rows = res["layouts"]["tp1"]["ours"]
+    assert list(rows) == ["bf16 fp32 masters (default)", "bf16 bf16 masters + Kahan"]
+    for s in rows.values():
+        assert s["dtype"] == "bf16" and 0 < s["parts"]["optimizer"] < s["step_s"]
+    text = out.read_text()
+    assert "## 13. The optimizer's share of a step, per precision policy" in text and "## 10." not in text
+    assert "| bf16 bf16 masters + Kahan |" in text
 
 
 @pytest.mark.slow

@@ -82,22 +82,29 @@ def element_noise(start: int, stop: int, param_key: int, step: int, seed: int, d
                   out: torch.Tensor | None = None) -> torch.Tensor:
     """16 random bits (int32 in [0, 65536)) for elements ``[start, stop)`` of one parameter at ``step``.
 
-    int32 arithmetic that wraps modulo 2**32 (logical shifts by masking): a few vectorised integer
-    operations per element, written into ``out`` when given; the value depends only on the element
-    index and the keys."""
-    key = _int32(_mix32_int(param_key ^ _mix32_int(step ^ _mix32_int(seed))) + start * _WEYL)
-    n = stop - start
+    One 32-bit hash per pair of elements: element ``i`` takes the low 16 bits of hash ``i // 2`` when
+    ``i`` is even and the high 16 bits when it is odd, so half as many hashes are computed as there are
+    elements. int32 arithmetic that wraps modulo 2**32 (logical shifts by masking): a few vectorised
+    integer operations per pair; written into ``out`` when given. The value depends only on the element
+    index and the keys, not on where a draw starts or ends."""
+    lo, hi = start // 2, (stop + 1) // 2  # the pairs that cover [start, stop)
+    key = _int32(_mix32_int(param_key ^ _mix32_int(step ^ _mix32_int(seed))) + lo * _WEYL)
+    n = hi - lo
     base = _weyl_steps(n, torch.device(device)) if n <= CHUNK else None
     if base is None:  # large draws: the index term computed here (wraps like the cached one)
-        base = torch.arange(start, stop, dtype=torch.int64, device=device).sub_(start).mul_(_WEYL).bitwise_and_(
+        base = torch.arange(n, dtype=torch.int64, device=device).mul_(_WEYL).bitwise_and_(
             0xFFFFFFFF).to(torch.int32)
-    x = torch.add(base, key, out=out) if out is not None else base + key
+    x = base + key
     shifted = torch.empty_like(x)
     for shift, mult in ((16, _M1), (15, _M2)):
         x.bitwise_xor_(torch.bitwise_right_shift(x, shift, out=shifted).bitwise_and_((1 << (32 - shift)) - 1))
         x.mul_(mult)
     x.bitwise_xor_(torch.bitwise_right_shift(x, 16, out=shifted).bitwise_and_(0xFFFF))
-    return x.bitwise_and_(0xFFFF)
+    # the int32 hashes read as int16 pairs are (low, high) halves in element order (little-endian, as on every
+    # device torch runs on); widening sign-extends, the mask takes the 16 bits back
+    halves = x.view(torch.int16)[start - 2 * lo : start - 2 * lo + (stop - start)]
+    bits = out.copy_(halves) if out is not None else halves.to(torch.int32)
+    return bits.bitwise_and_(0xFFFF)
 
 
 def stochastic_round_bf16(x: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:

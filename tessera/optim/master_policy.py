@@ -132,12 +132,16 @@ class MasterPolicy:
         device = b.master.device
 
         def draw(start: int, stop: int) -> torch.Tensor:
-            out = torch.zeros(stop - start, dtype=torch.int32, device=device)
+            out = torch.empty(stop - start, dtype=torch.int32, device=device)
+            filled = start  # pieces are in shard order; the gaps between them (padding) draw zeros
             for at, a, z, key in pieces:  # shard [at, at + z - a) holds elements [a, z) of the parameter
                 lo, hi = max(start, at), min(stop, at + z - a)
                 if lo < hi:
+                    out[filled - start : lo - start].zero_()
                     element_noise(a + lo - at, a + hi - at, key, step, self.seed, device,
                                   out=out[lo - start : hi - start])
+                    filled = hi
+            out[filled - start :].zero_()
             return out
 
         return draw
