@@ -205,18 +205,22 @@ def _optim_files(meta: Mapping[str, Any], tp_ranks: list[int]) -> tuple[str, lis
 
 
 def _load_optimizer(path: str, kind: str, files: list[list[str]], optimizer: Any, old_tp: int, layout: Layout,
-                    params: Mapping[str, Any]) -> None:
+                    params: Mapping[str, Any]) -> bool:
+    """Read the optimizer state; True when the parameters still need ``optimizer.publish_parameters()`` (a
+    collective, left to the caller so that the ranks agree on the reads first)."""
     if kind == "gathered":
         optimizer.load_state_dict(_load_state(path, "optim", old_tp, layout, params))
     elif old_tp == layout.tp_size:  # read only the element ranges this rank owns
         with OptimizerShards([os.path.join(path, n) for n in files[0]]) as shards:
-            optimizer.load_shards(shards)
+            optimizer.load_shards(shards, publish=False)
+        return True
     else:  # a new TP size: put every old TP rank's state together, then reshard (as for the model)
         trees = []
         for names in files:
             with OptimizerShards([os.path.join(path, n) for n in names]) as shards:
                 trees.append(shards.gathered())
         optimizer.load_state_dict(reshard_tree(trees, params, layout.tp_rank, layout.tp_size))
+    return False
 
 
 def load_checkpoint(
@@ -260,16 +264,29 @@ def load_checkpoint(
     old_tp = int(meta["layout"]["tp_size"])
     if layout.tp_size != old_tp:
         logger.info("resharding %s from TP=%d to TP=%d", path, old_tp, layout.tp_size)
-    params = model_param_dims(model)
-    _load_model_state(model, _load_state(path, "model", old_tp, layout, params), path)
-    if optim is not None:
-        _load_optimizer(path, *optim, optimizer, old_tp, layout, params)
-    if load_components:
-        state.load_state_dict(meta["trainer_state"], path)
-    rng_file = rng_name(layout.global_rank)
-    meta["rank_state_loaded"] = rng_file in need
-    if meta["rank_state_loaded"]:
-        state.load_rank_state_dict(read_tree(os.path.join(path, rng_file)), path)
+    # Files that pass the checks can still fail to parse or end early, and only on the ranks that read
+    # those bytes: every read happens first, then the ranks agree again, and only then the all-gather.
+    error, publish = None, False
+    try:
+        params = model_param_dims(model)
+        _load_model_state(model, _load_state(path, "model", old_tp, layout, params), path)
+        if optim is not None:
+            publish = _load_optimizer(path, *optim, optimizer, old_tp, layout, params)
+        if load_components:
+            state.load_state_dict(meta["trainer_state"], path)
+        rng_file = rng_name(layout.global_rank)
+        meta["rank_state_loaded"] = rng_file in need
+        if meta["rank_state_loaded"]:
+            state.load_rank_state_dict(read_tree(os.path.join(path, rng_file)), path)
+    except CheckpointError as e:
+        error = str(e)
+    except (ValueError, KeyError, OSError, RuntimeError) as e:  # a parse error, a missing entry, a short read
+        error = f"{path}: cannot load it: {type(e).__name__}: {e}"
+    errors = _exchange_errors(error)
+    if errors:
+        raise CheckpointError("; ".join(errors), every_rank=True)
+    if publish and optimizer is not None:
+        optimizer.publish_parameters()
     return meta
 
 

@@ -159,12 +159,14 @@ class Bucket:
             "state": {k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in inner.items()},
         }
 
-    def load_master_shard(self, source: ShardSource) -> None:
-        """Read this rank's element ranges of the masters, then rebuild the parameters (a collective)."""
+    def load_master_shard(self, source: ShardSource, *, publish: bool = True) -> None:
+        """Read this rank's element ranges of the masters, then rebuild the parameters (a collective;
+        ``publish=False`` leaves that to a later ``publish_masters``)."""
         for i, a, z in self.shard_pieces():
             at = self.offsets[i] + a - self.lo
             self.master[at : at + z - a].copy_(source.read(self.names[i], "master", a, z))
-        self.publish_masters()
+        if publish:
+            self.publish_masters()
 
     def shard_state_from(self, source: ShardSource, group: Mapping[str, Any]) -> dict[str, Any] | None:
         """This rank's inner state read from ``source`` (None when nothing was saved for the bucket)."""

@@ -364,10 +364,14 @@ class HybridZeroOptimizer(torch.optim.Optimizer):
                 "partition_dim": self._partition_dims(), "buckets": buckets}
 
     @torch.no_grad()
-    def load_shards(self, source: ShardSource) -> None:
+    def load_shards(self, source: ShardSource, *, publish: bool = True) -> None:
         """Fill this rank's masters and states from ``source``, reading only the element ranges this ZERO1
         rank owns, then rebuild the parameters (masters rounded to the model dtype, all-gathered over ZERO1).
-        A collective over ZERO1 (every rank calls it); loads from saved shards of any DP/ZeRO layout."""
+        A collective over ZERO1 (every rank calls it); loads from saved shards of any DP/ZeRO layout.
+
+        ``publish=False`` reads only (no collective) and leaves the rebuild to ``publish_parameters``, so a
+        caller can let the ranks agree that every read succeeded first: a rank whose read failed would
+        otherwise never join the all-gather the others wait in."""
         header = source.header
         if header.get("format") != SHARD_FORMAT:
             raise ValueError(f"not a HybridZeroOptimizer shard (format {header.get('format')!r}, "
@@ -380,13 +384,21 @@ class HybridZeroOptimizer(torch.optim.Optimizer):
                 if tuple(saved) != tuple(p.shape):
                     raise ValueError(f"optimizer checkpoint: {n!r} has shape {tuple(saved)}, this rank's parameter "
                                      f"is {tuple(p.shape)} (reshard the tensor-parallel slices first)")
-            b.load_master_shard(source)
+            b.load_master_shard(source, publish=False)
             new_state = b.shard_state_from(source, group)
             self._optim.state.pop(b.master, None)
             if new_state is not None:
                 self._optim.state[b.master] = new_state
             group.update(source.group(b.names[0]))
         self._restore_counters(header)
+        if publish:
+            self.publish_parameters()
+
+    def publish_parameters(self) -> None:
+        """Rebuild the parameters from the masters (rounded to the model dtype, all-gathered over ZERO1).
+        A collective over ZERO1."""
+        for b in self.buckets:
+            b.publish_masters()
 
     def _restore_counters(self, saved: Mapping[str, Any]) -> None:
         self._scaler.load_state_dict(saved["scaler"])
