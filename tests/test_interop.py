@@ -211,7 +211,10 @@ def test_import_rejects_what_tessera_cannot_represent(tmp_path):
     with open(os.path.join(src, "config.json")) as f:
         cfg = json.load(f)
     for key, value, expect in [("hidden_act", "gelu", "hidden_act"), ("mlp_bias", True, "mlp_bias"),
-                               ("rope_scaling", {"rope_type": "linear", "factor": 2.0}, "rope scaling")]:
+                               ("rope_scaling", {"rope_type": "dynamic", "factor": 2.0}, "rope scaling.*dynamic"),
+                               ("rope_scaling", {"rope_type": "llama3", "factor": 8.0}, "low_freq_factor"),
+                               ("partial_rotary_factor", 0.5, "partial_rotary_factor"),
+                               ("model_type", "gpt2", "model_type='gpt2'")]:
         with open(os.path.join(src, "config.json"), "w") as f:
             json.dump({**cfg, key: value}, f)
         with pytest.raises(CheckpointError, match=expect):

@@ -38,6 +38,9 @@ REL_TOL = 1e-5
 # GQA (8 query heads, 4 KV heads) so that tp=4 still splits KV heads; every size divisible by 4
 SMALL = dict(num_layers=2, hidden_size=32, num_attention_heads=8, num_kv_attention_heads=4, vocab_size=64,
              mlp_ratio=2.0, multiple_of=16, dtype="torch.float32", use_flash_attn=False)
+# head_dim 6 where hidden / heads is 4; the head_dim x heads projections are not square
+FAMILY_FEATURES = dict(head_dim=6, qk_norm=True, qkv_bias=True,
+                       rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8})
 
 
 def _model_cfg(**overrides):
@@ -119,6 +122,10 @@ def _tp_worker(rank: int, world_size: int) -> None:
     _compare_tp_run(whole, {})
     _compare_tp_run(whole, {"parallel_output": False, "checkpoint": True})
     _compare_tp_run(pair, {"tie_word_embeddings": True, "bias": True, "checkpoint": 0.5})
+    # the family features (Qwen3's q/k norms and head_dim, Qwen2's q/k/v-only biases, YaRN): the q/k norm weights
+    # see only this rank's heads, so their gradients must be summed over TP to match TP=1
+    _compare_tp_run(whole, {**FAMILY_FEATURES, "checkpoint": "selective"})
+    _compare_tp_run(pair, {**FAMILY_FEATURES, "checkpoint": True})
     # build_model's defaults come from gpc after a launch: its TENSOR group, its seed, its TENSOR stream
     launch_from_torch({"model": SMALL, "parallel": {"tensor": {"size": 2}}, "data": {"type": "synthetic"}}, seed=77)
     model = build_model(gpc.config.model)

@@ -35,6 +35,9 @@ REL_TOL = 1e-5
 SMALL = dict(num_layers=2, hidden_size=32, num_attention_heads=8, num_kv_attention_heads=4, vocab_size=64,
              mlp_ratio=2.0, multiple_of=16, dtype="torch.float32", use_flash_attn=False)
 SEQ = 16
+# Qwen3's q/k norms and its own head_dim (6, where hidden / heads is 4), Qwen2's q/k/v-only biases, YaRN
+FAMILY_FEATURES = dict(head_dim=6, qk_norm=True, qkv_bias=True,
+                       rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8})
 
 
 def _cfg(tp: int = 1, mode: str = "mtp", **model):
@@ -119,13 +122,14 @@ def _compare_modes(group, singles, overrides: dict, optimizer_steps: int = 3) ->
         _assert_rel(q.detach(), p.detach(), f"after {optimizer_steps} optimizer steps: {name}")
 
 
-def _bf16_smoke(group) -> None:
+def _bf16_smoke(group, features: dict | None = None) -> None:
     """bf16 with fp32 norms and head (NaiveAMPModel): msp close to mtp, norm weights fp32 and in sync."""
     from tessera.train.naive_amp import naive_amp_from_config
 
     out = {}
     for mode in ("mtp", "msp"):
-        cfg = _cfg(dist.get_world_size(group), mode, dtype="torch.bfloat16", fp32_modules=["*norm*", "output"])
+        cfg = _cfg(dist.get_world_size(group), mode, dtype="torch.bfloat16", fp32_modules=["*norm*", "output"],
+                   **(features or {}))
         model = naive_amp_from_config(build_model(cfg.model, tp_group=group, seed=5, tensor_mode=mode), cfg.model,
                                       sync_buffer=False)
         ids, target, cu = _batch(2)
@@ -137,10 +141,12 @@ def _bf16_smoke(group) -> None:
     _assert_rel(out["msp"][1], out["mtp"][1], "bf16 loss", 1e-2)
     for name, g in out["mtp"][2].items():
         _assert_rel(out["msp"][2][name], g, f"bf16 grad {name}", 5e-2)
-    norm_grad = out["msp"][2]["layers.0.ffn_norm.weight"]
-    assert norm_grad.dtype == torch.float32
-    peer = gather_tensor(norm_grad.unsqueeze(0), 0, group)
-    assert all(torch.equal(peer[0], row) for row in peer), "norm-weight gradients differ over TP"
+    norms = ["layers.0.ffn_norm.weight"] + (["layers.0.attention.q_norm.weight"] if (features or {}).get("qk_norm") else [])
+    for name in norms:  # fp32 (marked), and summed over TP: every rank holds the same gradient
+        norm_grad = out["msp"][2][name]
+        assert norm_grad.dtype == torch.float32
+        peer = gather_tensor(norm_grad.unsqueeze(0), 0, group)
+        assert all(torch.equal(peer[0], row) for row in peer), f"norm-weight gradients differ over TP: {name}"
 
 
 def _tp2_worker(rank: int, world: int) -> None:
@@ -151,7 +157,9 @@ def _tp2_worker(rank: int, world: int) -> None:
     _compare_modes(group, singles, {"bias": True, "tie_word_embeddings": True, "parallel_output": False,
                                     "checkpoint": True}, optimizer_steps=0)
     _compare_modes(group, singles, {"checkpoint": "selective", "bias": True, "dropout": 0.1}, optimizer_steps=0)
+    _compare_modes(group, singles, {**FAMILY_FEATURES, "checkpoint": "selective"}, optimizer_steps=0)
     _bf16_smoke(group)
+    _bf16_smoke(group, FAMILY_FEATURES)
     # a checkpoint is mode-independent: the same names, shapes, TP tags and values in both modes
     a = build_model(_cfg(2).model, tp_group=group, seed=3, tensor_mode="mtp").state_dict(keep_vars=True)
     b = build_model(_cfg(2).model, tp_group=group, seed=3, tensor_mode="msp").state_dict(keep_vars=True)

@@ -1,19 +1,8 @@
-"""Hugging Face Llama <-> tessera: names, configs, and streaming export/import.
+"""Hugging Face export and import, streaming one tensor at a time.
 
-The tessera decoder is a Llama: pre-norm RMSNorm, rotary in the rotate_half convention (the q/k
-rows are already in the order HF expects, so no permutation), grouped KV heads, SwiGLU with
-``w1`` = gate, ``w3`` = up, ``w2`` = down. Names map one to one:
-
-    embedding.weight                      model.embed_tokens.weight
-    layers.i.attention_norm.weight        model.layers.i.input_layernorm.weight
-    layers.i.attention.{wq,wk,wv,wo}.*    model.layers.i.self_attn.{q,k,v,o}_proj.*
-    layers.i.ffn_norm.weight              model.layers.i.post_attention_layernorm.weight
-    layers.i.feed_forward.{w1,w3,w2}.*    model.layers.i.mlp.{gate,up,down}_proj.*
-    norm.weight                           model.norm.weight
-    output.weight                         lm_head.weight (absent when tied)
-
-tessera's ``model.bias`` puts biases on all seven projections, i.e. HF ``attention_bias`` and
-``mlp_bias`` both; an HF model with only one of them cannot be imported.
+What maps to what (families, names, ``config.json`` keys) is ``tessera.checkpoint.hf_config``; this
+module moves the tensors. An import records the family it came from (``imported_from.family`` in
+meta.json) so that the export writes the same family back when it can describe the model.
 
 Vocabulary padding on import: tessera shards the vocabulary over TP, so it must divide by the TP
 size. An HF vocabulary that does not is padded with zero rows (embedding and head) up to the next
@@ -33,176 +22,38 @@ import torch
 
 from tessera.checkpoint.errors import CheckpointError
 from tessera.checkpoint.folders import new_step_folder, output_step_folder
+from tessera.checkpoint.hf_config import (
+    EXPORT_DTYPES,
+    from_hf_name,
+    hf_config_from_model_cfg,
+    hf_family,
+    model_cfg_from_hf_config,
+    to_hf_name,
+)
 from tessera.checkpoint.meta import file_entry, new_meta, shard_files, write_meta
 from tessera.checkpoint.reshard import param_layout, reshard
 from tessera.checkpoint.safetensors_io import SafetensorsReader, SafetensorsWriter, read_header
 from tessera.checkpoint.source import CheckpointSource
 from tessera.checkpoint.tree import flat_state_metadata
 from tessera.config import Config
-from tessera.config.precision import dtype_from_name, dtype_name, parse_dtype
+from tessera.config.precision import dtype_from_name, parse_dtype
 from tessera.data.errors import DataError
 from tessera.data.tokenizer import HFTokenizer, tokenizer_for_checkpoint, write_hf_tokenizer_files
-from tessera.model.mlp import ffn_hidden_size
 
 __all__ = ["to_hf_name", "from_hf_name", "hf_config_from_model_cfg", "model_cfg_from_hf_config", "export_hf",
            "import_hf", "parse_dtype_name"]
 
-_LAYER = {
-    "attention_norm": "input_layernorm",
-    "attention.wq": "self_attn.q_proj",
-    "attention.wk": "self_attn.k_proj",
-    "attention.wv": "self_attn.v_proj",
-    "attention.wo": "self_attn.o_proj",
-    "ffn_norm": "post_attention_layernorm",
-    "feed_forward.w1": "mlp.gate_proj",
-    "feed_forward.w3": "mlp.up_proj",
-    "feed_forward.w2": "mlp.down_proj",
-}
-_TOP = {"embedding": "model.embed_tokens", "norm": "model.norm", "output": "lm_head"}
-_LAYER_INV = {v: k for k, v in _LAYER.items()}
-_TOP_INV = {v: k for k, v in _TOP.items()}
 _VOCAB_ROWS = ("embedding.weight", "output.weight")  # vocab-indexed along dim 0
-_EXPORT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what an export or import may convert to
 
 
 def parse_dtype_name(name: str) -> torch.dtype:
     """``fp32|bf16|fp16`` (or the long names) -> torch dtype."""
-    return dtype_from_name(name, among=_EXPORT_DTYPES)
+    return dtype_from_name(name, among=EXPORT_DTYPES)
 
 
 def run_dtype(model_cfg: Mapping[str, Any]) -> torch.dtype:
     """The storage dtype a run trained in (tf32 is fp32 storage)."""
     return parse_dtype(model_cfg.get("dtype", "torch.float32"))[0]
-
-
-def to_hf_name(name: str) -> str:
-    """tessera parameter name -> HF Llama name (KeyError for an unknown name)."""
-    module, leaf = name.rsplit(".", 1)
-    if module.startswith("layers."):
-        _, i, rest = module.split(".", 2)
-        return f"model.layers.{i}.{_LAYER[rest]}.{leaf}"
-    return f"{_TOP[module]}.{leaf}"
-
-
-def from_hf_name(name: str) -> str | None:
-    """HF Llama name -> tessera name; None for a name tessera has no parameter for."""
-    module, leaf = name.rsplit(".", 1)
-    if module.startswith("model.layers."):
-        parts = module.split(".", 3)
-        if len(parts) == 4 and parts[3] in _LAYER_INV:
-            return f"layers.{parts[2]}.{_LAYER_INV[parts[3]]}.{leaf}"
-        return None
-    return f"{_TOP_INV[module]}.{leaf}" if module in _TOP_INV else None
-
-
-# ---------------------------------------------------------------------------------------- configs
-def hf_config_from_model_cfg(model_cfg: Mapping[str, Any], *, vocab_size: int | None = None,
-                             dtype: torch.dtype = torch.float32, eos_token_id: int | None = None,
-                             bos_token_id: int | None = None) -> dict[str, Any]:
-    """``config.json`` for ``LlamaForCausalLM`` describing the same network as tessera's ``model`` section."""
-    m = model_cfg
-    heads = int(m["num_attention_heads"])
-    kv = int(m.get("num_kv_attention_heads") or heads)
-    hidden = int(m["hidden_size"])
-    bias = bool(m.get("bias", False))
-    rope = float(m.get("rope_base", 10000.0))
-    max_pos = m.get("max_position_embeddings")
-    if max_pos is None:
-        raise CheckpointError("model.max_position_embeddings is not set in the checkpoint's config")
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": int(vocab_size if vocab_size is not None else m["vocab_size"]),
-        "hidden_size": hidden,
-        "intermediate_size": ffn_hidden_size(hidden, float(m.get("mlp_ratio", 8 / 3)), int(m.get("multiple_of", 256))),
-        "num_hidden_layers": int(m["num_layers"]),
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv,
-        "head_dim": hidden // heads,
-        "hidden_act": "silu",
-        "max_position_embeddings": int(max_pos),
-        "rms_norm_eps": float(m.get("layer_norm_epsilon", 1e-5)),
-        "rope_theta": rope,  # transformers 4.x
-        "rope_parameters": {"rope_type": "default", "rope_theta": rope},  # transformers 5.x
-        "rope_scaling": None,
-        "tie_word_embeddings": bool(m.get("tie_word_embeddings", False)),
-        "attention_bias": bias,
-        "mlp_bias": bias,
-        "attention_dropout": 0.0,
-        "initializer_range": float(m.get("init_std", 0.02)),
-        "pretraining_tp": 1,
-        "use_cache": True,
-        "bos_token_id": bos_token_id,
-        "eos_token_id": eos_token_id,
-        "pad_token_id": None,
-        "torch_dtype": dtype_name(dtype),
-        "dtype": dtype_name(dtype),
-    }
-
-
-def model_cfg_from_hf_config(hf: Mapping[str, Any], tp: int, where: str = "config.json") -> tuple[dict[str, Any], int]:
-    """tessera ``model`` section for an HF Llama config at TP size ``tp``; also the HF vocab size.
-
-    Raises ``CheckpointError`` naming the key for what tessera's decoder cannot represent.
-    """
-    def need(key: str) -> Any:
-        if key not in hf:
-            raise CheckpointError(f"{where}: missing key {key!r}")
-        return hf[key]
-
-    archs = hf.get("architectures") or []
-    if hf.get("model_type") != "llama" and "LlamaForCausalLM" not in archs:
-        raise CheckpointError(f"{where}: model_type={hf.get('model_type')!r}, architectures={archs}; only Llama "
-                              "(LlamaForCausalLM) checkpoints can be imported")
-    if hf.get("hidden_act", "silu") != "silu":
-        raise CheckpointError(f"{where}: hidden_act={hf['hidden_act']!r}; tessera's MLP is SwiGLU (silu)")
-    rope_params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling")
-    if scaling:
-        rope_type = scaling.get("rope_type", scaling.get("type"))
-    else:
-        rope_type = rope_params.get("rope_type", "default")
-    if rope_type not in (None, "default"):
-        raise CheckpointError(f"{where}: rope scaling {scaling or rope_params} is not supported (plain rotary only)")
-    rope = float(hf.get("rope_theta") or rope_params.get("rope_theta") or 10000.0)
-    hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
-    kv = int(hf.get("num_key_value_heads") or heads)
-    head_dim = hf.get("head_dim")
-    if head_dim is not None and int(head_dim) * heads != hidden:
-        raise CheckpointError(f"{where}: head_dim={head_dim} x num_attention_heads={heads} != hidden_size={hidden}; "
-                              "tessera needs head_dim = hidden_size / num_attention_heads")
-    attn_bias, mlp_bias = bool(hf.get("attention_bias", False)), bool(hf.get("mlp_bias", False))
-    if attn_bias != mlp_bias:
-        raise CheckpointError(f"{where}: attention_bias={attn_bias} but mlp_bias={mlp_bias}; tessera's model.bias "
-                              "sets both")
-    inter = int(need("intermediate_size"))
-    # mlp_ratio / multiple_of reproducing intermediate_size exactly: prefer a round multiple_of
-    ratio = inter / hidden
-    multiple_of = next(mo for mo in (256, 128, 64, 32, 16, 8, 4, 2, 1, inter)
-                       if ffn_hidden_size(hidden, ratio, mo) == inter)
-    vocab = int(need("vocab_size"))
-    padded = -(-vocab // tp) * tp
-    try:  # the stored dtype when it is one tessera trains in, else bf16
-        stored = dtype_from_name(str(hf.get("dtype") or hf.get("torch_dtype") or "float32"), among=_EXPORT_DTYPES)
-    except ValueError:
-        stored = torch.bfloat16
-    model = {
-        "num_layers": int(need("num_hidden_layers")),
-        "hidden_size": hidden,
-        "num_attention_heads": heads,
-        "num_kv_attention_heads": kv,
-        "vocab_size": padded,
-        "mlp_ratio": ratio,
-        "multiple_of": multiple_of,
-        "dtype": f"torch.{dtype_name(stored)}",
-        "layer_norm_epsilon": float(hf.get("rms_norm_eps", 1e-6)),
-        "rope_base": rope,
-        "max_position_embeddings": int(hf.get("max_position_embeddings", 2048)),
-        "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
-        "bias": attn_bias,
-        "init_std": float(hf.get("initializer_range", 0.02)),
-    }
-    return model, vocab
 
 
 # ---------------------------------------------------------------------------------------- export
@@ -236,6 +87,8 @@ def export_hf(ckpt: str, out_dir: str, *, dtype: str | torch.dtype | None = None
         if tok is not None and tok.vocab_size > vocab:
             raise ValueError(f"the tokenizer ({tok_note}) has {tok.vocab_size} ids but the exported vocabulary only "
                              f"{vocab}; pass --tokenizer none or another tokenizer")
+        # the family the import came from when it can describe the model (refused before anything is written)
+        family = hf_family(m, prefer=(src.meta.get("imported_from") or {}).get("family"))
         names = src.param_names
         if m.get("tie_word_embeddings"):
             names = [n for n in names if n != "output.weight"]
@@ -259,7 +112,7 @@ def export_hf(ckpt: str, out_dir: str, *, dtype: str | torch.dtype | None = None
             writer.abort()
             raise
         eos = tok.eod_id if tok is not None else None
-        config = hf_config_from_model_cfg(m, vocab_size=vocab, dtype=out_dtype, eos_token_id=eos)
+        config = hf_config_from_model_cfg(m, vocab_size=vocab, dtype=out_dtype, eos_token_id=eos, family=family)
         with open(os.path.join(out_dir, "config.json"), "w") as f:
             json.dump(config, f, indent=2)
         with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
@@ -310,7 +163,8 @@ def _eod_token_name(tokenizer_json: str, hf: Mapping[str, Any]) -> str | None:
 
 def import_hf(hf_dir: str, dst: str, *, tp: int, dtype: str | torch.dtype | None = None, step: int = 0,
               overwrite: bool = False) -> str:
-    """Write a tessera checkpoint (model shards for ``tp`` ranks, meta.json, tokenizer) from HF Llama ``hf_dir``.
+    """Write a tessera checkpoint (model shards for ``tp`` ranks, meta.json, tokenizer) from the Hugging Face
+    model in ``hf_dir`` (a family of ``tessera.checkpoint.hf_config``).
 
     ``dst``: a ``step_<N>`` folder, or a folder that gets ``step_<step>``. ``dtype``: storage dtype of the
     shards (default: each HF tensor's own). Returns the step folder, ready for ``ckpt.load_ckpt_folder``.
@@ -322,10 +176,10 @@ def import_hf(hf_dir: str, dst: str, *, tp: int, dtype: str | torch.dtype | None
         hf = json.load(f)
     if tp < 1:
         raise ValueError(f"--tp must be >= 1, got {tp}")
-    model_cfg, hf_vocab = model_cfg_from_hf_config(hf, tp, cfg_path)
+    model_cfg, hf_vocab, family = model_cfg_from_hf_config(hf, tp, cfg_path)
     max_pos = model_cfg["max_position_embeddings"]
     raw = {"model": model_cfg, "parallel": {"tensor": {"size": tp}},
-           "data": {"type": "synthetic", "seq_len": min(2048, max_pos)}}
+           "data": {"type": "synthetic", "seq_len": min(2048, max_pos, model_cfg["sliding_window"] or max_pos)}}
     try:
         config = Config.from_dict(raw, source=cfg_path).to_dict()
     except Exception as e:  # noqa: BLE001 - ConfigError/ValueError: name the problem and the file
@@ -343,7 +197,8 @@ def import_hf(hf_dir: str, dst: str, *, tp: int, dtype: str | torch.dtype | None
         if name is None:
             if hf_name.endswith("rotary_emb.inv_freq"):
                 continue  # a recomputed buffer some older checkpoints contain
-            raise CheckpointError(f"{hf_dir}: tensor {hf_name!r} has no tessera counterpart (not a plain Llama?)")
+            raise CheckpointError(f"{hf_dir}: tensor {hf_name!r} has no tessera counterpart (a {family} model "
+                                  "tessera cannot represent?)")
         if name == "output.weight" and tied:
             continue  # tied: the head is the embedding
         source[name] = hf_name
@@ -396,7 +251,7 @@ def import_hf(hf_dir: str, dst: str, *, tp: int, dtype: str | torch.dtype | None
             for h in handles.values():
                 h.close()
         extra: dict[str, Any] = {"hf_vocab_size": hf_vocab,
-                                 "imported_from": {"path": os.path.abspath(hf_dir),
+                                 "imported_from": {"path": os.path.abspath(hf_dir), "family": family,
                                                    "vocab_padded_to": model_cfg["vocab_size"]}}
         tok_json = os.path.join(hf_dir, "tokenizer.json")
         if os.path.isfile(tok_json):

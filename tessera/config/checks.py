@@ -73,6 +73,10 @@ def check_config(cfg: dict[str, Any], source: str | None = None) -> None:
         raise ConfigError(
             f"data.seq_len={data['seq_len']} exceeds model.max_position_embeddings={m['max_position_embeddings']}{w}"
         )
+    if m["sliding_window"] is not None and m["sliding_window"] < data["seq_len"]:
+        raise ConfigError(f"model.sliding_window={m['sliding_window']} is shorter than data.seq_len={data['seq_len']}: "
+                          f"tessera's attention is full causal, which equals a sliding window only up to the window's "
+                          f"length; train with data.seq_len <= {m['sliding_window']}{w}")
     check_data(data, source)
     if cfg["lr_scheduler"]["total_steps"] is None:
         cfg["lr_scheduler"]["total_steps"] = data["total_steps"]

@@ -19,6 +19,7 @@ from tessera.config.precision import parse_dtype
 from tessera.model.args import ModelArgs
 from tessera.model.compile import BACKENDS as COMPILE_BACKENDS
 from tessera.model.compile import MODES as COMPILE_MODES
+from tessera.model.rotary import rope_scaling_problem
 from tessera.parallel.sequence import TENSOR_MODES
 
 __all__ = ["Key", "Section", "SCHEMA", "REQUIRED", "NORM_TYPES", "DEFAULT_MEMORY_HEADROOM"]
@@ -105,6 +106,10 @@ def _norm_type(v: Any) -> str | None:
     return None if v in NORM_TYPES else f"only {list(NORM_TYPES)} is implemented (the decoder uses RMSNorm)"
 
 
+def _rope_scaling(v: Any) -> str | None:
+    return rope_scaling_problem(v)
+
+
 def _tensor_mode(v: Any) -> str | None:
     return None if v in TENSOR_MODES else f"must be one of {list(TENSOR_MODES)}"
 
@@ -171,6 +176,23 @@ SCHEMA = Section(
                 "attn_dropout": _arg("attn_dropout", FLOAT, _fraction,
                                      doc="attention-probability dropout (inside TP regions)"),
                 "bias": _arg("bias", BOOL, doc="biases on attention and MLP projections"),
+                "qkv_bias": _arg("qkv_bias", BOOL, nullable=True,
+                                 doc="biases on the q/k/v projections alone (Qwen2: qkv_bias=True, bias=False); "
+                                     "None: as model.bias"),
+                "head_dim": _arg("head_dim", INT, _positive, nullable=True,
+                                 doc="dims per attention head; None: hidden_size / num_attention_heads (Qwen3 and "
+                                     "some Llama/Mistral checkpoints set it apart)"),
+                "qk_norm": _arg("qk_norm", BOOL, doc="RMSNorm over head_dim on queries and keys before rotary "
+                                                     "(Qwen3); its weight is shared by the heads"),
+                "rope_scaling": _arg("rope_scaling", (dict,), _rope_scaling, nullable=True,
+                                     doc="rotary frequency scaling, Hugging Face's parameters with a 'type': "
+                                         "linear (factor), llama3 (factor, low_freq_factor, high_freq_factor, "
+                                         "original_max_position_embeddings), yarn (factor, "
+                                         "original_max_position_embeddings, optional attention_factor, beta_fast, "
+                                         "beta_slow, mscale, mscale_all_dim, truncate); None: plain rotary"),
+                "sliding_window": _arg("sliding_window", INT, _positive, nullable=True,
+                                       doc="Mistral's attention window; tessera's attention is full causal, so a "
+                                           "window shorter than data.seq_len is refused; None: no window"),
                 "fp32_modules": Key((list, tuple), [], _str_list, doc="fnmatch patterns of module names kept fp32"),
                 "use_fp32_norm": Key(BOOL, False, doc="keep every norm module fp32 (InternEvo's switch)"),
                 "allow_reduced_precision_reduction": Key(

@@ -14,7 +14,8 @@ Kept per layer (bytes), Megatron-paper style but matched to tessera's layer (``t
   outputs the column-parallel GEMMs keep -- only the chunk under msp, re-gathered in backward)
   ``+ E T (2 q_t + 2 k_t)`` (q, k after rotary, v, attention output) ``+ 3E T f_t`` (gate, up, their
   SwiGLU product; silu(gate) is recomputed) ``+ 8 s_r + 4 B Hq_t S`` (norm statistics, attention
-  log-sum-exp) ``+ 2E s_r h`` with residual dropout (masks);
+  log-sum-exp) ``+ 2E s_r h`` with residual dropout (masks) ``+ E T (q_t + k_t) + 4 T (Hq_t + Hkv_t)`` with
+  q/k norms (their inputs and statistics);
 - selective: ``E (2 s_r h + T (q_t + 2 k_t) + 2 T f_t)`` (block inputs x and x + attention; q, k, v;
   gate, up);
 - full: ``E s_r h`` (the layer input).
@@ -66,8 +67,9 @@ def activation_bytes(model_cfg: Any, micro_bsz: int, seq_len: int, tp: int, mode
     Th, srh, Tf = T * h, sr * h, T * f_t
     drop = 2 * e * srh if a.dropout > 0 else 0
 
+    qk_norms = e * T * (q_t + k_t) + 4 * T * (a.num_attention_heads + a.num_kv_attention_heads) // t if a.qk_norm else 0
     layer_none = (4 * e * srh + e * T * (2 * q_t + 2 * k_t) + 3 * e * Tf
-                  + 8 * sr + 4 * T * (a.num_attention_heads // t) + drop)
+                  + 8 * sr + 4 * T * (a.num_attention_heads // t) + drop + qk_norms)
     per_layer = {False: layer_none, "selective": e * (2 * srh + T * (q_t + 2 * k_t) + 2 * Tf),
                  True: e * srh}[checkpoint]
     top_keep = 4 * T * d + (9 * T if t > 1 else 0)  # rotary cos/sin; the embedding's local ids and mask

@@ -42,10 +42,19 @@ class ModelArgs:
     dropout: float = 0.0
     attn_dropout: float = 0.0
     bias: bool = False
+    # the model families people continue from (Hugging Face import/export names them in tessera.checkpoint.hf)
+    # None: hidden_size / num_attention_heads, filled in when it divides (size_problems names it when not)
+    head_dim: int = None  # type: ignore[assignment]
+    qkv_bias: bool | None = None  # biases on q/k/v only (Qwen2); None: as ``bias``
+    qk_norm: bool = False  # RMSNorm over head_dim on queries and keys before rotary (Qwen3)
+    rope_scaling: dict[str, Any] | None = None  # tessera.model.rotary.ROPE_SCALING_TYPES
+    sliding_window: int | None = None  # Mistral's key: only a window no shorter than the sequence is accepted
 
     def __post_init__(self) -> None:
         if self.num_kv_attention_heads is None:
             self.num_kv_attention_heads = self.num_attention_heads
+        if self.head_dim is None and self.hidden_size % self.num_attention_heads == 0:
+            self.head_dim = self.hidden_size // self.num_attention_heads
         if isinstance(self.checkpoint, str) and self.checkpoint != "selective":
             raise ValueError(f"checkpoint={self.checkpoint!r}: must be a bool, a fraction of layers or 'selective'")
 
@@ -68,8 +77,9 @@ class ModelArgs:
         return cls(**values)
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+    def attention_qkv_bias(self) -> bool:
+        """Whether q/k/v carry biases: ``qkv_bias`` when set, else ``bias`` (which also covers wo and the MLP)."""
+        return self.bias if self.qkv_bias is None else self.qkv_bias
 
     @property
     def ffn_hidden_size(self) -> int:
@@ -128,17 +138,23 @@ def size_problems(
     vocab_size: int | None = None,
     mlp_ratio: float | None = None,
     multiple_of: int | None = None,
+    head_dim: int | None = None,
 ) -> list[SizeProblem]:
     """Every size rule the decoder (or its attention alone: no vocab/MLP sizes given) breaks over ``tp`` ranks.
 
-    Heads split the hidden size, KV heads split the heads (grouped queries), rotary needs an even head
-    dim, and every tensor-parallel dim (query heads, KV heads, vocabulary, SwiGLU hidden) splits over tp.
+    Heads split the hidden size unless ``head_dim`` is given (then the projections map hidden_size to
+    heads x head_dim), KV heads split the heads (grouped queries), rotary needs an even head dim, and
+    every tensor-parallel dim (query heads, KV heads, vocabulary, SwiGLU hidden) splits over tp.
     """
     kv = num_attention_heads if num_kv_attention_heads is None else num_kv_attention_heads
     hidden, heads = hidden_size, num_attention_heads
     out: list[SizeProblem] = []
-    if hidden % heads:
-        out.append(SizeProblem("{hidden_size} is not divisible by {num_attention_heads}",
+    if head_dim is not None:
+        if head_dim % 2:
+            out.append(SizeProblem("{head_dim} is odd: rotary embeddings need an even head dim",
+                                   {"head_dim": head_dim}))
+    elif hidden % heads:
+        out.append(SizeProblem("{hidden_size} is not divisible by {num_attention_heads} (and head_dim is not set)",
                                {"hidden_size": hidden, "num_attention_heads": heads}))
     elif (hidden // heads) % 2:
         out.append(SizeProblem("{head_dim} ({hidden_size} / {num_attention_heads}) is odd: rotary embeddings "
@@ -175,6 +191,9 @@ def check_sizes(**sizes: Any) -> None:
 
 def check_tensor_parallel_sizes(args: ModelArgs, tp: int = 1) -> None:
     """Raise ``ModelSizeError`` naming the sizes when the model of ``args`` cannot be built over ``tp`` ranks."""
+    # a head_dim equal to hidden / heads is the default layout: checked (and named) as such
+    implied = args.hidden_size // args.num_attention_heads if args.hidden_size % args.num_attention_heads == 0 else None
     check_sizes(hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
                 num_kv_attention_heads=args.num_kv_attention_heads, tp=tp, vocab_size=args.vocab_size,
-                mlp_ratio=args.mlp_ratio, multiple_of=args.multiple_of)
+                mlp_ratio=args.mlp_ratio, multiple_of=args.multiple_of,
+                head_dim=None if args.head_dim == implied else args.head_dim)

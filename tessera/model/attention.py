@@ -39,6 +39,7 @@ from einops import rearrange
 
 from tessera.model import cpu_attention, flash_probe
 from tessera.model.args import check_sizes
+from tessera.model.norm import RMSNorm
 from tessera.model.recompute import keep_gemm_outputs
 from tessera.model.rotary import apply_rotary, document_ids
 from tessera.parallel import lowp
@@ -287,6 +288,12 @@ def attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int) 
 class Attention(nn.Module):
     """Multi-head attention with grouped KV heads: ``wq``/``wk``/``wv`` column-parallel, ``wo`` row-parallel.
 
+    ``head_dim`` (default ``hidden_size / num_heads``) may differ from it: the projections then map
+    ``hidden_size`` to ``heads x head_dim`` and back. ``bias`` puts biases on all four projections,
+    ``qkv_bias`` (default: ``bias``) on q/k/v alone. ``qk_norm`` adds RMSNorms over ``head_dim``
+    (``q_norm``, ``k_norm``: one weight shared by all heads) to queries and keys before rotary; each TP
+    rank sees only its heads, so their weight gradients are summed over the TP group.
+
     ``tensor_rng``: a factory of context managers that switch to the per-TP-rank RNG stream for the
     attention-probability dropout (sharded heads need different masks per rank). ``layer_index``: where
     this layer's keys/values go in a KV cache shared by all layers (``ForwardContext.cache``).
@@ -300,6 +307,10 @@ class Attention(nn.Module):
         process_group: Any = None,
         *,
         bias: bool = False,
+        qkv_bias: bool | None = None,
+        head_dim: int | None = None,
+        qk_norm: bool = False,
+        norm_eps: float = 1e-5,
         attn_dropout: float = 0.0,
         init_std: float = 0.02,
         out_init_std: float | None = None,
@@ -310,9 +321,10 @@ class Attention(nn.Module):
     ) -> None:
         super().__init__()
         tp = group_size(process_group)
-        check_sizes(hidden_size=hidden_size, num_attention_heads=num_heads, num_kv_attention_heads=num_kv_heads, tp=tp)
+        check_sizes(hidden_size=hidden_size, num_attention_heads=num_heads, num_kv_attention_heads=num_kv_heads, tp=tp,
+                    head_dim=head_dim)
         self.process_group = process_group
-        self.head_dim = hidden_size // num_heads
+        self.head_dim = hidden_size // num_heads if head_dim is None else head_dim
         self.num_heads_per_rank = divide(num_heads, tp, "num_attention_heads")
         self.num_kv_heads_per_rank = divide(num_kv_heads, tp, "num_kv_attention_heads")
         self.attn_dropout = attn_dropout
@@ -320,11 +332,18 @@ class Attention(nn.Module):
         self.layer_index = layer_index
         kw = dict(process_group=process_group, init_seed=None, device=device, dtype=dtype)
         q_dim, kv_dim = num_heads * self.head_dim, num_kv_heads * self.head_dim
-        self.wq = ColumnParallelLinear(hidden_size, q_dim, bias, init_std=init_std, **kw)
-        self.wk = ColumnParallelLinear(hidden_size, kv_dim, bias, init_std=init_std, **kw)
-        self.wv = ColumnParallelLinear(hidden_size, kv_dim, bias, init_std=init_std, **kw)
+        in_bias = bias if qkv_bias is None else qkv_bias
+        self.wq = ColumnParallelLinear(hidden_size, q_dim, in_bias, init_std=init_std, **kw)
+        self.wk = ColumnParallelLinear(hidden_size, kv_dim, in_bias, init_std=init_std, **kw)
+        self.wv = ColumnParallelLinear(hidden_size, kv_dim, in_bias, init_std=init_std, **kw)
         out_std = init_std if out_init_std is None else out_init_std
         self.wo = RowParallelLinear(q_dim, hidden_size, bias, init_std=out_std, **kw)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if qk_norm:
+            norm = dict(process_group=process_group, device=device, dtype=dtype)
+            self.q_norm = RMSNorm(self.head_dim, norm_eps, **norm)
+            self.k_norm = RMSNorm(self.head_dim, norm_eps, **norm)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Under ``ctx.sequence_parallel`` ``x`` is this rank's sequence chunk (msp): the projections gather the
@@ -338,6 +357,8 @@ class Attention(nn.Module):
         q = q.view(b, s, self.num_heads_per_rank, self.head_dim)
         k = k.view(b, s, self.num_kv_heads_per_rank, self.head_dim)
         v = v.view(b, s, self.num_kv_heads_per_rank, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:  # this rank's heads: partial weight gradients
+            q, k = self.q_norm(q, sharded_heads=True), self.k_norm(k, sharded_heads=True)
         q, k = apply_rotary(q, ctx.cos, ctx.sin), apply_rotary(k, ctx.cos, ctx.sin)
         p = self.attn_dropout if self.training else 0.0
         if ctx.cache is not None:

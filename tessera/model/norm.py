@@ -5,7 +5,8 @@ squares lose precision and can overflow); the result is scaled by the weight in 
 input dtype once (``tessera.model.fused_ops.rms_norm``). The weight is TP-replicated. Under sequence
 parallelism (msp) a norm sees only this rank's sequence chunk, so its weight gradient is partial:
 ``forward(x, sequence_parallel=True)`` sums it over the TP group inside autograd (``process_group``), and
-the optimizer sees the full gradient as in mtp.
+the optimizer sees the full gradient as in mtp. The q/k norms of attention see only this rank's heads,
+partial in the same way: ``forward(x, sharded_heads=True)``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch.nn as nn
 
 from tessera.model.fused_ops import compute_dtype, rms_norm
 from tessera.parallel.attrs import set_tensor_parallel_attrs
+from tessera.parallel.comm import group_size
 from tessera.parallel.sequence import reduce_grad_over_group
 
 __all__ = ["RMSNorm"]
@@ -41,10 +43,12 @@ class RMSNorm(nn.Module):
             with torch.no_grad():
                 self.weight.fill_(1.0)
 
-    def forward(self, x: torch.Tensor, *, sequence_parallel: bool = False) -> torch.Tensor:
-        """``sequence_parallel=True``: ``x`` is a sequence chunk; the weight gradient is summed over TP."""
+    def forward(self, x: torch.Tensor, *, sequence_parallel: bool = False, sharded_heads: bool = False) -> torch.Tensor:
+        """``sequence_parallel=True``: ``x`` is a sequence chunk; ``sharded_heads=True``: ``x`` holds this TP
+        rank's heads. Either way the weight gradient is partial and is summed over the TP group."""
         weight: torch.Tensor = self.weight
-        if sequence_parallel:  # the partial weight gradients are summed in fp32, then cast back once
+        if (sequence_parallel or sharded_heads) and group_size(self.process_group) > 1:
+            # the partial weight gradients are summed in fp32, then cast back once
             weight = reduce_grad_over_group(weight.to(compute_dtype(x.dtype)), self.process_group)
         return rms_norm(x, weight, self.eps)
 

@@ -76,8 +76,9 @@ class DecoderLayer(nn.Module):
         self.attention_norm = RMSNorm(args.hidden_size, args.layer_norm_epsilon, **norm)
         self.attention = Attention(
             args.hidden_size, args.num_attention_heads, args.num_kv_attention_heads, process_group,
-            bias=args.bias, attn_dropout=args.attn_dropout, init_std=args.init_std, out_init_std=out_std,
-            tensor_rng=tensor_rng, layer_index=layer_index, device=device,
+            bias=args.bias, qkv_bias=args.attention_qkv_bias, head_dim=args.head_dim, qk_norm=args.qk_norm,
+            norm_eps=args.layer_norm_epsilon, attn_dropout=args.attn_dropout, init_std=args.init_std,
+            out_init_std=out_std, tensor_rng=tensor_rng, layer_index=layer_index, device=device,
         )
         self.ffn_norm = RMSNorm(args.hidden_size, args.layer_norm_epsilon, **norm)
         self.feed_forward = FeedForward(
@@ -195,6 +196,10 @@ class Transformer(nn.Module):
                 raise ValueError("a KV cache is for inference on one document per row: call model.eval() "
                                  "and pass no cu_seqlens")
             past = cache.length
+        window = self.args.sliding_window
+        if window is not None and past + seqlen > window:
+            raise ValueError(f"sequence of {past + seqlen} positions exceeds model.sliding_window={window}: tessera's "
+                             "attention is full causal, which equals a sliding window only up to its length")
         if cu_seqlens is not None:  # a device cu_seqlens comes with max_seqlen from the host: never read back
             max_seqlen = check_max_seqlen(cu_seqlens, batch, seqlen, max_seqlen)
         sp = self.sequence_parallel_forward(cache)
@@ -207,7 +212,8 @@ class Transformer(nn.Module):
                 position_ids = positions_from_cu_seqlens(cu_seqlens.to(h.device), batch, seqlen)
             else:
                 position_ids = torch.arange(past, past + seqlen, device=h.device).expand(batch, seqlen)
-        cos, sin = rotary_cos_sin(position_ids.to(h.device), self.args.head_dim, self.args.rope_base)
+        cos, sin = rotary_cos_sin(position_ids.to(h.device), self.args.head_dim, self.args.rope_base,
+                                  self.args.rope_scaling)
         recompute = self.training and torch.is_grad_enabled()
         plan = plan_attention(cu_seqlens, batch, seqlen, self.args.use_flash_attn, max_seqlen)
         ctx = ForwardContext(cos, sin, plan,
