@@ -63,8 +63,8 @@ def _args(checkpoint: Any = False, **kw: Any) -> ModelArgs:
 
 
 def _model(dtype: str, checkpoint: Any = False, *, group: Any = None, mode: str = "mtp", fp32_norm: bool = False,
-           fp8: bool = False) -> NaiveAMPModel:
-    net = Transformer(_args(checkpoint, parallel_output=False), group, tensor_mode=mode)
+           fp8: bool = False, **features: Any) -> NaiveAMPModel:
+    net = Transformer(_args(checkpoint, parallel_output=False, **features), group, tensor_mode=mode)
     amp = NaiveAMPModel(net, dtype=dtype, sync_buffer=False, use_fp32_norm=fp32_norm)
     if fp8:
         enable_fp8_linears(amp, "tensorwise")
@@ -153,6 +153,17 @@ def test_compiled_blocks_match_eager(backend, dtype, checkpoint, packed, caplog)
     assert compiled_blocks(compiled) == 2
     compile_lines = [r.getMessage() for r in caplog.records if "graph(s) compiled for the training forward" in r.getMessage()]
     assert len(compile_lines) == 1 and f"backend {backend}" in compile_lines[0], compile_lines
+
+
+def test_family_features_compile_without_a_break():
+    """Qwen3's q/k norms and head_dim, Qwen2's q/k/v biases and YaRN inside the traced block, with fp32 norms."""
+    features = dict(head_dim=24, qk_norm=True, qkv_bias=True,
+                    rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16})
+    eager = _model("bfloat16", "selective", fp32_norm=True, **features)
+    compiled = _model("bfloat16", "selective", fp32_norm=True, **features)
+    compile_blocks(compiled, backend="aot_eager")
+    _compare(eager, compiled, _tol("bfloat16"), PACKED)
+    _check_compiled_ran()
 
 
 @pytest.mark.slow

@@ -22,6 +22,7 @@ from torch import nn
 from tessera.config import ConfigError
 from tessera.config.precision import Precision, resolve_precision
 from tessera.dist.context import ParallelMode, gpc
+from tessera.model.transformer import DecoderLayer
 from tessera.parallel.fp8 import RECIPES
 from tessera.parallel.layers import ColumnParallelLinear, RowParallelLinear
 
@@ -207,13 +208,20 @@ class NaiveAMPModel(nn.Module):
                     module._buffers[name] = b.to(target)
         if self.dtype == torch.float32:
             return  # fp32 / tf32: marked modules need no casts either
+        # a decoder block's output is never the model's: marked modules inside blocks keep no fp32 twin, which
+        # keeps their hooks free of side effects where a block is compiled under selective recomputation
+        in_blocks = {id(m) for block in model.modules() if isinstance(block, DecoderLayer) for m in block.modules()}
         for _, root in _fp32_roots(model):
             self._hooks.append(root.register_forward_pre_hook(self._to_fp32_pre_hook, with_kwargs=True))
-            self._hooks.append(root.register_forward_hook(self._to_model_dtype_hook))
+            hook = self._cast_back_hook if id(root) in in_blocks else self._to_model_dtype_hook
+            self._hooks.append(root.register_forward_hook(hook))
 
     @staticmethod
     def _to_fp32_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         return _cast_floating(args, torch.float32), _cast_floating(kwargs, torch.float32)
+
+    def _cast_back_hook(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        return _cast_floating(output, self.dtype)
 
     def _to_model_dtype_hook(self, module: nn.Module, args: tuple, output: Any) -> Any:
         cast = _cast_floating(output, self.dtype)
