@@ -34,10 +34,10 @@ TOOLS = os.path.join(ROOT, "tools")
 QUIET = ["metrics.progress_bar=False", "metrics.tensorboard=False"]
 
 
-def _train(workdir, name: str, overrides: list[str], nproc: int) -> dict[int, float]:
+def _train(workdir, name: str, overrides: list[str], nproc: int, config: str = TINY) -> dict[int, float]:
     """Run train.py under torchrun; return {step: loss} from its metrics.jsonl."""
     logs = os.path.join(workdir, "logs")
-    args = [os.path.join(ROOT, "train.py"), "--config", TINY, *QUIET, f"log_folder='{logs}'", f"job_name='{name}'",
+    args = [os.path.join(ROOT, "train.py"), "--config", config, *QUIET, f"log_folder='{logs}'", f"job_name='{name}'",
             *overrides]
     proc = run_torchrun(args, nproc, timeout=240, cwd=str(workdir))
     assert proc.returncode == 0, f"train.py failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
@@ -233,16 +233,15 @@ def test_imported_checkpoint_fine_tunes_with_train_py(tmp_path):
 
     src = str(tmp_path / "hf_src")
     _random_hf_llama(src, tied=False, bias=True)
-    _tool("import_hf.py", src, str(tmp_path / "imported"), "--tp", "2")
-    m = read_meta(str(tmp_path / "imported" / "step_0"))["config"]["model"]
-    model_args = [f"model.{k}={m[k]!r}" for k in ("num_layers", "hidden_size", "num_attention_heads",
-                                                  "num_kv_attention_heads", "vocab_size", "mlp_ratio", "multiple_of",
-                                                  "layer_norm_epsilon", "rope_base", "tie_word_embeddings", "bias")]
+    printed = _tool("import_hf.py", src, str(tmp_path / "imported"), "--tp", "2")
+    # the model section the tool prints is the config a user pastes: train.py runs on it as it is
+    config = tmp_path / "finetune.py"
+    config.write_text(printed[printed.index("model = dict("):] + "\n")
     ckpt = str(tmp_path / "ft")
-    losses = _train(tmp_path, "finetune", model_args + [
+    losses = _train(tmp_path, "finetune", [
         "parallel.tensor.size=2", "data.type='synthetic'", "data.seq_len=32", "data.total_steps=1", "adam.lr=0.0",
         f"ckpt.load_ckpt_folder='{tmp_path / 'imported' / 'step_0'}'", "ckpt.enable_save_ckpt=True",
-        f"ckpt.save_ckpt_folder='{ckpt}'"], nproc=2)
+        f"ckpt.save_ckpt_folder='{ckpt}'"], nproc=2, config=str(config))
     assert math.isfinite(losses[1])
     out = str(tmp_path / "hf_ft")
     _tool("export_hf.py", os.path.join(ckpt, "step_1"), out, "--dtype", "fp32", "--vocab-size", "259")

@@ -1,12 +1,15 @@
-"""Export a tessera checkpoint (any TP/DP layout) to a Hugging Face Llama folder.
+"""Export a tessera checkpoint (any TP/DP layout) to a Hugging Face model folder.
 
     python tools/export_hf.py ckpts/demo/step_1500 hf_demo [--dtype fp32|bf16|fp16]
 
-Writes ``config.json`` (LlamaForCausalLM), ``model.safetensors``, ``generation_config.json`` and, when the
+Writes ``config.json``, ``model.safetensors``, ``generation_config.json`` and, when the
 run had a tokenizer, ``tokenizer.json`` + ``tokenizer_config.json``, so that
 ``transformers.AutoModelForCausalLM.from_pretrained(OUT)`` and ``AutoTokenizer.from_pretrained(OUT)`` load
-it. Weights come from the fp32 optimizer masters when the checkpoint has them (exact), else from the
-model shards, one full tensor at a time. ``--dtype`` defaults to the run's training dtype.
+it. The family is the one the checkpoint was imported from when it can describe the model, else the
+first of Llama, Mistral (a sliding window), Qwen2 (q/k/v-only biases), Qwen3 (q/k norms) that can
+(``tessera.checkpoint.hf_config``). Weights come from the fp32 optimizer masters when the checkpoint has
+them (exact), else from the model shards, one full tensor at a time. ``--dtype`` defaults to the run's
+training dtype.
 
 Tokenizer: the byte tokenizer (``data.type='stdlib'`` or byte token folders) is written as an
 equivalent byte-level ``tokenizer.json`` (ids 0..255 = bytes, 256 = ``<|endoftext|>``); a run on HF
