@@ -3,9 +3,11 @@
 Why fused: an eager AdamW reads and writes the whole shard once per operator (about ten passes, each
 allocating a shard-sized temporary), which made the update a large share of a step. torch's fused AdamW
 kernel (``torch._fused_adamw_``, CPU and CUDA) does the whole update in one pass. With fp32 masters and
-fp32 moments it runs on the shard itself; with low-precision storage the shard is walked in chunks small
-enough to stay in cache: each chunk is widened to fp32 scratch buffers, updated by the same kernel, and
-rounded back, so the data crosses memory once and the scratch is reused.
+fp32 moments it runs on the shard itself; with low-precision storage the shard is walked in chunks: each
+chunk is widened to fp32 scratch buffers, updated by the same kernel, and rounded back, so the data
+crosses memory once and the scratch is reused. On a CPU a chunk is small enough for its scratch to stay
+in the core's cache, yet large enough that the dozen operator calls per chunk are not the cost; on a GPU
+every call is a kernel launch, so a chunk is a large slice of the shard (``chunk_for``).
 
 Why low-precision masters need care: with bf16 masters an update smaller than half a bf16 ulp of the
 weight is rounded away, so a small learning rate stalls training. Two remedies, ``master_compensation``:
@@ -31,10 +33,12 @@ from typing import Any
 
 import torch
 
-__all__ = ["adamw_step", "stochastic_round_bf16", "element_noise", "name_key", "COMPENSATIONS", "CHUNK", "Noise"]
+__all__ = ["adamw_step", "stochastic_round_bf16", "element_noise", "name_key", "COMPENSATIONS", "CHUNK",
+           "CUDA_CHUNK", "chunk_for", "Noise"]
 
 COMPENSATIONS = ("none", "kahan", "stochastic")
-CHUNK = 1 << 16  # elements per chunk of a low-precision update: 256 KiB per fp32 scratch buffer, cache-resident
+CHUNK = 1 << 18  # elements per chunk of a low-precision update on a CPU: 1 MiB per fp32 scratch buffer
+CUDA_CHUNK = 1 << 24  # on a GPU: 64 MiB per fp32 scratch buffer, a few launches per shard
 _M1, _M2 = 0x7FEB352D, 0x2C1B3C6D  # hash multipliers (odd, < 2**31)
 _WEYL = 0x9E3779B9  # golden-ratio increment: consecutive indices land far apart before mixing
 _LOW16 = -65536  # int32 mask 0xFFFF0000: the bits a bf16 keeps of an fp32
@@ -68,14 +72,20 @@ _WEYL_STEPS: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
 def _weyl_steps(n: int, device: torch.device) -> torch.Tensor:
-    """``arange(n) * _WEYL`` (int32, wrapping), cached per device: the index term of every noise draw."""
-    size = max(n, CHUNK)
+    """``arange(n) * _WEYL`` (int32, wrapping), cached per device: the index term of every noise draw (a chunk
+    holds half as many pairs as elements)."""
+    size = max(n, CHUNK // 2)
     key = (device, size)
     if key not in _WEYL_STEPS:
         _WEYL_STEPS.clear() if len(_WEYL_STEPS) > 8 else None
         _WEYL_STEPS[key] = torch.arange(size, dtype=torch.int64, device=device).mul_(_WEYL).bitwise_and_(
             0xFFFFFFFF).to(torch.int32)  # low 32 bits: the int32 wrap
     return _WEYL_STEPS[key][:n]
+
+
+def chunk_for(device: torch.device) -> int:
+    """Elements per chunk of a low-precision update on ``device`` (see the module docstring)."""
+    return CUDA_CHUNK if device.type == "cuda" else CHUNK
 
 
 def element_noise(start: int, stop: int, param_key: int, step: int, seed: int, device: Any,
@@ -142,13 +152,15 @@ def _fused(w: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, s
 
 
 def adamw_step(master: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], hyper: Mapping[str, Any], *,
-               compensation: str, state_dtype: torch.dtype, noise: Noise | None = None, chunk: int = CHUNK) -> None:
+               compensation: str, state_dtype: torch.dtype, noise: Noise | None = None, chunk: int | None = None
+               ) -> None:
     """One AdamW update of the flat ``master`` shard (fp32 or bf16) from the fp32 ``grad``, in place.
 
     ``state`` holds ``step`` (0-dim fp32, on the host as torch's AdamW keeps it), ``exp_avg`` /
     ``exp_avg_sq`` (``state_dtype``) and, for Kahan, ``master_compensation`` (bf16); missing entries start
     at zero. ``noise(start, stop)`` returns the random bits of stochastic rounding for shard elements
-    ``[start, stop)``.
+    ``[start, stop)``. ``chunk``: elements per chunk of low-precision storage (default ``chunk_for`` the device);
+    the result does not depend on it.
     """
     if hyper.get("amsgrad") or hyper.get("maximize"):
         raise ValueError("the fused AdamW update supports AdamW without amsgrad or maximize")
@@ -170,7 +182,7 @@ def adamw_step(master: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], 
         _fused(master, grad, m_all, v_all, step, hyper)
         return
     _chunked(master, grad, state, hyper, step, compensation if master.dtype != torch.float32 else "none",
-             noise, chunk)
+             noise, chunk_for(master.device) if chunk is None else chunk)
 
 
 def _chunked(master: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], hyper: Mapping[str, Any],
