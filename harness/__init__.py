@@ -5,6 +5,7 @@
                     timeout, the failing rank's traceback raised; ``run_torchrun``; ``free_port``
     fake_cuda.py    ``fake_cuda_mode``: CUDA tensors without a GPU (the NCCL-rule tests)
     state.py        ``HeldState``: a resumable component holding any state tree (checkpoint tests)
+    tools.py        ``run_tool``: a tool of ``tools/`` run in this process, its stdout
 
 Importable wherever the repository root is on ``sys.path``: under pytest (``pythonpath = .`` in
 pytest.ini) and under ``python -m benchmarks`` started from the root. Spawned workers inherit the

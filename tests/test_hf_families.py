@@ -16,9 +16,6 @@ The rotary frequencies of each scaling type are compared with transformers' own 
 
 from __future__ import annotations
 
-import contextlib
-import importlib.util
-import io
 import json
 import math
 import os
@@ -28,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from harness.distributed import run_distributed
+from harness.tools import run_tool
 from tessera.checkpoint import CheckpointError, Layout, TrainState, import_hf, load_checkpoint, read_meta
 from tessera.config import Config, ConfigError
 from tessera.model import build_model
@@ -57,18 +55,6 @@ FAMILIES = {  # name -> (config class, keys beyond COMMON)
 }
 MODEL_TYPE = {"llama3": "llama", "llama-head_dim": "llama", "mistral": "mistral", "qwen2": "qwen2",
               "qwen3": "qwen3"}
-
-
-def _tool(name: str, *args: str) -> str:
-    """``tools/<name>``'s ``main(argv)`` in this process; its stdout."""
-    spec = importlib.util.spec_from_file_location(f"_tool_{name[:-3]}", os.path.join(ROOT, "tools", name))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = module.main(list(args))
-    assert code == 0, f"{name} {args} failed:\n{out.getvalue()[-2000:]}\n{err.getvalue()[-3000:]}"
-    return out.getvalue()
 
 
 def _random_hf(family: str, folder: str):
@@ -142,7 +128,7 @@ def test_family_imports_exports_and_trains(tmp_path, family):
         theirs = hf(ids).logits
 
     # TP=1: the import loaded by the training loader into one process
-    _tool("import_hf.py", src, str(tmp_path / "tp1"), "--tp", "1")
+    run_tool("import_hf.py", src, str(tmp_path / "tp1"), "--tp", "1")
     meta = read_meta(str(tmp_path / "tp1" / "step_0"))
     assert meta["imported_from"]["family"] == MODEL_TYPE[family]
     model = build_model({**meta["config"]["model"], "use_flash_attn": False}, seed=0)
@@ -152,7 +138,7 @@ def test_family_imports_exports_and_trains(tmp_path, family):
     assert _max_diff(ours, theirs) <= 1e-4, family
 
     # TP=2: the TP=2 import run on two processes, then 3 bf16 msp steps from it
-    _tool("import_hf.py", src, str(tmp_path / "tp2"), "--tp", "2")
+    run_tool("import_hf.py", src, str(tmp_path / "tp2"), "--tp", "2")
     step = str(tmp_path / "tp2" / "step_0")
     assert read_meta(step)["config"]["model"]["vocab_size"] == VOCAB + 1
     results = run_distributed(_tp2_worker, 2, step, ids, timeout=240)
@@ -169,7 +155,7 @@ def test_family_imports_exports_and_trains(tmp_path, family):
 
     # export from the TP=2 import: transformers loads the same family with the same logits
     out = str(tmp_path / "hf_back")
-    _tool("export_hf.py", step, out, "--dtype", "fp32")
+    run_tool("export_hf.py", step, out, "--dtype", "fp32")
     with open(os.path.join(out, "config.json")) as f:
         assert json.load(f)["model_type"] == MODEL_TYPE[family]
     back = transformers.AutoModelForCausalLM.from_pretrained(out).eval()

@@ -7,10 +7,7 @@ full-recompute forward and sampler, and the losses the original training run log
 
 from __future__ import annotations
 
-import contextlib
 import glob
-import importlib.util
-import io
 import json
 import math
 import os
@@ -22,6 +19,7 @@ import pytest
 import torch
 
 from harness.distributed import run_torchrun
+from harness.tools import run_tool
 from tessera.checkpoint import Layout, TrainState, load_checkpoint, read_meta
 from tessera.checkpoint.optim_shards import OptimizerShards
 from tessera.checkpoint.tree import read_tree
@@ -44,18 +42,6 @@ def _train(workdir, name: str, overrides: list[str], nproc: int, config: str = T
     with open(os.path.join(logs, name, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     return {r["step"]: r["loss"] for r in rows if r["kind"] == "train"}
-
-
-def _tool(name: str, *args: str) -> str:
-    """Run ``tools/<name>``'s ``main(argv)`` in this process (saves a Python + torch start per call); its stdout."""
-    spec = importlib.util.spec_from_file_location(f"_tool_{name[:-3]}", os.path.join(TOOLS, name))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = module.main(list(args))
-    assert code == 0, f"{name} {args} failed:\n{out.getvalue()[-2000:]}\n{err.getvalue()[-3000:]}"
-    return out.getvalue()
 
 
 def _tool_process(name: str, *args: str) -> str:
@@ -103,7 +89,7 @@ def run(tmp_path_factory):
 def test_export_tp2_checkpoint_matches_transformers(run, tmp_path):
     transformers = pytest.importorskip("transformers")
     out = str(tmp_path / "hf")
-    _tool("export_hf.py", run["step2"], out, "--dtype", "fp32")
+    run_tool("export_hf.py", run["step2"], out, "--dtype", "fp32")
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     assert type(hf).__name__ == "LlamaForCausalLM"
     cfg = read_meta(run["step2"])["config"]["model"]
@@ -129,7 +115,7 @@ def test_export_tp2_checkpoint_matches_transformers(run, tmp_path):
 
     # bf16 export: the masters rounded once (what a bf16 run's weights are)
     out16 = str(tmp_path / "hf16")
-    _tool("export_hf.py", run["step2"], out16, "--dtype", "bf16", "--tokenizer", "none")
+    run_tool("export_hf.py", run["step2"], out16, "--dtype", "bf16", "--tokenizer", "none")
     from safetensors.torch import load_file
 
     w32, w16 = load_file(os.path.join(out, "model.safetensors")), load_file(os.path.join(out16, "model.safetensors"))
@@ -166,7 +152,7 @@ def test_import_matches_hf_and_export_round_trips_bitwise(tmp_path, tied, bias):
 
     src = str(tmp_path / "hf_src")
     hf = _random_hf_llama(src, tied=tied, bias=bias, shards=tied)
-    _tool("import_hf.py", src, str(tmp_path / "imported"), "--tp", "2")
+    run_tool("import_hf.py", src, str(tmp_path / "imported"), "--tp", "2")
     step = str(tmp_path / "imported" / "step_0")
     meta = read_meta(step)
     assert meta["layout"]["tp_size"] == 2 and meta["has_optimizer"] is False
@@ -184,12 +170,12 @@ def test_import_matches_hf_and_export_round_trips_bitwise(tmp_path, tied, bias):
     for f in glob.glob(os.path.join(src, "*.safetensors")):
         a.update(load_file(f))
     # export straight from the TP=2 import, and after an offline TP 2 -> 1 conversion: both give the HF weights back
-    _tool("convert_checkpoint.py", step, str(tmp_path / "tp1"), "--tp", "1")
+    run_tool("convert_checkpoint.py", step, str(tmp_path / "tp1"), "--tp", "1")
     converted = read_meta(str(tmp_path / "tp1" / "step_0"))
     assert sorted(converted["files"]) == ["model_tp0.safetensors", "tokenizer.json"]
     assert converted["tokenizer"] == meta["tokenizer"] and converted["hf_vocab_size"] == 259
     for ckpt, out in [(step, str(tmp_path / "hf_back")), (str(tmp_path / "tp1"), str(tmp_path / "hf_back_tp1"))]:
-        _tool("export_hf.py", ckpt, out, "--dtype", "fp32")
+        run_tool("export_hf.py", ckpt, out, "--dtype", "fp32")
         b = load_file(os.path.join(out, "model.safetensors"))
         assert sorted(a) == sorted(b)
         assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]
@@ -233,7 +219,7 @@ def test_imported_checkpoint_fine_tunes_with_train_py(tmp_path):
 
     src = str(tmp_path / "hf_src")
     _random_hf_llama(src, tied=False, bias=True)
-    printed = _tool("import_hf.py", src, str(tmp_path / "imported"), "--tp", "2")
+    printed = run_tool("import_hf.py", src, str(tmp_path / "imported"), "--tp", "2")
     # the model section the tool prints is the config a user pastes: train.py runs on it as it is
     config = tmp_path / "finetune.py"
     config.write_text(printed[printed.index("model = dict("):] + "\n")
@@ -244,7 +230,7 @@ def test_imported_checkpoint_fine_tunes_with_train_py(tmp_path):
         f"ckpt.save_ckpt_folder='{ckpt}'"], nproc=2, config=str(config))
     assert math.isfinite(losses[1])
     out = str(tmp_path / "hf_ft")
-    _tool("export_hf.py", os.path.join(ckpt, "step_1"), out, "--dtype", "fp32", "--vocab-size", "259")
+    run_tool("export_hf.py", os.path.join(ckpt, "step_1"), out, "--dtype", "fp32", "--vocab-size", "259")
     a, b = load_file(os.path.join(src, "model.safetensors")), load_file(os.path.join(out, "model.safetensors"))
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
 
@@ -267,7 +253,7 @@ def test_convert_tp2dp2_to_tp1dp1_and_back_reproduces_next_step_loss(run, tmp_pa
 
     ref = run["losses"][3]
     one = str(tmp_path / "tp1dp1")
-    _tool("convert_checkpoint.py", run["step2"], one, "--tp", "1", "--dp", "1")
+    run_tool("convert_checkpoint.py", run["step2"], one, "--tp", "1", "--dp", "1")
     meta = read_meta(os.path.join(one, "step_2"))
     assert (meta["layout"]["tp_size"], meta["layout"]["dp_size"], meta["layout"]["world_size"]) == (1, 1, 1)
     assert meta["has_optimizer"] and meta["config"]["parallel"]["tensor"]["size"] == 1
@@ -279,7 +265,7 @@ def test_convert_tp2dp2_to_tp1dp1_and_back_reproduces_next_step_loss(run, tmp_pa
     assert sorted(losses) == [3] and math.isclose(losses[3], ref, rel_tol=1e-5), (losses, ref)
 
     back = str(tmp_path / "tp2dp2")
-    _tool("convert_checkpoint.py", os.path.join(one, "step_2"), back, "--tp", "2", "--dp", "2")
+    run_tool("convert_checkpoint.py", os.path.join(one, "step_2"), back, "--tp", "2", "--dp", "2")
     losses = _train(tmp_path, "back", run["data_args"] + [
         "parallel.tensor.size=2", "data.micro_bsz=2", "ckpt.enable_save_ckpt=True", f"ckpt.save_ckpt_folder='{back}'"],
         nproc=4)
@@ -308,14 +294,14 @@ def test_convert_keeps_rng_only_for_the_same_layout_and_consolidates(run, tmp_pa
     from safetensors.torch import load_file
 
     same = str(tmp_path / "same")
-    _tool("convert_checkpoint.py", run["step2"], same, "--tp", "2", "--dp", "2")
+    run_tool("convert_checkpoint.py", run["step2"], same, "--tp", "2", "--dp", "2")
     meta = read_meta(os.path.join(same, "step_2"))
     rng = sorted(n for n in meta["files"] if n.startswith("rng_rank"))
     assert rng == [f"rng_rank{g}.safetensors" for g in range(4)]
     assert all(meta["files"][n] == read_meta(run["step2"])["files"][n] for n in rng)
 
     out = str(tmp_path / "full.safetensors")
-    _tool("convert_checkpoint.py", run["step2"], "--consolidate", out)
+    run_tool("convert_checkpoint.py", run["step2"], "--consolidate", out)
     full = load_file(out)
     reference = _reference_model(run["step2"]).state_dict()
     assert sorted(full) == sorted(reference)
@@ -355,7 +341,7 @@ def test_generate_tool_is_reproducible_and_its_kv_cache_agrees(run):
 
     def generate(*extra: str, process: bool = False) -> str:
         args = [run["step2"], "--prompt", "def ", "--max-new-tokens", "24", *extra]
-        return _tool_process("generate.py", *args) if process else _tool("generate.py", *args)
+        return _tool_process("generate.py", *args) if process else run_tool("generate.py", *args)
 
     first = generate("--seed", "5", "--temperature", "1.0", process=True)  # the real command line
     assert first.startswith("def ") and len(first) > len("def \n")
