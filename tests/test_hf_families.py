@@ -47,11 +47,12 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=176, num_hidde
 FAMILIES = {  # name -> (config class, keys beyond COMMON)
     "llama3": ("LlamaConfig", dict(rope_parameters=ROPE["llama3"], tie_word_embeddings=True)),
     "llama-head_dim": ("LlamaConfig", dict(head_dim=32, rope_parameters=ROPE["linear"], attention_bias=True,
-                                           mlp_bias=True)),
+                                           mlp_bias=False)),  # InternLM's bias layout: q/k/v/o, not the MLP
     "mistral": ("MistralConfig", dict(sliding_window=64, rope_parameters={"rope_type": "default",
                                                                           "rope_theta": 30000.0})),
     "qwen2": ("Qwen2Config", dict(rope_parameters=ROPE["yarn"], tie_word_embeddings=True)),
-    "qwen3": ("Qwen3Config", dict(head_dim=32, rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
+    "qwen3": ("Qwen3Config", dict(head_dim=32, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                                  attention_bias=True)),
 }
 MODEL_TYPE = {"llama3": "llama", "llama-head_dim": "llama", "mistral": "mistral", "qwen2": "qwen2",
               "qwen3": "qwen3"}
@@ -222,8 +223,7 @@ def test_import_refuses_what_no_key_represents(tmp_path):
     _random_hf("qwen3", src)
     with open(os.path.join(src, "config.json")) as f:
         cfg = json.load(f)
-    cases = [({"attention_bias": True}, "attention_bias=True on qwen3"),
-             ({"model_type": "llama", "attention_bias": True, "mlp_bias": False}, "attention_bias=True but mlp_bias"),
+    cases = [({"mlp_bias": True}, "mlp_bias on qwen3"),
              ({"model_type": "mistral", "mlp_bias": True}, "mistral takes no"),
              ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "longrope"),
              ({"hidden_act": "gelu"}, "hidden_act='gelu'")]
@@ -250,9 +250,14 @@ def test_export_refuses_a_model_no_family_describes(tmp_path):
     assert hf_family({**model, "qk_norm": True, "head_dim": 32}) == "qwen3"
     assert hf_family({**model, "qkv_bias": True}) == "qwen2"
     assert hf_family({**model, "sliding_window": 64}) == "mistral"
-    assert hf_family({**model, "sliding_window": 64}, prefer="qwen2") == "qwen2"
+    assert hf_family({**model, "sliding_window": 64}, prefer="qwen3") == "qwen3"
+    assert hf_family({**model, "sliding_window": 64}, prefer="qwen2") == "mistral"  # qwen2 biases q/k/v
     assert hf_family(model, prefer="mistral") == "mistral"
+    assert hf_family({**model, "bias": True, "mlp_bias": False}) == "llama"
+    assert hf_family({**model, "bias": True, "qk_norm": True, "mlp_bias": False}) == "qwen3"
     with pytest.raises(CheckpointError, match="no Hugging Face family describes this model"):
-        hf_family({**model, "bias": True, "qkv_bias": False})
+        hf_family({**model, "bias": True, "qkv_bias": False})  # o_proj without q/k/v
+    with pytest.raises(CheckpointError, match="qwen3 has no MLP biases"):
+        hf_family({**model, "bias": True, "qk_norm": True})
     with pytest.raises(CheckpointError, match="q/k norms"):
         hf_config_from_model_cfg({**model, "qk_norm": True}, family="llama")

@@ -196,7 +196,8 @@ def test_import_rejects_what_tessera_cannot_represent(tmp_path):
     _random_hf_llama(src, tied=False, bias=False)
     with open(os.path.join(src, "config.json")) as f:
         cfg = json.load(f)
-    for key, value, expect in [("hidden_act", "gelu", "hidden_act"), ("mlp_bias", True, "mlp_bias"),
+    for key, value, expect in [("hidden_act", "gelu", "hidden_act"),
+                               ("mlp_bias", True, r"missing weights \['model.layers.0.mlp.gate_proj.bias'"),
                                ("rope_scaling", {"rope_type": "dynamic", "factor": 2.0}, "rope scaling.*dynamic"),
                                ("rope_scaling", {"rope_type": "llama3", "factor": 8.0}, "low_freq_factor"),
                                ("partial_rotary_factor", 0.5, "partial_rotary_factor"),

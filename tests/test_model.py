@@ -125,7 +125,7 @@ def _tp_worker(rank: int, world_size: int) -> None:
     # the family features (Qwen3's q/k norms and head_dim, Qwen2's q/k/v-only biases, YaRN): the q/k norm weights
     # see only this rank's heads, so their gradients must be summed over TP to match TP=1
     _compare_tp_run(whole, {**FAMILY_FEATURES, "checkpoint": "selective"})
-    _compare_tp_run(pair, {**FAMILY_FEATURES, "checkpoint": True})
+    _compare_tp_run(pair, {**FAMILY_FEATURES, "bias": True, "mlp_bias": False, "checkpoint": True})
     # build_model's defaults come from gpc after a launch: its TENSOR group, its seed, its TENSOR stream
     launch_from_torch({"model": SMALL, "parallel": {"tensor": {"size": 2}}, "data": {"type": "synthetic"}}, seed=77)
     model = build_model(gpc.config.model)

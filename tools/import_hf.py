@@ -16,7 +16,7 @@ Vocabulary not divisible by N: the embedding and head get zero rows up to the ne
 (``model.vocab_size`` in the config is the padded size; the padded ids never occur in data, and their
 logits are 0 until fine-tuning moves them). The HF size is recorded (``hf_vocab_size``) and
 ``tools/export_hf.py`` trims back to it. Anything the decoder cannot compute (another activation, partial
-rotary, length-dependent rope scaling, a bias on o_proj without the MLP's) is an error naming the key.
+rotary, length-dependent rope scaling) is an error naming the key.
 """
 
 from __future__ import annotations

@@ -6,11 +6,11 @@ config keys rather than onto code of their own:
 
     family    what it adds to plain Llama                           tessera keys
     llama     rope scaling (3.x: "llama3"), explicit head_dim,        rope_scaling, head_dim,
-              attention_bias == mlp_bias                              bias
+              attention_bias (q/k/v/o), mlp_bias                      bias, mlp_bias
     mistral   sliding_window (full attention up to its length)       sliding_window
     qwen2     biases on q/k/v only                                   qkv_bias=True, bias=False
-    qwen3     RMSNorm on q and k per head, head_dim apart from        qk_norm=True, head_dim
-              hidden / heads
+    qwen3     RMSNorm on q and k per head, head_dim apart from        qk_norm=True, head_dim,
+              hidden / heads, attention_bias (q/k/v/o)                bias
 
 Names map one to one (``q_norm``/``k_norm`` only with ``qk_norm``)::
 
@@ -24,8 +24,7 @@ Names map one to one (``q_norm``/``k_norm`` only with ``qk_norm``)::
     output.weight                         lm_head.weight (absent when tied)
 
 Anything a family's config asks for that the decoder cannot compute (another activation, partial rotary,
-length-dependent rope scaling, a bias on o_proj without the MLP's, a window shorter than training
-sequences) is refused naming the key.
+length-dependent rope scaling) is refused naming the key.
 """
 
 from __future__ import annotations
@@ -90,22 +89,22 @@ def from_hf_name(name: str) -> str | None:
 # ---------------------------------------------------------------------------------------- export
 def _family_problem(family: str, a: ModelArgs) -> str | None:
     """Why ``family`` cannot describe the model of ``a`` (None: it can)."""
-    qkv_only = a.attention_qkv_bias and not a.bias
-    if a.qkv_bias is not None and a.qkv_bias != a.bias and not qkv_only:
-        return "biases on o_proj and the MLP without q/k/v"
+    qkv, out, mlp = a.attention_qkv_bias, a.bias, a.feed_forward_bias
     if a.qk_norm and family != "qwen3":
         return "q/k norms (model.qk_norm) exist in qwen3 only"
-    if family == "qwen3" and (a.bias or a.attention_qkv_bias):
-        return "qwen3 has no MLP bias and biases q/k/v and o_proj together"
-    if qkv_only and family != "qwen2":
-        return "biases on q/k/v alone (model.qkv_bias) exist in qwen2 only"
-    if family == "qwen2" and a.bias:
-        return "qwen2 has biases on q/k/v only"
-    if family == "qwen2" and a.head_dim * a.num_attention_heads != a.hidden_size:
-        return "qwen2 derives head_dim from hidden_size / num_attention_heads"
-    if a.sliding_window is not None and family == "llama":
-        return "llama has no sliding window"
-    if family == "mistral" and a.bias:
+    if family == "qwen2":
+        if not (qkv and not out and not mlp):
+            return "qwen2 has biases on q/k/v and nowhere else (model.qkv_bias=True, model.bias=False)"
+        if a.head_dim * a.num_attention_heads != a.hidden_size:
+            return "qwen2 derives head_dim from hidden_size / num_attention_heads"
+        return None
+    if qkv != out:
+        return "biases on q/k/v but not o_proj, or the reverse, exist in qwen2 only (q/k/v alone)"
+    if family == "llama":
+        return "llama has no sliding window" if a.sliding_window is not None else None
+    if family == "qwen3":
+        return "qwen3 has no MLP biases" if mlp else None
+    if family == "mistral" and (out or mlp):
         return "mistral has no biases"
     return None
 
@@ -171,7 +170,7 @@ def hf_config_from_model_cfg(model_cfg: Mapping[str, Any], *, vocab_size: int | 
         "dtype": dtype_name(dtype),
     }
     if family == "llama":
-        config.update(attention_bias=a.bias, mlp_bias=a.bias, pretraining_tp=1)
+        config.update(attention_bias=a.bias, mlp_bias=a.feed_forward_bias, pretraining_tp=1)
     elif family == "mistral":
         config.update(sliding_window=a.sliding_window)
     else:  # qwen2 / qwen3: a window, when set, on every layer (max_window_layers counts the full-attention ones)
@@ -179,7 +178,7 @@ def hf_config_from_model_cfg(model_cfg: Mapping[str, Any], *, vocab_size: int | 
         config.update(use_sliding_window=window is not None, sliding_window=window,
                       max_window_layers=a.num_layers if window is None else 0)
         if family == "qwen3":
-            config.update(attention_bias=False)
+            config.update(attention_bias=a.bias)
         else:
             del config["head_dim"]  # qwen2 derives it (checked equal above)
     return config
@@ -224,20 +223,18 @@ def _rope_scaling_from_hf(hf: Mapping[str, Any], where: str) -> tuple[float, dic
     return base, scaling
 
 
-def _biases(family: str, hf: Mapping[str, Any], where: str) -> tuple[bool, bool | None]:
-    """``(model.bias, model.qkv_bias)`` of a family's config."""
+def _biases(family: str, hf: Mapping[str, Any], where: str) -> dict[str, bool | None]:
+    """``model.bias`` / ``qkv_bias`` / ``mlp_bias`` of a family's config (the last two None where they follow
+    ``bias``): Llama's ``attention_bias`` covers q/k/v/o and its ``mlp_bias`` the MLP; Qwen3 has only the
+    former, Qwen2 biases q/k/v by design, Mistral has none."""
     if family == "qwen2":
-        return False, True  # q/k/v biases are part of the architecture
+        return {"bias": False, "qkv_bias": True, "mlp_bias": None}
     attn, mlp = bool(hf.get("attention_bias", False)), bool(hf.get("mlp_bias", False))
-    if family == "qwen3" and attn:
-        raise CheckpointError(f"{where}: attention_bias=True on qwen3 biases o_proj without the MLP; tessera's "
-                              "model.bias covers o_proj and the MLP together")
     if family == "mistral" and (attn or mlp):
         raise CheckpointError(f"{where}: mistral takes no attention_bias / mlp_bias")
-    if attn != mlp:
-        raise CheckpointError(f"{where}: attention_bias={attn} but mlp_bias={mlp}; tessera's model.bias sets both "
-                              "(model.qkv_bias alone is qwen2's q/k/v-only bias)")
-    return attn, None
+    if family == "qwen3" and mlp:
+        raise CheckpointError(f"{where}: mlp_bias on qwen3: its MLP has no biases")
+    return {"bias": attn, "qkv_bias": None, "mlp_bias": None if mlp == attn else mlp}
 
 
 def _sliding_window(family: str, hf: Mapping[str, Any]) -> int | None:
@@ -272,7 +269,7 @@ def model_cfg_from_hf_config(hf: Mapping[str, Any], tp: int, where: str = "confi
     head_dim = hf.get("head_dim")
     if family == "qwen2" or head_dim is None or int(head_dim) * heads == hidden:
         head_dim = None  # the default layout (qwen2 has no head_dim of its own)
-    bias, qkv_bias = _biases(family, hf, where)
+    biases = _biases(family, hf, where)
     inter = int(need("intermediate_size"))
     # mlp_ratio / multiple_of reproducing intermediate_size exactly: prefer a round multiple_of
     ratio = inter / hidden
@@ -300,8 +297,7 @@ def model_cfg_from_hf_config(hf: Mapping[str, Any], tp: int, where: str = "confi
         "max_position_embeddings": int(hf.get("max_position_embeddings", 2048)),
         "sliding_window": _sliding_window(family, hf),
         "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
-        "bias": bias,
-        "qkv_bias": qkv_bias,
+        **biases,
         "qk_norm": family == "qwen3",
         "attn_dropout": float(hf.get("attention_dropout", 0.0) or 0.0),
         "init_std": float(hf.get("initializer_range", 0.02)),

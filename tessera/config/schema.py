@@ -175,10 +175,14 @@ SCHEMA = Section(
                 "dropout": _arg("dropout", FLOAT, _fraction, doc="residual dropout (outside TP regions)"),
                 "attn_dropout": _arg("attn_dropout", FLOAT, _fraction,
                                      doc="attention-probability dropout (inside TP regions)"),
-                "bias": _arg("bias", BOOL, doc="biases on attention and MLP projections"),
+                "bias": _arg("bias", BOOL, doc="biases on attention and MLP projections (on wo always; on q/k/v "
+                                               "and the MLP unless qkv_bias / mlp_bias say otherwise)"),
                 "qkv_bias": _arg("qkv_bias", BOOL, nullable=True,
-                                 doc="biases on the q/k/v projections alone (Qwen2: qkv_bias=True, bias=False); "
+                                 doc="biases on the q/k/v projections (Qwen2: qkv_bias=True, bias=False); "
                                      "None: as model.bias"),
+                "mlp_bias": _arg("mlp_bias", BOOL, nullable=True,
+                                 doc="biases on the MLP's w1/w3/w2 (InternLM, Llama with attention_bias alone: "
+                                     "bias=True, mlp_bias=False); None: as model.bias"),
                 "head_dim": _arg("head_dim", INT, _positive, nullable=True,
                                  doc="dims per attention head; None: hidden_size / num_attention_heads (Qwen3 and "
                                      "some Llama/Mistral checkpoints set it apart)"),

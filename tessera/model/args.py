@@ -45,7 +45,8 @@ class ModelArgs:
     # the model families people continue from (Hugging Face import/export names them in tessera.checkpoint.hf)
     # None: hidden_size / num_attention_heads, filled in when it divides (size_problems names it when not)
     head_dim: int = None  # type: ignore[assignment]
-    qkv_bias: bool | None = None  # biases on q/k/v only (Qwen2); None: as ``bias``
+    qkv_bias: bool | None = None  # biases on q/k/v (Qwen2: True with bias False); None: as ``bias``
+    mlp_bias: bool | None = None  # biases on w1/w3/w2 (InternLM, Llama attention_bias only: False); None: ``bias``
     qk_norm: bool = False  # RMSNorm over head_dim on queries and keys before rotary (Qwen3)
     rope_scaling: dict[str, Any] | None = None  # tessera.model.rotary.ROPE_SCALING_TYPES
     sliding_window: int | None = None  # Mistral's key: only a window no shorter than the sequence is accepted
@@ -78,8 +79,13 @@ class ModelArgs:
 
     @property
     def attention_qkv_bias(self) -> bool:
-        """Whether q/k/v carry biases: ``qkv_bias`` when set, else ``bias`` (which also covers wo and the MLP)."""
+        """Whether q/k/v carry biases: ``qkv_bias`` when set, else ``bias`` (which always decides wo's)."""
         return self.bias if self.qkv_bias is None else self.qkv_bias
+
+    @property
+    def feed_forward_bias(self) -> bool:
+        """Whether the MLP's w1/w3/w2 carry biases: ``mlp_bias`` when set, else ``bias``."""
+        return self.bias if self.mlp_bias is None else self.mlp_bias
 
     @property
     def ffn_hidden_size(self) -> int:

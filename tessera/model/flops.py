@@ -30,8 +30,9 @@ def _layer_other_parameters(a: ModelArgs) -> int:
     kv = a.num_kv_attention_heads * a.head_dim
     norms = 2 * a.hidden_size + (2 * a.head_dim if a.qk_norm else 0)
     qkv_biases = q + 2 * kv if a.attention_qkv_bias else 0
-    other_biases = a.hidden_size + 2 * a.ffn_hidden_size + a.hidden_size if a.bias else 0  # wo, w1, w3, w2
-    return norms + qkv_biases + other_biases
+    out_bias = a.hidden_size if a.bias else 0  # wo
+    mlp_biases = 2 * a.ffn_hidden_size + a.hidden_size if a.feed_forward_bias else 0  # w1, w3, w2
+    return norms + qkv_biases + out_bias + mlp_biases
 
 
 def count_parameters(model_cfg: Any) -> int:

@@ -83,7 +83,7 @@ class DecoderLayer(nn.Module):
         self.ffn_norm = RMSNorm(args.hidden_size, args.layer_norm_epsilon, **norm)
         self.feed_forward = FeedForward(
             args.hidden_size, args.ffn_hidden_size, process_group,
-            bias=args.bias, init_std=args.init_std, out_init_std=out_std, device=device,
+            bias=args.feed_forward_bias, init_std=args.init_std, out_init_std=out_std, device=device,
         )
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
