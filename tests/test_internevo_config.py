@@ -152,6 +152,9 @@ def test_unknown_keys_still_get_a_suggestion(tmp_path):
     refusal(raw, "monitor.alert.enable_feishu_alrt=False: unknown key; did you mean 'enable_feishu_alert'")
     with pytest.raises(ConfigError, match="unknown key 'model.num_chunk'; did you mean 'num_chunks'"):
         Config.from_file(SFT, ["model.num_chunk=1"])
+    with pytest.raises(ConfigError, match="unknown key 'monitor.alert.enable_feishu_alrt'; did you mean 'enable_fei"):
+        Config.from_file(SFT, ["monitor.alert.enable_feishu_alrt=False"])
+    assert Config.from_file(SFT, ["monitor.alert.enable_feishu_alert=False", "generation.top_k=5"]).job_name
 
 
 # ------------------------------------------------------------------------------------------ each kind of key
@@ -289,7 +292,6 @@ def test_readme_table_lists_every_key():
     assert markdown_table() in readme
 
 
-@pytest.mark.slow
 def test_train_py_trains_a_shrunk_internevo_config(tmp_path):
     """7B_sft.py as published with a small model: train.py runs it (random tokens) and the loss is finite."""
     small = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4", "model.vocab_size=256",

@@ -24,7 +24,7 @@ import torch
 from tessera.config.checks import check_config
 from tessera.config.errors import ConfigError, where
 from tessera.config.internevo import internevo_names, is_internevo_path, translate_internevo
-from tessera.config.schema import SCHEMA, Section
+from tessera.config.schema import SCHEMA, Key, Section
 from tessera.config.validate import suggest, validate_config
 
 __all__ = ["Config", "load_python_file", "parse_override", "apply_overrides"]
@@ -147,16 +147,17 @@ def apply_overrides(raw: dict[str, Any], overrides: Iterable[str], source: str |
         spec: Section | None = SCHEMA
         for i, p in enumerate(parts):
             dotted = ".".join(parts[: i + 1])
-            if spec is not None and p not in spec.keys:
-                if not is_internevo_path(".".join(parts)):
-                    names = {*spec.keys, *internevo_names(".".join(parts[:i]))}  # tessera's and InternEvo's
-                    raise ConfigError(f"bad override {text!r}: unknown key {dotted!r}{suggest(p, names)}")
-                spec = None  # InternEvo's key: no schema below here
-            sub = spec.keys[p] if spec is not None else None
+            if spec is not None and p in spec.keys:
+                sub: Key | Section | None = spec.keys[p]
+            elif is_internevo_path(dotted):
+                sub = None  # InternEvo's key or section: no schema below here
+            else:  # tessera's names and InternEvo's at this level
+                names = {*(spec.keys if spec is not None else ()), *internevo_names(".".join(parts[:i]))}
+                raise ConfigError(f"bad override {text!r}: unknown key {dotted!r}{suggest(p, names)}")
             if i == len(parts) - 1:
                 node[p] = value
             else:
-                if spec is not None and not isinstance(sub, Section):
+                if isinstance(sub, Key):
                     raise ConfigError(f"bad override {text!r}: {dotted!r} is not a section")
                 node = node.setdefault(p, {})
                 if not isinstance(node, dict):
