@@ -189,6 +189,40 @@ def test_the_noop_list_covers_every_noop_key():
     assert {k for k, e in KEYS.items() if e.kind == "no-op"} <= {k for k, _, _ in NOOPS}
 
 
+def test_runtime_tuning_keys_are_accepted_at_any_value(caplog):
+    raw = sft()
+    raw["model"]["embed_split_hidden"] = False
+    raw["hybrid_zero_optimizer"]["overlap_sync_param"] = True
+    raw["ckpt"].update(async_upload=False, async_upload_tmp_folder=None)
+    raw["data"].update(num_worker=8, empty_cache_and_diag_interval=1, packed_length=123)
+    raw["parallel"]["weight"] = dict(size=1, overlap=False, memory_pool=False)
+    with caplog.at_level(logging.INFO, logger="tessera"):
+        cfg = Config.from_dict(raw)
+    assert cfg.data.seq_len == 2048 and "data.packed_length=123" in caplog.text
+
+
+def test_internlm2_config_is_refused_for_isp_and_weight_parallelism_only():
+    """InternEvo's 7B_internlm2.py (its later version: isp with weight parallel 2, a generation section)."""
+    raw = load_python_file(LLAMA2)
+    raw.update(model_type="INTERNLM2_PUBLIC", generation=dict(ckpt_folder="/c", batch_size=1, eos_id=[2, 0], top_k=50))
+    raw["model"].update(vocab_size=92544, qk_interleaved=False)
+    raw["parallel"].update(tensor=dict(size=2, mode="isp"), weight=dict(size=2, overlap=True))
+    msg = refusal(raw, "parallel.tensor.mode='isp'", "parallel.weight.size=2")
+    assert msg.startswith("2 settings")
+    raw["parallel"].update(tensor=dict(size=2, mode="msp"), weight=dict(size=1, overlap=True))
+    cfg = Config.from_dict(raw)
+    assert cfg.parallel.tensor.mode == "msp" and cfg.model.vocab_size == 92544 and cfg.model.bias is False
+
+
+def test_a_tessera_config_may_spell_a_key_internevo_s_way():
+    tiny = load_python_file(os.path.join(ROOT, "configs", "tiny.py"))
+    assert Config.from_dict(with_key(tiny, "model.num_chunks", 1)).model.num_layers == 2
+    msg = refusal(with_key(tiny, "model.num_chunks", 2), "model.num_chunks=2")
+    assert msg.startswith("1 setting of a config that tessera cannot honour")
+    # but tessera's own keys keep tessera's meaning (and messages) without InternEvo's top-level names
+    refusal(with_key(tiny, "parallel.tensor", 2), "parallel.tensor: expected a dict")
+
+
 def test_noops_that_depend_on_saving_and_on_data():
     saving = with_key(sft(), "ckpt.enable_save_ckpt", True)  # then oss_snapshot_freq=25 asks for snapshots
     refusal(saving, "ckpt.oss_snapshot_freq=25: rolling snapshot checkpoints")

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from tessera.config.errors import ConfigError, where
@@ -33,14 +33,6 @@ from tessera.config.validate import suggest
 __all__ = ["Translation", "translate_internevo", "is_internevo_path", "internevo_names", "internevo_markers", "KEYS"]
 
 logger = logging.getLogger("tessera")
-
-
-def _paths(node: Mapping[str, Any], prefix: str = "") -> Iterator[str]:
-    for name, value in node.items():
-        path = f"{prefix}{name}"
-        yield path
-        if isinstance(value, Mapping):
-            yield from _paths(value, path + ".")
 
 
 def internevo_markers(raw: Mapping[str, Any]) -> list[str]:
@@ -183,8 +175,7 @@ class Translation:
                 self.drop(path)
             elif internevo_only:  # inside a section only InternEvo has: a key InternEvo does not define there
                 self.refuse(path, value, f"unknown key{suggest(name, internevo_names(prefix.rstrip('.')))}")
-            elif tessera and path in SECTIONS and not isinstance(value, Mapping):
-                pass  # tessera's validation names it ("expected a dict")
+            # anything else is tessera's to validate (an unknown key gets the closest valid name there)
 
     def report(self) -> None:
         """Raise every refusal together; otherwise log what was mapped and accepted (one line each)."""
@@ -207,7 +198,6 @@ def translate_internevo(raw: Mapping[str, Any], source: str | None = None) -> di
     """``raw`` with every InternEvo key translated; a ConfigError lists every refusal at once."""
     t = Translation(raw, source)
     t.walk(t.raw)
-    if t.internevo:
-        file_rules(t)
+    file_rules(t)
     t.report()
     return t.out

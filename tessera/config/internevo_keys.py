@@ -263,6 +263,13 @@ def sequence_2d(t: Translation, path: str, value: Any) -> None:
         t.refuse(path, value, "2D sequence parallelism (head x context parallel) is not implemented")
 
 
+@custom("ignored beside `use_sliding_window` (read only when it is `True`, which is refused); without it, "
+        "tessera's key of the same name where tessera has one")
+def window_size(t: Translation, path: str, value: Any) -> None:
+    if t.has("model.use_sliding_window") or not is_tessera_path(path):
+        t.noop(path, value)
+
+
 def isp_fsp(value: Any) -> str | None:
     if value == "isp":
         return ("InternEvo's intern sequence parallelism (sequence over TP ranks, weights over parallel.weight) is "

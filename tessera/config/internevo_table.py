@@ -32,6 +32,7 @@ from tessera.config.internevo_keys import (
     sequence_parallel,
     short_documents,
     snapshots,
+    window_size,
     zero1_size,
 )
 
@@ -110,8 +111,8 @@ KEYS: dict[str, Entry] = {
     "model.moe_type": ignored(f"ignored: {_MOE}"),
     "model.use_sliding_window": noop((False,), "per-layer sliding-window attention (Qwen2's) is not implemented",
                                      "no-op at `False`; refused"),
-    "model.sliding_window": ignored("ignored (read only with `use_sliding_window=True`, which is refused)"),
-    "model.max_window_layers": ignored("ignored (read only with `use_sliding_window=True`, which is refused)"),
+    "model.sliding_window": window_size,
+    "model.max_window_layers": window_size,
     # ---- parallel
     "parallel.tensor": Entry("an int is `dict(size=int)` (mode `mtp`)", int_section("size")),
     "parallel.tensor.size": same(),
