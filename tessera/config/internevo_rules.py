@@ -31,13 +31,14 @@ DEFAULTS: tuple[tuple[str, Any, str], ...] = (
     ("adam.decay_norm_and_bias", True, "InternEvo decays every parameter"),
 )
 _LOAD_SOURCES = ("ckpt.load_ckpt_info", "ckpt.load_model_only_folder", "ckpt.load_ckpt_folder")
-_LEGACY = ("ckpt.load_ckpt_info", "ckpt.load_model_only_folder", "ckpt.load_optimizer", "ckpt.load_given_ckpt")
+_INTERNEVO_LOAD_KEYS = ("ckpt.load_ckpt_info", "ckpt.load_model_only_folder", "ckpt.load_optimizer",
+                        "ckpt.load_given_ckpt")  # only InternEvo has them: they bring its loading rule
 
 
 def file_rules(t: Translation) -> None:
     """Run every rule that applies to ``t``'s file (the checkpoint rule also for a tessera file that uses
     InternEvo's checkpoint-loading keys)."""
-    if t.internevo or any(t.has(k) for k in _LEGACY):
+    if t.internevo or any(t.has(k) for k in _INTERNEVO_LOAD_KEYS):
         _checkpoint_loading(t)
     if not t.internevo:
         return
