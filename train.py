@@ -101,7 +101,9 @@ def peak_tflops_per_device(cfg: Config, precision_name: str, device: torch.devic
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
 
-    # 1. config: every mistake is reported here, before any process group exists
+    # 1. config: every mistake is reported here, before any process group exists (logging first: the config
+    #    says which InternEvo keys it mapped or accepted)
+    setup_logging(int(os.environ.get("RANK" if args.launcher == "torch" else "SLURM_PROCID", "0")))
     _now(f"reading the config {args.config}")
     cfg = Config.from_file(args.config, args.overrides)
     seed = cfg.seed if args.seed is None else args.seed
@@ -110,7 +112,6 @@ def main(argv: list[str] | None = None) -> int:
 
     # 2. launch: process groups, RNG streams, TF32 switches
     _now("launching")
-    setup_logging(int(os.environ.get("RANK" if args.launcher == "torch" else "SLURM_PROCID", "0")))
     if args.launcher == "slurm":
         launch_from_slurm(cfg, host=args.host, port=args.port, seed=seed)
     else:

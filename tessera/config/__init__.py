@@ -4,6 +4,8 @@
     validate.py   key-by-key validation: unknown keys (closest valid one), types, ranges, defaults
     checks.py     every rule across keys (model sizes vs TP, data, scaler, ckpt) and the launch layout
     loading.py    Config, running a Python config file, ``key.sub=value`` overrides
+    internevo.py  InternEvo's configs as they are: each of its keys mapped, a no-op, or refused (all at once);
+                  the table is internevo_table.py, its handlers internevo_keys.py, file rules internevo_rules.py
     precision.py  ``model.dtype`` names -> storage dtype + TF32 switch
     errors.py     ConfigError
 """
@@ -17,6 +19,7 @@ from tessera.config.checks import (
     resolve_zero1_size,
 )
 from tessera.config.errors import ConfigError
+from tessera.config.internevo import translate_internevo
 from tessera.config.loading import Config, apply_overrides, load_python_file, parse_override
 from tessera.config.schema import SCHEMA, Key, Section
 from tessera.config.validate import validate_config, validate_section
@@ -32,6 +35,7 @@ __all__ = [
     "apply_overrides",
     "validate_config",
     "validate_section",
+    "translate_internevo",
     "check_config",
     "check_data",
     "check_model_sizes",

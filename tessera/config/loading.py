@@ -1,10 +1,12 @@
 """``Config`` (a dict with attribute access) and how one is made: run a Python file, apply ``key.sub=value``
-overrides, then validate key by key (``validate``) and across keys (``checks``).
+overrides, translate InternEvo's keys (``internevo``), then validate key by key (``validate``) and across
+keys (``checks``).
 
 A config is a Python file of plain dicts (InternEvo style). Names in ALL_CAPS, modules, functions and
-names starting with ``_`` are treated as the file's own helpers and are not part of the config. Every
-other top-level name must be a known key. Validation happens before any process group exists, so a
-typo costs a second, not a queue slot on a cluster.
+names starting with ``_`` are treated as the file's own helpers and are not part of the config, except
+``JOB_NAME``, which InternEvo reads as the job's name. Every other top-level name must be a known key
+(tessera's, or InternEvo's). Validation happens before any process group exists, so a typo costs a
+second, not a queue slot on a cluster.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ import torch
 
 from tessera.config.checks import check_config
 from tessera.config.errors import ConfigError, where
-from tessera.config.schema import SCHEMA, Section
+from tessera.config.internevo import internevo_names, is_internevo_path, translate_internevo
+from tessera.config.schema import SCHEMA, Key, Section
 from tessera.config.validate import suggest, validate_config
 
 __all__ = ["Config", "load_python_file", "parse_override", "apply_overrides"]
@@ -76,8 +79,9 @@ class Config(dict):
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any], source: str | None = None) -> Config:
-        """Validate a plain dict (e.g. written in a test) against the schema and fill defaults."""
-        filled = validate_config(raw, source)
+        """Validate a plain dict (e.g. written in a test) against the schema and fill defaults; InternEvo's keys
+        are translated first (``tessera.config.internevo``)."""
+        filled = validate_config(translate_internevo(raw, source), source)
         check_config(filled, source)
         return cls(filled, source)
 
@@ -106,7 +110,7 @@ def load_python_file(path: str | os.PathLike) -> dict[str, Any]:
         raise ConfigError(f"error while running config file {path}: {type(e).__name__}: {e}") from e
     out: dict[str, Any] = {}
     for name, value in vars(module).items():
-        if name.startswith("_") or name.isupper():
+        if name.startswith("_") or name.isupper() and name != "JOB_NAME":
             continue
         if isinstance(value, (types.ModuleType, types.FunctionType, type)):
             continue
@@ -135,22 +139,27 @@ def parse_override(text: str, source: str | None = None) -> tuple[list[str], Any
 
 
 def apply_overrides(raw: dict[str, Any], overrides: Iterable[str], source: str | None = None) -> None:
-    """Apply CLI overrides in place; keys are checked against the schema (typos get a suggestion)."""
+    """Apply CLI overrides in place; keys are checked against the schema (typos get a suggestion). A key
+    InternEvo defines may be overridden too (``model.num_chunks=1``); the translation then reads it."""
     for text in overrides:
         parts, value = parse_override(text, source)
         node: dict[str, Any] = raw
-        spec: Section = SCHEMA
+        spec: Section | None = SCHEMA
         for i, p in enumerate(parts):
             dotted = ".".join(parts[: i + 1])
-            if p not in spec.keys:
-                raise ConfigError(f"bad override {text!r}: unknown key {dotted!r}{suggest(p, spec.keys)}")
-            sub = spec.keys[p]
+            if spec is not None and p in spec.keys:
+                sub: Key | Section | None = spec.keys[p]
+            elif is_internevo_path(dotted):
+                sub = None  # InternEvo's key or section: no schema below here
+            else:  # tessera's names and InternEvo's at this level
+                names = {*(spec.keys if spec is not None else ()), *internevo_names(".".join(parts[:i]))}
+                raise ConfigError(f"bad override {text!r}: unknown key {dotted!r}{suggest(p, names)}")
             if i == len(parts) - 1:
                 node[p] = value
             else:
-                if not isinstance(sub, Section):
+                if isinstance(sub, Key):
                     raise ConfigError(f"bad override {text!r}: {dotted!r} is not a section")
                 node = node.setdefault(p, {})
                 if not isinstance(node, dict):
                     raise ConfigError(f"bad override {text!r}: {dotted!r} is not a dict in the config")
-                spec = sub
+                spec = sub if isinstance(sub, Section) else None
