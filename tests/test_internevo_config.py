@@ -51,10 +51,14 @@ def refusal(raw: dict, *fragments: str) -> str:
     return msg
 
 
-def decoder_parameters(vocab: int, hidden: int, layers: int, heads: int, kv_heads: int, ffn: int) -> int:
-    """Untied embedding and head, q/k/v/o without biases, SwiGLU (three matrices), two RMSNorms a layer + final."""
+def decoder_parameters(vocab: int, hidden: int, layers: int, heads: int, kv_heads: int, ffn: int,
+                       attention_bias: bool) -> int:
+    """Untied embedding and head, q/k/v/o (with biases or without), SwiGLU (three matrices, no biases), two RMSNorms
+    a layer + final."""
     head_dim = hidden // heads
     attention = 2 * hidden * hidden + 2 * hidden * kv_heads * head_dim
+    if attention_bias:
+        attention += 2 * hidden + 2 * kv_heads * head_dim
     return 2 * vocab * hidden + layers * (attention + 3 * hidden * ffn + 2 * hidden) + hidden
 
 
@@ -71,7 +75,10 @@ def test_published_configs_validate(path, kv_heads, vocab, ffn, micro_bsz, total
         32, 4096, 32, kv_heads, vocab)
     from tessera.model.args import ModelArgs
     assert ModelArgs.from_config(m).ffn_hidden_size == ffn
-    assert m.dtype == "torch.bfloat16" and m.bias is False and m.checkpoint is False and m.use_fp32_norm is False
+    assert m.dtype == "torch.bfloat16" and m.checkpoint is False and m.use_fp32_norm is False
+    # InternLM (7B_sft: no no_bias key) biases q/k/v/o and not the MLP, as InternEvo's model does; 7B_llama2 says
+    # no_bias=True
+    assert (m.bias, m.mlp_bias) == ((True, False) if path == SFT else (False, None))
     assert cfg.job_name == ("7b_train" if path == SFT else "7b_llama2_train")  # InternEvo's JOB_NAME
     assert cfg.parallel.tensor.size == 1 and cfg.parallel.tensor.mode == "mtp" and cfg.parallel.pipeline.size == 1
     assert cfg.parallel.zero1.size == -1
@@ -98,7 +105,7 @@ def test_train_py_dry_run_plans_them_at_full_size(path, kv_heads, vocab, ffn, tm
                           capture_output=True, text=True, timeout=300, cwd=str(tmp_path), env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "world 8 = tp 1 x dp 8, zero1 8, tensor mode mtp" in proc.stdout
-    params = decoder_parameters(vocab, 4096, 32, 32, kv_heads, ffn)
+    params = decoder_parameters(vocab, 4096, 32, 32, kv_heads, ffn, attention_bias=path == SFT)
     assert f"{params:,} parameters on rank 0" in proc.stdout
     assert "= persistent state" in proc.stdout
     assert "InternEvo keys accepted as no-ops" in proc.stderr  # logged before the plan
@@ -297,14 +304,19 @@ def test_internevo_defaults_for_keys_the_file_leaves_out():
 
 
 def test_differences_are_one_warning(caplog):
-    with caplog.at_level(logging.WARNING, logger="tessera"):
-        Config.from_file(SFT)
+    """7B_llama2 never validates (valid_every=0), tessera validates at the end: one warning. 7B_sft's biases are
+    InternEvo's own (q/k/v/o, not the MLP): mapped, no warning; no_bias=True from the command line drops them."""
+    with caplog.at_level(logging.INFO, logger="tessera"):
+        Config.from_file(LLAMA2)
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 1 and "q, k, v and o" in warnings[0].getMessage()
+    assert len(warnings) == 1 and "InternEvo never validates" in warnings[0].getMessage()
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="tessera"):
-        Config.from_file(SFT, ["model.no_bias=True"])  # an InternEvo key on the command line
+    with caplog.at_level(logging.INFO, logger="tessera"):
+        Config.from_file(SFT)
     assert not [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("model.mlp_bias=False (InternEvo's INTERNLM biases q/k/v/o" in r.getMessage() for r in caplog.records)
+    cfg = Config.from_file(SFT, ["model.no_bias=True"])  # an InternEvo key on the command line
+    assert cfg.model.bias is False and cfg.model.mlp_bias is None
 
 
 def test_tessera_configs_are_untouched():

@@ -148,14 +148,14 @@ def snapshots(t: Translation, path: str, value: Any) -> None:
                               "ckpt.keep_last) for the same protection, and remove this key")
 
 
-@custom("`True` -> `model.bias=False`; `False` (biases on q/k/v/o only) refused: tessera has no attention-only "
-        "bias (`model.bias` adds MLP biases too)")
+@custom("`True` -> `model.bias=False`; `False` -> `model.bias=True`, `model.mlp_bias=False` (InternEvo biases "
+        "q/k/v/o, never the MLP)")
 def no_bias(t: Translation, path: str, value: Any) -> None:
     if value is True:
         t.map(path, value, "model.bias", False)
     elif value is False:
-        t.refuse(path, value, "biases on q, k, v and o only: tessera has no attention-only bias (model.bias=True "
-                              "also puts one on the MLP projections); set no_bias=True")
+        t.map(path, value, "model.bias", True)
+        t.map(path, value, "model.mlp_bias", False, "InternEvo's MLP has no biases")
     else:
         t.refuse(path, value, "expected True or False")
 

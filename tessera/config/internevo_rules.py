@@ -65,9 +65,9 @@ def _model_family(t: Translation) -> None:
                                            "are not implemented")
             return
     if not t.has("model.no_bias") and not t.has("model.bias"):
-        shown = f"model_type={family!r}" + ("" if t.has("model_type") else " (InternEvo's default)")
-        t.differ(f"{shown} puts a bias on q, k, v and o unless model.no_bias=True; tessera builds the decoder "
-                 "without them (it has no attention-only bias): set model.no_bias=True to say so")
+        why = f"InternEvo's {family} biases q/k/v/o unless model.no_bias=True, never the MLP"
+        t.default("model.bias", True, why)
+        t.default("model.mlp_bias", False, why)
 
 
 def _data_type(t: Translation) -> None:

@@ -46,8 +46,9 @@ _RUNTIME = "InternEvo's runtime tuning; tessera has its own"
 KEYS: dict[str, Entry] = {
     # ---- top level
     "JOB_NAME": job_name,
-    "model_type": deferred("`INTERNLM` (the default), `LLAMA2`, `INTERNLM2_PUBLIC`: tessera's decoder (without "
-                           "InternEvo's default q/k/v/o biases, said in a warning); any other family refused"),
+    "model_type": deferred("`INTERNLM` (the default), `LLAMA2`, `INTERNLM2_PUBLIC`: tessera's decoder, with "
+                           "InternEvo's default q/k/v/o biases (`model.bias=True`, `model.mlp_bias=False`) unless "
+                           "`model.no_bias=True`; any other family refused"),
     "use_fp32_norm": renamed("model.use_fp32_norm"),
     "cudnn_deterministic": same(),
     "cudnn_benchmark": same(),
@@ -85,7 +86,7 @@ KEYS: dict[str, Entry] = {
                                    "no-op at 1; refused otherwise"),
     "model.apply_post_layer_norm": noop((False,), "the decoder is pre-norm only", "no-op at `False`; refused"),
     "model.no_bias": no_bias,
-    "model.qkv_bias": renamed("model.qkv_bias", "tessera's `model.qkv_bias` (refused while tessera has none)"),
+    "model.qkv_bias": renamed("model.qkv_bias", "tessera's `model.qkv_bias`: biases on q/k/v"),
     "model.o_bias": noop((False,), "a bias on the attention output alone is not implemented",
                          "no-op at `False`; refused"),
     "model.adapt_hf": ignored("ignored: a rotary layout for InternEvo's checkpoints (same model)"),
