@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from tessera.config.errors import ConfigError, where
-from tessera.config.internevo_keys import MISSING, is_tessera_path
+from tessera.config.internevo_keys import MISSING, is_tessera_path, same_value
 from tessera.config.internevo_rules import file_rules
 from tessera.config.internevo_table import KEYS, SECTIONS
 from tessera.config.validate import suggest
@@ -54,13 +54,6 @@ def internevo_names(prefix: str) -> list[str]:
     """The names InternEvo defines right under the dotted ``prefix`` ("" for the top level)."""
     head = f"{prefix}." if prefix else ""
     return sorted({p[len(head):].split(".")[0] for p in (*KEYS, *SECTIONS) if p.startswith(head)})
-
-
-def _same(a: Any, b: Any) -> bool:
-    """Equal values of the same kind: True is not 1 here, 1 is 1.0."""
-    if isinstance(a, bool) or isinstance(b, bool):
-        return type(a) is type(b) and a == b
-    return bool(a == b)
 
 
 class Translation:
@@ -115,7 +108,7 @@ class Translation:
             self.refuse(origin, self.get(origin), f"needs tessera's {path}, which this version does not have")
             return False
         mine = self.get(path)
-        if mine is not MISSING and path != origin and path not in self.consumed and not _same(mine, value):
+        if mine is not MISSING and path != origin and path not in self.consumed and not same_value(mine, value):
             self.refuse(origin, self.get(origin), f"means {path}={value!r}, but the file sets {path}={mine!r}")
             return False
         *head, last = path.split(".")

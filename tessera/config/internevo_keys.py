@@ -21,7 +21,7 @@ from tessera.config.schema import SCHEMA, Section
 if TYPE_CHECKING:
     from tessera.config.internevo import Translation
 
-__all__ = ["Entry", "MISSING", "is_tessera_path", "local_path", "same", "noop", "ignored", "renamed", "deferred",
+__all__ = ["Entry", "MISSING", "is_tessera_path", "same_value", "local_path", "same", "noop", "ignored", "renamed", "deferred",
            "custom"]
 
 
@@ -59,7 +59,8 @@ def _is_num(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def _eq(a: Any, b: Any) -> bool:
+def same_value(a: Any, b: Any) -> bool:
+    """Equal values of the same kind: True is not 1 here, 1 is 1.0."""
     if isinstance(a, bool) or isinstance(b, bool):
         return type(a) is type(b) and a == b
     return bool(a == b)
@@ -77,7 +78,7 @@ def same(does: str = "same key, same meaning", refuse: Callable[[Any], str | Non
 
 def noop(values: tuple[Any, ...], why: str, does: str) -> Entry:
     def handle(t: Translation, path: str, value: Any) -> None:
-        if any(_eq(value, v) for v in values):
+        if any(same_value(value, v) for v in values):
             t.noop(path, value)
         else:
             t.refuse(path, value, why)
@@ -202,7 +203,7 @@ def beta2_c(t: Translation, path: str, value: Any) -> None:
 def equals_micro_num(why: str) -> Handler:
     def handle(t: Translation, path: str, value: Any) -> None:
         micro_num = t.get("data.micro_num", 1)
-        if _eq(value, micro_num):
+        if same_value(value, micro_num):
             t.noop(path, value)
         else:
             t.refuse(path, value, f"{why}: must equal data.micro_num={micro_num!r}")
