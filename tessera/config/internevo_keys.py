@@ -21,8 +21,8 @@ from tessera.config.schema import SCHEMA, Section
 if TYPE_CHECKING:
     from tessera.config.internevo import Translation
 
-__all__ = ["Entry", "MISSING", "is_tessera_path", "same_value", "local_path", "same", "noop", "ignored", "renamed", "deferred",
-           "custom"]
+__all__ = ["Entry", "MISSING", "is_tessera_path", "same_value", "local_path", "same", "noop", "ignored", "renamed",
+           "deferred", "custom"]
 
 
 class _Missing:
