@@ -189,8 +189,9 @@ class PrecisionTelemetry:
 
     def finish(self) -> dict[str, Any]:
         """The measured step's figures, reduced over the job: one all-gather and one host read (every rank
-        calls it). ``{"group_by", "loss_scale", "skipped_steps", "step_skipped", "measures": {name: {row:
-        value}}}``; a row is missing from a measure that has nothing to say about it."""
+        calls it). ``{"group_by", "loss_scale", "skipped_steps", "step_skipped", "elements": {row: parameter
+        elements, each counted once over the job}, "measures": {name: {row: value}}}``; a row is missing from
+        a measure that has nothing to say about it."""
         assert self._sum is not None and self._max is not None, "finish() without begin()"
         host = torch.tensor(self._host, dtype=torch.float64, device=self.device)
         packed = torch.cat([(self._sum + host).flatten(), self._max.flatten()])
@@ -208,6 +209,7 @@ class PrecisionTelemetry:
         skipped = self.optimizer.skipped_steps
         return {"group_by": self.group_by, "loss_scale": self._scale, "skipped_steps": skipped,
                 "step_skipped": skipped > self._skipped_before,
+                "elements": {row: int(s[S["g_n"]]) for row, s in zip(self.rows, sums)},
                 "measures": {k: v for k, v in measures.items() if v}}
 
     # ------------------------------------------------------------------ StepObserver (called by the optimizer)
