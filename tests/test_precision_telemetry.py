@@ -388,3 +388,70 @@ def test_config_keys_and_the_compile_rule():
     with pytest.raises(ConfigError, match="metrics.precision_activations=False"):
         _tiny(5, **{"model.compile.enabled": True})
     _tiny(5, **{"model.compile.enabled": True, "metrics.precision_activations": False})  # gradients and updates only
+
+
+# ------------------------------------------------------------------------------------ the tool
+def _tool():
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "precision_telemetry.py")
+    spec = importlib.util.spec_from_file_location("precision_telemetry_tool", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run_dir(tmp_path):
+    """A metrics.jsonl with train lines and three precision records of known values (and a torn last line)."""
+    import json
+
+    lines = [{"kind": "train", "step": 1, "loss": 5.0}]
+    for step, lost in ((10, {"a": 0.5, "b": 0.0, "c": 0.25}), (20, {"a": 0.7, "b": 0.1, "c": 0.25}),
+                       (30, {"a": 0.9, "b": 0.2})):
+        lines.append({"kind": "precision", "step": step, "group_by": "module", "loss_scale": 1.0,
+                      "skipped_steps": 0, "step_skipped": False, "elements": {"a": 10, "b": 10, "c": 10},
+                      "measures": {"update_lost": lost, "update_rms_ratio": {"a": 1e-3, "b": 1e-5, "c": 1e-4}}})
+    text = "".join(json.dumps(r) + "\n" for r in lines) + '{"kind": "prec'
+    (tmp_path / "metrics.jsonl").write_text(text)
+    return str(tmp_path)
+
+
+def test_tool_heat_map_and_worst_rows(tmp_path, capsys):
+    tool = _tool()
+    out = tmp_path / "pics" / "lost.png"
+    assert tool.main([_run_dir(tmp_path), "--measure", "update_lost", "--out", str(out), "--top", "2"]) == 0
+    text = capsys.readouterr().out
+    assert "3 rows x 3 measured steps (10..30)" in text
+    worst = [line.split() for line in text.splitlines() if line.startswith("  ") and not line.strip().startswith("row")]
+    assert [w[0] for w in worst] == ["a", "c"]  # means 0.7, 0.25, 0.1: the top two
+    assert [float(x) for x in worst[0][1:]] == pytest.approx([0.7, 0.9, 0.9])
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and int.from_bytes(data[16:20], "big") > 300  # a real picture
+    # a log-scale measure (drawn on a log color scale): ranked the same way
+    assert tool.main([_run_dir(tmp_path), "--measure", "update_rms_ratio", "--out", str(tmp_path / "rms.png")]) == 0
+    text = capsys.readouterr().out
+    assert [line.split()[0] for line in text.splitlines()[4:7]] == ["a", "c", "b"]
+    assert (tmp_path / "rms.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_tool_errors_are_one_clear_line(tmp_path, capsys, monkeypatch):
+    import sys
+
+    tool = _tool()
+    run = _run_dir(tmp_path)
+    assert tool.main([run, "--measure", "fp8_scale"]) == 2
+    assert "this run has no values of it" in capsys.readouterr().err
+    assert tool.main([run, "--measure", "nope"]) == 2
+    assert "unknown; the measures are" in capsys.readouterr().err
+    assert tool.main([str(tmp_path / "missing"), "--measure", "update_lost"]) == 2
+    assert "no metrics.jsonl there" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "metrics.jsonl").write_text('{"kind": "train", "step": 1}\n')
+    assert tool.main([str(tmp_path / "empty"), "--measure", "update_lost"]) == 2
+    assert "metrics.precision_every=N" in capsys.readouterr().err
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed
+    assert tool.main([run, "--measure", "update_lost"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: the heat map needs matplotlib") and "--no-plot" in err
+    assert tool.main([run, "--measure", "update_lost", "--no-plot"]) == 0  # the summary needs no matplotlib
