@@ -133,3 +133,17 @@ def test_train_py_writes_the_figures_to_metrics_jsonl_and_tensorboard(tmp_path):
     assert "precision/update_rms_ratio/layers.0.attention.wq" in tags and "precision/loss_scale" in tags
     assert [e.step for e in events.Scalars("precision/grad_zero/embedding")] == [2, 4]
     assert "loss" in tags  # the train scalars are still there
+
+
+@pytest.mark.slow
+def test_overhead_benchmark_smoke(tmp_path):
+    """``python -m benchmarks precision-telemetry`` end to end on the tiny config: one round, both variants."""
+    from benchmarks.cli import main
+
+    out = tmp_path / "B.md"
+    assert main(["precision-telemetry", "--config", "configs/tiny.py", "--steps", "6", "--rounds", "1", "--every", "3",
+                 "--out", str(out), "--workdir", str(tmp_path / "runs"), "data.type='synthetic'",
+                 "parallel.tensor.size=2", "model.dtype='bf16'", "data.seq_len=32"]) == 0
+    text = out.read_text()
+    assert "## 14. Precision telemetry" in text and "(on: steps [3, 6] measured)" in text
+    assert text.count("\n| 1 | ") == 1
