@@ -8,12 +8,17 @@ started from scratch in its own folder. A run's final validation bits per byte, 
 per device (the first 10% of the steps left out as warm-up) and its persistent bytes per parameter
 (the closed form of ``precision_report``) are kept in ``<workdir>/study.json``, so the policies can be
 run one invocation at a time; the BENCHMARKS.md section is rendered from every row there.
+
+Every run also records the precision telemetry (``metrics.precision_every``, ``--telemetry-every``; 0
+turns it off), and ``tools/precision_telemetry.py`` draws one heat map per policy, of the measure that
+tells the most about it (``PICTURES``), into ``--pictures`` (docs/precision/<policy>.png).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import statistics
@@ -22,6 +27,8 @@ import sys
 import time
 from collections.abc import Sequence
 from typing import Any
+
+from tessera.cli_args import nonnegative_int
 
 STUDY: dict[str, list[str]] = {  # name -> config overrides (bf16 model, as the demo)
     "fp32 masters (default)": [],
@@ -34,6 +41,18 @@ STUDY: dict[str, list[str]] = {  # name -> config overrides (bf16 model, as the 
     "fp8 tensorwise": ["model.fp8.enabled=True", "model.fp8.recipe='tensorwise'"],
     "fp8 rowwise": ["model.fp8.enabled=True", "model.fp8.recipe='rowwise'"],
 }
+# the telemetry measure drawn for each policy: what it changes, or what it risks
+PICTURES: dict[str, str] = {
+    "fp32 masters (default)": "update_below_half_ulp",  # what bf16 masters would drop here
+    "bf16 masters": "update_lost",  # what they do drop
+    "bf16 masters + Kahan": "update_lost",
+    "bf16 masters + stochastic": "update_lost",
+    "bf16 Adam moments": "update_rms_ratio",  # the moments set the update's size
+    "fp8 tensorwise": "fp8_underflow",  # the input elements e4m3 flushes to zero
+    "fp8 rowwise": "fp8_underflow",
+}
+# a reading of each picture, written after looking at it (the sentence before it is generated from the figures)
+NOTES: dict[str, str] = {}
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -66,9 +85,42 @@ def _bytes_per_param(config: str, overrides: list[str]) -> float:
                              _policy_keys(overrides))["total"]
 
 
-def run_policy(name: str, overrides: list[str], config: str, extra: list[str], workdir: str) -> dict[str, Any]:
+def _tool() -> Any:
+    """tools/precision_telemetry.py as a module (tools/ is a folder of scripts, not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("precision_telemetry_tool",
+                                                  os.path.join(ROOT, "tools", "precision_telemetry.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def picture(name: str, log_dir: str, out: str) -> dict[str, Any]:
+    """The policy's heat map, drawn by the tool, and the figures of its sentence: the measure's mean over the
+    rows at the first and last measured step, and the three rows with the highest mean."""
+    tool = _tool()
+    measure = PICTURES[name]
+    path, records = tool.load(log_dir)
+    rows, steps, values = tool.table(records, measure)
+    tool.render(out, rows, steps, values, tool.MEASURES[measure], f"{name}: {measure} per module and step")
+
+    def mean_at(i: int) -> float:
+        seen = [v[i] for v in values if not math.isnan(v[i])]
+        return sum(seen) / len(seen)
+
+    worst = tool.worst(rows, values, tool.MEASURES[measure], 3)
+    return {"measure": measure, "picture": os.path.relpath(out, ROOT), "steps": [steps[0], steps[-1]],
+            "mean": [mean_at(0), mean_at(len(steps) - 1)], "worst": [(w[0], w[1]) for w in worst]}
+
+
+def run_policy(name: str, overrides: list[str], config: str, extra: list[str], workdir: str,
+               telemetry_every: int = 0, pictures: str = "docs/precision") -> dict[str, Any]:
     from tessera.config import Config
 
+    if telemetry_every:
+        extra = [*extra, f"metrics.precision_every={telemetry_every}"]
     cfg = Config.from_file(config, [*extra, *overrides])
     nproc = cfg.parallel.tensor.size  # the demo layout: TP only (DP=1)
     slug = _slug(name)
@@ -87,10 +139,14 @@ def run_policy(name: str, overrides: list[str], config: str, extra: list[str], w
     train = [r for r in records if r.get("kind") == "train"]
     valid = [r for r in records if r.get("kind") == "valid"]
     steady = train[len(train) // 10 :]
-    return {"name": name, "overrides": overrides, "bits_per_byte": valid[-1]["bits_per_byte"],
-            "tgs": statistics.median(r["tgs"] for r in steady), "skipped": train[-1]["skipped_steps"],
-            "bytes_per_param": _bytes_per_param(config, [*extra, *overrides]), "wall_s": time.time() - t0,
-            "steps": train[-1]["step"]}
+    row = {"name": name, "overrides": overrides, "bits_per_byte": valid[-1]["bits_per_byte"],
+           "tgs": statistics.median(r["tgs"] for r in steady), "skipped": train[-1]["skipped_steps"],
+           "bytes_per_param": _bytes_per_param(config, [*extra, *overrides]), "wall_s": time.time() - t0,
+           "steps": train[-1]["step"]}
+    if telemetry_every:
+        row["telemetry"] = {"every": telemetry_every,
+                            **picture(name, os.path.join(run_dir, "run"), os.path.join(pictures, f"{slug}.png"))}
+    return row
 
 
 def markdown(rows: list[dict[str, Any]], command: str, machine: str) -> list[str]:
@@ -112,6 +168,19 @@ def markdown(rows: list[dict[str, Any]], command: str, machine: str) -> list[str
               "study can share the cores with other jobs, so compare tokens/s only within one uninterrupted "
               "study; fp8 is emulated (operands rounded to fp8 exactly, fp32 GEMMs), so on a CPU it costs speed "
               "by construction."]
+    drawn = [r for r in rows if r.get("telemetry")]
+    if drawn:
+        every = drawn[0]["telemetry"]["every"]
+        lines += ["", f"**What each policy does to the numerics, per module** (the same runs, `metrics.precision_every="
+                  f"{every}`; one heat map per policy, module x step, drawn by `python tools/precision_telemetry.py "
+                  f"<run> --measure <name>`; README \"Precision telemetry\" says what each measure means)."]
+        for r in drawn:
+            t = r["telemetry"]
+            worst = ", ".join(f"`{row}` {mean:.3g}" for row, mean in t["worst"])
+            lines += ["", f"*{r['name']}* — `{t['measure']}`: the mean over modules goes from {t['mean'][0]:.3g} at "
+                      f"step {t['steps'][0]} to {t['mean'][1]:.3g} at step {t['steps'][1]}; highest over the run: "
+                      f"{worst}. {NOTES.get(r['name'], '')}".rstrip(), "",
+                      f"![{r['name']}: {t['measure']}]({t['picture']})"]
     return lines
 
 
@@ -122,6 +191,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m benchmarks pr
     ap.add_argument("--out", default="BENCHMARKS.md")
     ap.add_argument("--workdir", default="runs/precision_study")
     ap.add_argument("--render", action="store_true", help="only rewrite the section from study.json")
+    ap.add_argument("--telemetry-every", type=nonnegative_int, default=50,
+                    help="metrics.precision_every of every run (0: no telemetry, no pictures)")
+    ap.add_argument("--pictures", default="docs/precision", help="where the heat maps go")
     ap.add_argument("overrides", nargs="*", help="key.sub=value applied to every run")
     args = ap.parse_args(argv)
     from benchmarks.cli import write_section
@@ -132,7 +204,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m benchmarks pr
     results = json.load(open(store)) if os.path.exists(store) else {}
     for name in ([] if args.render else (args.only or list(STUDY))):
         print(f"[study] {name} ...", file=sys.stderr, flush=True)
-        results[name] = run_policy(name, STUDY[name], args.config, args.overrides, args.workdir)
+        results[name] = run_policy(name, STUDY[name], args.config, args.overrides, args.workdir,
+                                   args.telemetry_every, args.pictures)
         print(f"[study] {name}: {results[name]['bits_per_byte']:.4f} bits/byte, {results[name]['tgs']:.0f} tokens/s",
               file=sys.stderr, flush=True)
         with open(store, "w") as f:
