@@ -146,4 +146,4 @@ def test_overhead_benchmark_smoke(tmp_path):
                  "parallel.tensor.size=2", "model.dtype='bf16'", "data.seq_len=32"]) == 0
     text = out.read_text()
     assert "## 14. Precision telemetry" in text and "(on: steps [3, 6] measured)" in text
-    assert text.count("\n| 1 | ") == 1
+    assert text.count("\n| 1 | ") == 1 and "**Cost at N=3: " in text

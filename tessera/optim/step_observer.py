@@ -1,5 +1,5 @@
 """What HybridZeroOptimizer shows an observer of one step (``observe_next_step``): the gradients it
-received and the update it applied, where that data lives, with no copy of either.
+received and the update it applied, where that data lives (the update chunk by chunk: no shard-sized copy).
 
 Why an observer rather than a getter: the data only exists during ``step()``. The DP-reduced main
 grads are unscaled in place right after the overflow check, and the fp32 update of a low-precision
@@ -9,17 +9,14 @@ An observer sees both at those moments and keeps only what it reduces them to.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
 
 from tessera.optim.bucket import Bucket
 
-__all__ = ["StepObserver", "UpdateChunk"]
-
-# (start, stop, update, before, unchanged) of master-shard elements [start, stop) of one bucket
-UpdateChunk = Callable[[int, int, torch.Tensor, torch.Tensor, torch.Tensor], None]
+__all__ = ["StepObserver"]
 
 
 class StepObserver(Protocol):
