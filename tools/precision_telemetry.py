@@ -125,7 +125,7 @@ def render(out: str, rows: list[str], steps: list[int], values: list[list[float]
     fig.colorbar(image, ax=ax, label=m.name + (" (log scale)" if m.log_scale else ""))
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    fig.savefig(out, dpi=110)
+    fig.savefig(out, dpi=90)
     plt.close(fig)
 
 
