@@ -455,3 +455,9 @@ def test_tool_errors_are_one_clear_line(tmp_path, capsys, monkeypatch):
     err = capsys.readouterr().err
     assert err.startswith("error: the heat map needs matplotlib") and "--no-plot" in err
     assert tool.main([run, "--measure", "update_lost", "--no-plot"]) == 0  # the summary needs no matplotlib
+
+
+def test_a_model_whose_names_the_optimizer_does_not_use_is_refused():
+    model, amp, opt, _ = _twins(torch.ones(4), "bf16")
+    with pytest.raises(ValueError, match="parameter 'a.w' belongs to no module of the model given"):
+        PrecisionTelemetry(amp, opt, every=1)  # the wrapper: its names are model.a.w

@@ -124,6 +124,10 @@ class PrecisionTelemetry:
         self.rows: list[str] = list(dict.fromkeys(group_name(n, group_by) for n in owners))
         row_of = {n: self.rows.index(group_name(n, group_by)) for n in owners}
         self._modules = [(m, row_of[n]) for n, m in model.named_modules() if n in row_of] if activations else []
+        strays = [n for b in optimizer.buckets for n in b.names if n.rpartition(".")[0] not in row_of]
+        if strays:
+            raise ValueError(f"PrecisionTelemetry: the optimizer's parameter {strays[0]!r} belongs to no module of the "
+                             "model given; pass the model whose parameter names the optimizer uses (the unwrapped one)")
         tp_rank = _rank(tp_group)
         self._dp = optimizer.dp_size
         replica = _rank(dp_group) // optimizer.zero1_size > 0  # not the first ZeRO group of its DP group
