@@ -21,6 +21,8 @@ setup(
         "tokenizers": ["tokenizers"],
         # Hugging Face export / import round-trip checks
         "hf": ["transformers", "tokenizers"],
-        "test": ["pytest", "pytest-timeout", "transformers", "tokenizers"],
+        # heat maps of the precision telemetry (tools/precision_telemetry.py)
+        "plots": ["matplotlib"],
+        "test": ["pytest", "pytest-timeout", "transformers", "tokenizers", "matplotlib"],
     },
 )

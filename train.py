@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     while progress.step < cfg.data.total_steps:
         lr = scheduler.current_lr
         try:
-            result = trainer.train_step(data.train.next_step_batches())
+            result = trainer.train_step(data.train.next_step_batches(), step=progress.step + 1)
         except TooManySkippedSteps as e:
             raise TrainingStopped(f"stopping at step {progress.step + 1}: {e}; last good checkpoint: "
                                   f"{last_ckpt or 'none'}") from None
@@ -242,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
             "tflops": tflops, "mfu": tflops / peak, "step_time": result.step_time,
             "consumed_tokens": progress.consumed_tokens, "peak_mem_gib": peak_memory_gib(device),
         }, line=step % cfg.metrics.log_every == 0 or step == cfg.data.total_steps)
+        if result.precision is not None:  # metrics.precision_every: per-module numerics of this step
+            metrics.log_precision(step, result.precision)
         if cfg.data.valid_every and step % cfg.data.valid_every == 0 and step < cfg.data.total_steps:
             validate(step)
         if (saving and cfg.ckpt.checkpoint_every and step % cfg.ckpt.checkpoint_every == 0

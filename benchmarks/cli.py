@@ -12,6 +12,7 @@ Run from the repository root (``benchmarks`` is not part of the installed packag
     python -m benchmarks roofline [--quick] [--against PATH]  # section 10: where a step's time goes, MFU
     python -m benchmarks attention-kernels [--only SHAPE ...] # CPU attention kernels side by side
     python -m benchmarks compile [--tp 2 --demo ...]         # section 11: compiled blocks vs eager step time
+    python -m benchmarks precision-telemetry [--every 100]   # section 14: what the precision telemetry costs
 
 Sections: (1) framework overhead vs a plain PyTorch step of the same model, (2) bf16/fp16/fp32/tf32,
 (3) TP=2 and DP=2 vs one process on the same cores with the communication share, (4) measured bytes
@@ -89,6 +90,8 @@ SUBCOMMANDS = {
     "attention-kernels": ("benchmarks.attention_kernels", "CPU attention kernels per shape and dtype (1 thread)"),
     "compile": ("benchmarks.compile_step", "section 11: training step with compiled blocks vs eager"),
     "optimizer-update": ("benchmarks.optimizer_update", "section 12: the AdamW update per precision policy vs a base"),
+    "precision-telemetry": ("benchmarks.precision_overhead",
+                            "section 14: the demo with metrics.precision_every 0 vs N, paired rounds"),
 }
 
 

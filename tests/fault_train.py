@@ -165,8 +165,8 @@ class FaultTrainer(Trainer):
             return loss * float("nan")
         return loss
 
-    def train_step(self, micro_batches):
-        result = super().train_step(micro_batches)
+    def train_step(self, micro_batches, step=None):
+        result = super().train_step(micro_batches, step)
         step = STEP["n"]
         _trace({"step": step, "samples": STEP["samples"], "rng": STEP["rng"], "success": result.success,
                 "loss": result.loss, "params": _digest(p for p in self.model.parameters())})

@@ -113,3 +113,23 @@ def test_memory_check_agreement_on_a_cuda_only_group(cuda_only_job, monkeypatch)
                             "data": {"type": "synthetic", "seq_len": 16, "micro_bsz": 1, "total_steps": 1}})
     with fake_cuda_mode():
         assert memory_check.check_memory(cfg, 4, 2, 2, CUDA) is None
+
+
+def test_precision_telemetry_on_a_cuda_only_group(cuda_only_job):
+    """A measured step of the precision telemetry (metrics.precision_every): its counters, the output hooks,
+    the optimizer's observer and its one all-gather over the job all stay on the device the group serves."""
+    tp, dp = cuda_only_job
+    cfg = Config.from_dict({"model": {**MODEL, "fp32_modules": ["norm"]}, "parallel": {"tensor": {"size": 2}},
+                            "adam": CFG["adam"], "hybrid_zero_optimizer": CFG["hybrid_zero_optimizer"],
+                            "data": {"type": "synthetic"}, "metrics": {"precision_every": 1}})
+    with fake_cuda_mode():
+        stack = build_training_stack(cfg, Groups(tp=tp, dp=dp, zero1=dp, world=dist.group.WORLD), device=CUDA)
+        telemetry = stack.trainer.telemetry
+        telemetry.begin()
+        with torch.no_grad():  # the output hooks fire (no autograd on fake CUDA tensors, see above)
+            stack.model(torch.randint(0, 256, (2, 16), device=CUDA))
+        success, _ = stack.optimizer.step()
+        telemetry.detach()
+        record = telemetry.finish()  # fake values read as zeros: only devices and the structure matter
+    assert success and set(record["elements"]) >= {"embedding", "layers.0.attention.wq", "norm", "output"}
+    assert "update_rms_ratio" not in record["measures"] and "act_amax_ratio" in record["measures"]

@@ -91,6 +91,12 @@ def check_config(cfg: dict[str, Any], source: str | None = None) -> None:
     problem = compile_settings_problem(m["compile"]["backend"], m["compile"]["mode"])
     if problem:
         raise ConfigError(problem + w)
+    met = cfg["metrics"]
+    if met["precision_every"] and met["precision_activations"] and m["compile"]["enabled"]:
+        raise ConfigError(f"metrics.precision_every={met['precision_every']} with metrics.precision_activations="
+                          "True hooks module outputs inside the decoder blocks, which model.compile.enabled=True "
+                          "compiles: set metrics.precision_activations=False (gradients and updates only) or "
+                          f"model.compile.enabled=False{w}")
     ck = cfg["ckpt"]
     if ck["enable_save_ckpt"] and not ck["save_ckpt_folder"]:
         raise ConfigError(f"ckpt.save_ckpt_folder is required when ckpt.enable_save_ckpt=True{w}")

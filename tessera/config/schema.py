@@ -22,7 +22,7 @@ from tessera.model.compile import MODES as COMPILE_MODES
 from tessera.model.rotary import rope_scaling_problem
 from tessera.parallel.sequence import TENSOR_MODES
 
-__all__ = ["Key", "Section", "SCHEMA", "REQUIRED", "NORM_TYPES", "DEFAULT_MEMORY_HEADROOM"]
+__all__ = ["Key", "Section", "SCHEMA", "REQUIRED", "NORM_TYPES", "PRECISION_GROUPS", "DEFAULT_MEMORY_HEADROOM"]
 
 REQUIRED: Any = object()  # the default of a key the file must set
 
@@ -92,6 +92,7 @@ def _str_list(v: Any) -> str | None:
 
 
 NORM_TYPES = ("rmsnorm",)
+PRECISION_GROUPS = ("module", "layer", "kind")  # metrics.precision_group (tessera.train.precision_telemetry)
 DEFAULT_REDUCE_BUCKET_SIZE = 2**25  # elements (128 MiB of fp32 main grads), Megatron-sized
 # the share of a device's memory a run does not plan to use: the CUDA context, kernels loaded on first use and
 # the caching allocator's fragmentation. One figure for train.py's memory check and tools/plan.py
@@ -338,6 +339,20 @@ SCHEMA = Section(
                 "progress_bar": Key(BOOL, True),
                 "peak_tflops": Key(FLOAT, None, _positive, nullable=True,
                                    doc="per-device peak for MFU; None: GPU table or measured CPU peak"),
+                "precision_every": Key(INT, 0, _non_negative,
+                                       doc="every N steps, measure per module where the low-precision formats "
+                                           "lose information (gradient underflow/overflow/amax, update size and "
+                                           "lost updates, activation amax, fp8 scales): metrics.jsonl kind "
+                                           "'precision' and TensorBoard precision/<measure>/<module>; 0: off, "
+                                           "nothing installed (tessera.train.precision_telemetry)"),
+                "precision_group": Key(STR, "module", _one_of(*PRECISION_GROUPS),
+                                       doc="what one row of the precision telemetry covers: 'module' (each "
+                                           "module owning parameters, e.g. layers.0.attention.wq), 'layer' "
+                                           "(layers.0, embedding, norm, output) or 'kind' (one module across "
+                                           "layers, layers.*.attention.wq)"),
+                "precision_activations": Key(BOOL, True,
+                                             doc="the precision telemetry also hooks module outputs (activation "
+                                                 "amax, fp8 input scales); False: gradients and updates only"),
             }
         ),
         "memory": Section(

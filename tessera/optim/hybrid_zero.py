@@ -44,6 +44,7 @@ from tessera.optim.params import ParamNames, param_name_map, trainable_params
 from tessera.optim.settings import ZeroSettings
 from tessera.optim.skips import StepRecord, TooManySkippedSteps
 from tessera.optim.state_format import SHARD_FORMAT, STATE_DICT_FORMAT, ShardSource
+from tessera.optim.step_observer import StepObserver
 from tessera.parallel.attrs import partition_dim
 
 __all__ = ["HybridZeroOptimizer", "TooManySkippedSteps"]
@@ -92,6 +93,7 @@ class HybridZeroOptimizer(torch.optim.Optimizer):
         self._rebuild_inner()
         self._norm = GradNorm(self._grads, self._groups)
         self._record = StepRecord(self._settings.max_consecutive_skips)
+        self._observer: StepObserver | None = None
 
     def _rebuild_inner(self) -> None:
         """The inner optimizer on the master slices: one inner group per bucket, its group's hyperparameters."""
@@ -223,6 +225,10 @@ class HybridZeroOptimizer(torch.optim.Optimizer):
         for p in self._params:
             p.grad = None
 
+    def observe_next_step(self, observer: StepObserver | None) -> None:
+        """Show ``observer`` the next ``step()``'s reduced grads and update (``step_observer``); None cancels."""
+        self._observer = observer
+
     def get_main_grad(self, param: torch.Tensor) -> torch.Tensor:
         """The accumulated (still loss-scaled, not yet DP-reduced) main gradient of ``param``.
 
@@ -253,6 +259,8 @@ class HybridZeroOptimizer(torch.optim.Optimizer):
     def _prepare_grads(self) -> torch.Tensor | None:
         """Finish the DP reduction; this rank's norms (or maxima) of it, None when any rank overflowed."""
         self._grads.finish()
+        if self._observer is not None:
+            self._observer.gradients(self.buckets, self._grads.reduce_scatter)
         local = self._norm.local()
         return None if self._norm.any_non_finite(local) else local
 
@@ -268,11 +276,12 @@ class HybridZeroOptimizer(torch.optim.Optimizer):
         for b in self.buckets:
             g = b.grad_shard
             grads.append(g.mul_(factor) if g.dtype == torch.float32 else g.float().mul_(factor))
-        self._policy.update(self._optim, self.buckets, grads)
+        self._policy.update(self._optim, self.buckets, grads, self._observer)
         for b in self.buckets:
             b.publish_masters()
 
     def _end_step(self, success: bool, grad_norm: float) -> None:
+        self._observer = None  # one step only
         counts = StepRecord.at_min_scale(self._scaler)  # before the scaler moves
         self._scaler.update(not success)
         self.zero_grad()

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 __all__ = ["adamw_step", "stochastic_round_bf16", "element_noise", "name_key", "COMPENSATIONS", "CHUNK",
-           "CUDA_CHUNK", "chunk_for", "Noise"]
+           "CUDA_CHUNK", "chunk_for", "Noise", "Observe"]
 
 COMPENSATIONS = ("none", "kahan", "stochastic")
 CHUNK = 1 << 18  # elements per chunk of a low-precision update on a CPU: 1 MiB per fp32 scratch buffer
@@ -45,6 +45,8 @@ _LOW16 = -65536  # int32 mask 0xFFFF0000: the bits a bf16 keeps of an fp32
 _LANES = 64  # a multiple of every CPU vector width (fp32) and of the fused kernel's task unit
 
 Noise = Callable[[int, int], torch.Tensor]
+# (start, stop, update, before, unchanged) per chunk: see tessera.optim.step_observer.StepObserver.update
+Observe = Callable[[int, int, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
 def _int32(x: int) -> int:
@@ -152,15 +154,16 @@ def _fused(w: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, s
 
 
 def adamw_step(master: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], hyper: Mapping[str, Any], *,
-               compensation: str, state_dtype: torch.dtype, noise: Noise | None = None, chunk: int | None = None
-               ) -> None:
+               compensation: str, state_dtype: torch.dtype, noise: Noise | None = None, chunk: int | None = None,
+               observe: Observe | None = None) -> None:
     """One AdamW update of the flat ``master`` shard (fp32 or bf16) from the fp32 ``grad``, in place.
 
     ``state`` holds ``step`` (0-dim fp32, on the host as torch's AdamW keeps it), ``exp_avg`` /
     ``exp_avg_sq`` (``state_dtype``) and, for Kahan, ``master_compensation`` (bf16); missing entries start
     at zero. ``noise(start, stop)`` returns the random bits of stochastic rounding for shard elements
     ``[start, stop)``. ``chunk``: elements per chunk of low-precision storage (default ``chunk_for`` the device);
-    the result does not depend on it.
+    the result does not depend on it. ``observe`` sees each chunk's fp32 update (precision telemetry); with it
+    the fp32 path runs chunk by chunk too, which gives the same bits (calls cover whole lanes, see ``_fused``).
     """
     if hyper.get("amsgrad") or hyper.get("maximize"):
         raise ValueError("the fused AdamW update supports AdamW without amsgrad or maximize")
@@ -178,15 +181,24 @@ def adamw_step(master: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], 
     now = float(state["step"])
     step = torch.full((), now, dtype=torch.float32, device=master.device)  # the kernel's copy, on its device
     m_all, v_all = state["exp_avg"], state["exp_avg_sq"]
+    chunk = chunk_for(master.device) if chunk is None else chunk
     if master.dtype == torch.float32 and m_all.dtype == torch.float32 and v_all.dtype == torch.float32:
-        _fused(master, grad, m_all, v_all, step, hyper)
+        if observe is None:
+            _fused(master, grad, m_all, v_all, step, hyper)
+            return
+        size = -(-max(1, chunk) // _LANES) * _LANES
+        for a in range(0, master.numel(), size):
+            w, z = master[a : a + size], min(a + size, master.numel())
+            before = w.clone()
+            _fused(w, grad[a:z], m_all[a:z], v_all[a:z], step, hyper)
+            observe(a, z, w - before, before, w == before)
         return
     _chunked(master, grad, state, hyper, step, compensation if master.dtype != torch.float32 else "none",
-             noise, chunk_for(master.device) if chunk is None else chunk)
+             noise, chunk, observe)
 
 
 def _chunked(master: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], hyper: Mapping[str, Any],
-             step: torch.Tensor, compensation: str, noise: Noise | None, chunk: int) -> None:
+             step: torch.Tensor, compensation: str, noise: Noise | None, chunk: int, observe: Observe | None) -> None:
     """The fused kernel over cache-sized chunks of low-precision storage, through reused fp32 scratch."""
     n = master.numel()
     size = min(-(-max(1, chunk) // _LANES) * _LANES, -(-n // _LANES) * _LANES)  # whole lanes per chunk
@@ -200,17 +212,25 @@ def _chunked(master: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], hy
         w32, m32, v32 = (scratch[k][: z - a].copy_(t) if k in scratch else t for k, t in (("w", w), ("m", m), ("v", v)))
         if comp is not None:
             w32.add_(scratch["c"][: z - a].copy_(comp[a:z]))
+        if observe is not None:  # the value the update starts from, and the stored bits it may change
+            before, stored = w32.clone(), (w.clone(), comp[a:z].clone() if comp is not None else None)
         _fused(w32, grad[a:z], m32, v32, step, hyper)
+        if observe is not None:
+            update = w32 - before  # before the rounding below reuses w32
         for k, t, t32 in (("m", m, m32), ("v", v, v32)):
             if k in scratch:
                 t.copy_(t32)
-        if "w" not in scratch:
-            continue
-        if compensation == "stochastic":
-            assert noise is not None  # checked by adamw_step
-            bits = w32.view(torch.int32)
-            w.copy_(bits.add_(noise(a, z)).bitwise_and_(_LOW16).view(torch.float32))  # exact: low bits are zero
-        else:
-            w.copy_(w32)  # round to nearest
-            if comp is not None:
-                comp[a:z].copy_(w32.sub_(scratch["c"][: z - a].copy_(w)))
+        if "w" in scratch:
+            if compensation == "stochastic":
+                assert noise is not None  # checked by adamw_step
+                bits = w32.view(torch.int32)
+                w.copy_(bits.add_(noise(a, z)).bitwise_and_(_LOW16).view(torch.float32))  # exact: low bits are zero
+            else:
+                w.copy_(w32)  # round to nearest
+                if comp is not None:
+                    comp[a:z].copy_(w32.sub_(scratch["c"][: z - a].copy_(w)))
+        if observe is not None:
+            unchanged = w == stored[0]
+            if comp is not None and stored[1] is not None:
+                unchanged &= comp[a:z] == stored[1]
+            observe(a, z, update, before, unchanged)

@@ -13,6 +13,7 @@ Parameters kept fp32 by an fp32 mark keep fp32 masters.
 
 from __future__ import annotations
 
+import functools
 import logging
 import warnings
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from tessera.optim.bucket import Bucket
 from tessera.optim.lowp_adamw import COMPENSATIONS, Noise, adamw_step, element_noise, name_key
 from tessera.optim.params import LOW_PRECISION
 from tessera.optim.settings import ZeroSettings
+from tessera.optim.step_observer import StepObserver
 
 __all__ = ["MasterPolicy", "resolve_optimizer_dtype"]
 
@@ -104,26 +106,33 @@ class MasterPolicy:
         return type(optim) is torch.optim.AdamW and not any(
             g.get("amsgrad") or g.get("maximize") or g.get("differentiable") for g in optim.param_groups)
 
-    def update(self, optim: torch.optim.Optimizer, buckets: list[Bucket], grads: list[torch.Tensor]) -> None:
-        """Apply one update to every bucket's master shard from its unscaled, clipped fp32 grad shard."""
+    def update(self, optim: torch.optim.Optimizer, buckets: list[Bucket], grads: list[torch.Tensor],
+               observer: StepObserver | None = None) -> None:
+        """Apply one update to every bucket's master shard from its unscaled, clipped fp32 grad shard;
+        ``observer`` (precision telemetry) sees each chunk of the update."""
         if not self.fused(optim):
             _log_once(f"optimizer update: {type(optim).__name__}.step() on the fp32 master shards (the fused "
                       "update covers torch.optim.AdamW without amsgrad / maximize / differentiable)")
+            before = [b.master.detach().to(torch.float32, copy=True) for b in buckets] if observer is not None else []
             for b, g in zip(buckets, grads):
                 b.master.grad = g
             optim.step()
-            for b in buckets:
+            for i, b in enumerate(buckets):
                 b.master.grad = None
+                if observer is not None:  # a whole shard at once: this path keeps no chunks of its own
+                    after = b.master.detach().float()
+                    observer.update(i, 0, after.numel(), after - before[i], before[i], after == before[i])
             return
         _log_once(f"optimizer update: fused AdamW kernel, {_short(self.master_dtype)} masters"
                   f"{'' if self.compensation == 'none' else ' + ' + self.compensation}, "
                   f"{_short(self.state_dtype)} moments")
-        for b, g, group in zip(buckets, grads, optim.param_groups):
+        for i, (b, g, group) in enumerate(zip(buckets, grads, optim.param_groups)):
             state = optim.state[b.master]
             comp = self.compensation if b.master.dtype == torch.bfloat16 else "none"
             step = int(state["step"]) + 1 if "step" in state else 1
             noise = self._noise(b, step) if comp == "stochastic" else None
-            adamw_step(b.master, g, state, group, compensation=comp, state_dtype=self.state_dtype, noise=noise)
+            adamw_step(b.master, g, state, group, compensation=comp, state_dtype=self.state_dtype, noise=noise,
+                       observe=None if observer is None else functools.partial(observer.update, i))
 
     def _noise(self, b: Bucket, step: int) -> Noise:
         """Random bits for shard elements ``[start, stop)`` of bucket ``b``: per parameter element, layout-free

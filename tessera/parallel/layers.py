@@ -36,7 +36,7 @@ from tessera.parallel.comm import (
     reduce_from_region,
     scatter_to_region,
 )
-from tessera.parallel.fp8 import fp8_linear
+from tessera.parallel.fp8 import Observe, fp8_linear
 from tessera.parallel.lowp import linear
 from tessera.parallel.seeds import derive_seed
 from tessera.parallel.sequence import (
@@ -154,6 +154,7 @@ class ColumnParallelLinear(nn.Module):
         self.gather_output = gather_output
         self.init_std = init_std
         self.fp8_recipe: str | None = None  # set by the training setup (model.fp8): the GEMMs run in fp8
+        self.fp8_observe: Observe | None = None  # sees the fp8 input's quantization (precision telemetry)
         factory: dict[str, Any] = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty(self.out_features_per_rank, in_features, **factory))
         set_tensor_parallel_attrs(self.weight, 0)
@@ -200,7 +201,7 @@ class ColumnParallelLinear(nn.Module):
         if self.fp8_recipe is None:
             return linear(x, self.weight, self.bias)
         return fp8_linear(x, self.weight, self.bias, self.fp8_recipe, group=self.process_group,
-                          w_split_out=self.tp_size > 1)
+                          w_split_out=self.tp_size > 1, observe=self.fp8_observe)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features} "
@@ -239,6 +240,7 @@ class RowParallelLinear(nn.Module):
         self.input_is_parallel = input_is_parallel
         self.init_std = init_std
         self.fp8_recipe: str | None = None  # set by the training setup (model.fp8): the GEMM runs in fp8
+        self.fp8_observe: Observe | None = None  # sees the fp8 input's quantization (precision telemetry)
         factory: dict[str, Any] = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty(out_features, self.in_features_per_rank, **factory))
         set_tensor_parallel_attrs(self.weight, 1)
@@ -279,7 +281,7 @@ class RowParallelLinear(nn.Module):
             return linear(x, self.weight, bias)
         split = self.tp_size > 1
         return fp8_linear(x, self.weight, bias, self.fp8_recipe, group=self.process_group, x_split_in=split,
-                          w_split_in=split)
+                          w_split_in=split, observe=self.fp8_observe)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features} ({self.in_features_per_rank} per rank, tp={self.tp_size}), "

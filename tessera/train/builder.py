@@ -25,6 +25,7 @@ from tessera.optim.hybrid_zero import HybridZeroOptimizer
 from tessera.optim.params import build_param_groups
 from tessera.train.lr_scheduler import WarmupCosineLR
 from tessera.train.naive_amp import NaiveAMPModel, naive_amp_from_config, unwrap_model
+from tessera.train.precision_telemetry import PrecisionTelemetry
 from tessera.train.step import Trainer
 
 __all__ = ["Groups", "TrainingStack", "build_training_stack", "build_optimizer"]
@@ -101,8 +102,13 @@ def build_training_stack(
         compile_blocks(model, backend=cfg.model.compile.backend, mode=cfg.model.compile.mode)
     optimizer = build_optimizer(amp, cfg, groups, seed)
     scheduler = WarmupCosineLR.from_config(optimizer.param_groups, cfg.adam, cfg.lr_scheduler)
+    met = cfg.metrics
+    telemetry = PrecisionTelemetry(  # none when off: nothing installed, nothing allocated
+        model, optimizer, every=met.precision_every, group_by=met.precision_group,
+        activations=met.precision_activations, tp_group=groups.tp, dp_group=groups.dp, world_group=groups.world,
+        device=device) if met.precision_every > 0 else None
     trainer = trainer_cls(amp, optimizer, tp_group=groups.tp, dp_group=groups.dp, device=device,
-                          label_smoothing=cfg.loss.label_smoothing, dp_size=groups.dp_size)
+                          label_smoothing=cfg.loss.label_smoothing, dp_size=groups.dp_size, telemetry=telemetry)
     return TrainingStack(amp, optimizer, scheduler, trainer)
 
 

@@ -1,7 +1,8 @@
 """Training metrics: throughput, achieved TFLOP/s and MFU, memory, and where they are written.
 
 Rank 0 writes every logged step three ways: a concise line (under a tqdm bar), TensorBoard scalars,
-and one JSON object per line in ``metrics.jsonl`` so scripts can read a run without parsing text.
+and one JSON object per line in ``metrics.jsonl`` so scripts can read a run without parsing text; the
+precision telemetry's steps go to the same two files (``log_precision``).
 """
 
 from __future__ import annotations
@@ -241,6 +242,27 @@ class MetricsWriter:
         self._write("valid", step, values)
         self._print(f"valid step {step} | " + " ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
                                                             for k, v in values.items()))
+
+    def log_precision(self, step: int, record: Mapping[str, Any]) -> None:
+        """A step of the precision telemetry (``PrecisionTelemetry.finish``): one metrics.jsonl line of kind
+        ``precision`` and TensorBoard scalars ``precision/<measure>/<row>``, plus the loss scale and skips."""
+        if not self.enabled:
+            return
+        try:
+            self._record({"kind": "precision", "step": step, "time": time.time(), **record})
+        except OSError as e:
+            self._fail(e)
+        if self._tb is None:
+            return
+        scalars = {"precision/loss_scale": record["loss_scale"], "precision/skipped_steps": record["skipped_steps"]}
+        scalars.update({f"precision/{measure}/{row}": v for measure, rows in record["measures"].items()
+                        for row, v in rows.items()})
+        try:
+            for tag, v in scalars.items():
+                self._tb.add_scalar(tag, v, step)
+        except OSError as e:  # raised by the event writer's thread on a later call
+            e.filename = e.filename or os.path.join(self.log_dir, "tensorboard")
+            self._fail(e)
 
     def log_event(self, message: str, **values: Any) -> None:
         """A one-off event (resume, checkpoint, skip) in the log and in metrics.jsonl."""

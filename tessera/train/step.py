@@ -18,6 +18,7 @@ from tessera.model.transformer import logits_are_vocab_sharded
 from tessera.parallel import vocab_parallel_cross_entropy
 from tessera.parallel.comm import reduce_scalars, to_host
 from tessera.train.batch import to_device
+from tessera.train.precision_telemetry import PrecisionTelemetry
 
 
 @dataclass
@@ -27,6 +28,7 @@ class StepResult:
     success: bool  # False when the update was skipped (inf/NaN)
     tokens: int  # tokens processed by the whole job in this step
     step_time: float
+    precision: dict[str, Any] | None = None  # the precision telemetry of a measured step (PrecisionTelemetry.finish)
 
 
 def _all_reduce_sum(values: list[float], group: dist.ProcessGroup | None, device: torch.device) -> list[float]:
@@ -45,7 +47,7 @@ class Trainer:
 
     def __init__(self, model: torch.nn.Module, optimizer: Any, *, tp_group: dist.ProcessGroup | None,
                  dp_group: dist.ProcessGroup | None, device: torch.device, label_smoothing: float = 0.0,
-                 dp_size: int = 1):
+                 dp_size: int = 1, telemetry: PrecisionTelemetry | None = None):
         self.model = model
         self.optimizer = optimizer
         self.tp_group = tp_group
@@ -55,6 +57,7 @@ class Trainer:
         self.device = device
         self.label_smoothing = label_smoothing
         self.dp_size = dp_size
+        self.telemetry = telemetry  # None unless metrics.precision_every > 0
 
     def _loss(self, batch: Mapping[str, Any], reduction: str = "mean",
               label_smoothing: float | None = None) -> torch.Tensor:
@@ -66,16 +69,34 @@ class Trainer:
             logits, batch["labels"], self.loss_group, ignore_index=-100,
             label_smoothing=self.label_smoothing if label_smoothing is None else label_smoothing, reduction=reduction)
 
-    def train_step(self, micro_batches: Sequence[Mapping[str, Any]]) -> StepResult:
+    def train_step(self, micro_batches: Sequence[Mapping[str, Any]], step: int | None = None) -> StepResult:
         """Accumulate gradients over the micro-batches, then one optimizer step (or a skip).
 
         The objective is the token-weighted mean over the whole global batch: each micro-batch's
         summed loss is divided by the global count of labelled tokens (one small all-reduce up front).
         Gradients and the logged loss are then the same however the batch is split over DP ranks and
         micro-batches, so resuming on another layout continues the same run. The optimizer averages
-        gradients over DP, hence the ``dp_size`` factor.
+        gradients over DP, hence the ``dp_size`` factor. ``step`` (from 1): the optimizer step this is,
+        which decides whether the precision telemetry measures it (its time counts in ``step_time``).
         """
         t0 = time.perf_counter()
+        telemetry = self.telemetry if self.telemetry is not None and step is not None and self.telemetry.due(step) \
+            else None
+        if telemetry is None:
+            result = self._train_step(micro_batches)
+        else:
+            telemetry.begin()
+            try:
+                result = self._train_step(micro_batches)
+            finally:
+                telemetry.detach()
+            result.precision = telemetry.finish()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        result.step_time = time.perf_counter() - t0
+        return result
+
+    def _train_step(self, micro_batches: Sequence[Mapping[str, Any]]) -> StepResult:
         self.model.train()
         self.optimizer.zero_grad()
         local_tokens = sum(_labelled_tokens(b) for b in micro_batches)  # before the copy: no device sync
@@ -93,10 +114,7 @@ class Trainer:
         success, grad_norm = self.optimizer.step()
         total_nats = to_host(torch.stack(nats).sum())  # one device sync for all micro-batches
         mean_loss = _all_reduce_sum([total_nats], self.dp_group, self.device)[0] / global_tokens
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-        return StepResult(mean_loss, float(grad_norm), bool(success), tokens * self.dp_size,
-                          time.perf_counter() - t0)
+        return StepResult(mean_loss, float(grad_norm), bool(success), tokens * self.dp_size, 0.0)
 
     @torch.no_grad()
     def evaluate(self, batches: Iterable[Mapping[str, Any]]) -> dict[str, float]:
