@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tessera.cli_args import positive_int
+from tessera.files import os_error_text
 from tessera.train.precision_telemetry import MEASURES, Measure
 
 
@@ -165,7 +166,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except OSError as e:
-        print(f"error: {e.filename or args.run_dir}: {e.strerror or e}", file=sys.stderr)
+        print(f"error: {os_error_text(e)}", file=sys.stderr)
         return 2
     return 0
 
