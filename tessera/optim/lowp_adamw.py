@@ -199,7 +199,7 @@ def adamw_step(master: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], 
 
 def _chunked(master: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], hyper: Mapping[str, Any],
              step: torch.Tensor, compensation: str, noise: Noise | None, chunk: int, observe: Observe | None) -> None:
-    """The fused kernel over cache-sized chunks of low-precision storage, through reused fp32 scratch."""
+    """The fused kernel over chunks of low-precision storage (``chunk_for``), through reused fp32 scratch."""
     n = master.numel()
     size = min(-(-max(1, chunk) // _LANES) * _LANES, -(-n // _LANES) * _LANES)  # whole lanes per chunk
     scratch = {key: torch.empty(size, dtype=torch.float32, device=master.device)
