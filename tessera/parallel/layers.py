@@ -120,7 +120,50 @@ def tp_invariant_normal_(
     return param
 
 
-class ColumnParallelLinear(nn.Module):
+class _ParallelLinear(nn.Module):
+    """What the column- and row-parallel linears share: the parameters, their TP tags and their TP-invariant init.
+
+    ``shard_dim``: the weight dim split over TP (0: output features, 1: input features); the bias is
+    sharded with the output features, so it is replicated when the input features are split.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, process_group: Any, shard_dim: int, *,
+                 init_std: float, init_seed: int | None, init_name: str | None,
+                 device: torch.device | str | None, dtype: torch.dtype | None) -> None:
+        super().__init__()
+        self.process_group = process_group
+        self.tp_size = group_size(process_group)
+        self.tp_rank = group_rank(process_group)
+        self.in_features = in_features
+        self.out_features = out_features
+        self.shard_dim = shard_dim
+        self.init_std = init_std
+        self.fp8_recipe: str | None = None  # set by the training setup (model.fp8): the GEMMs run in fp8
+        self.fp8_observe: Observe | None = None  # sees the fp8 input's quantization (precision telemetry)
+        shape = [out_features, in_features]
+        shape[shard_dim] = divide(shape[shard_dim], self.tp_size, ("out_features", "in_features")[shard_dim])
+        factory: dict[str, Any] = {"device": device, "dtype": dtype}
+        self.weight = nn.Parameter(torch.empty(*shape, **factory))
+        set_tensor_parallel_attrs(self.weight, shard_dim)
+        if bias:
+            self.bias = nn.Parameter(torch.empty(shape[0], **factory))
+            set_tensor_parallel_attrs(self.bias, 0 if shard_dim == 0 else None)
+        else:
+            self.register_parameter("bias", None)
+        if init_seed is not None:
+            default_name = f"{type(self).__name__}({in_features},{out_features})"
+            self.init_weights(init_seed, default_name if init_name is None else init_name)
+
+    def init_weights(self, seed: int, prefix: str = "") -> None:
+        """TP-invariant init: weight ~ N(0, init_std) keyed by ``prefix.weight``; bias zero."""
+        tp_invariant_normal_(self.weight, std=self.init_std, seed=seed, name=_join(prefix, "weight"),
+                             partition_dim=self.shard_dim, tp_rank=self.tp_rank)
+        if self.bias is not None and not self.bias.is_meta:
+            with torch.no_grad():
+                self.bias.zero_()
+
+
+class ColumnParallelLinear(_ParallelLinear):
     """``y = x W^T + b`` with the output features split over the TP group (weight ``[out/tp, in]``).
 
     The input is replicated on every rank (its gradient is all-reduced backward); the output stays
@@ -144,38 +187,10 @@ class ColumnParallelLinear(nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        super().__init__()
-        self.process_group = process_group
-        self.tp_size = group_size(process_group)
-        self.tp_rank = group_rank(process_group)
-        self.in_features = in_features
-        self.out_features = out_features
-        self.out_features_per_rank = divide(out_features, self.tp_size, "out_features")
+        super().__init__(in_features, out_features, bias, process_group, 0, init_std=init_std, init_seed=init_seed,
+                         init_name=init_name, device=device, dtype=dtype)
         self.gather_output = gather_output
-        self.init_std = init_std
-        self.fp8_recipe: str | None = None  # set by the training setup (model.fp8): the GEMMs run in fp8
-        self.fp8_observe: Observe | None = None  # sees the fp8 input's quantization (precision telemetry)
-        factory: dict[str, Any] = {"device": device, "dtype": dtype}
-        self.weight = nn.Parameter(torch.empty(self.out_features_per_rank, in_features, **factory))
-        set_tensor_parallel_attrs(self.weight, 0)
-        if bias:
-            self.bias = nn.Parameter(torch.empty(self.out_features_per_rank, **factory))
-            set_tensor_parallel_attrs(self.bias, 0)
-        else:
-            self.register_parameter("bias", None)
-        if init_seed is not None:
-            self.init_weights(init_seed, self._default_name() if init_name is None else init_name)
-
-    def _default_name(self) -> str:
-        return f"ColumnParallelLinear({self.in_features},{self.out_features})"
-
-    def init_weights(self, seed: int, prefix: str = "") -> None:
-        """TP-invariant init: weight ~ N(0, init_std) keyed by ``prefix.weight``; bias zero."""
-        tp_invariant_normal_(self.weight, std=self.init_std, seed=seed, name=_join(prefix, "weight"),
-                             partition_dim=0, tp_rank=self.tp_rank)
-        if self.bias is not None and not self.bias.is_meta:
-            with torch.no_grad():
-                self.bias.zero_()
+        self.out_features_per_rank = self.weight.shape[0]
 
     def forward(self, x: torch.Tensor, *, input_is_copied: bool = False,
                 sequence_parallel: bool = False) -> torch.Tensor:
@@ -209,7 +224,7 @@ class ColumnParallelLinear(nn.Module):
                 f"gather_output={self.gather_output}")
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_ParallelLinear):
     """``y = x W^T + b`` with the input features split over the TP group (weight ``[out, in/tp]``).
 
     Each rank multiplies its input shard, the partial sums are all-reduced, then the replicated bias is
@@ -230,38 +245,10 @@ class RowParallelLinear(nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        super().__init__()
-        self.process_group = process_group
-        self.tp_size = group_size(process_group)
-        self.tp_rank = group_rank(process_group)
-        self.in_features = in_features
-        self.out_features = out_features
-        self.in_features_per_rank = divide(in_features, self.tp_size, "in_features")
+        super().__init__(in_features, out_features, bias, process_group, 1, init_std=init_std, init_seed=init_seed,
+                         init_name=init_name, device=device, dtype=dtype)
         self.input_is_parallel = input_is_parallel
-        self.init_std = init_std
-        self.fp8_recipe: str | None = None  # set by the training setup (model.fp8): the GEMM runs in fp8
-        self.fp8_observe: Observe | None = None  # sees the fp8 input's quantization (precision telemetry)
-        factory: dict[str, Any] = {"device": device, "dtype": dtype}
-        self.weight = nn.Parameter(torch.empty(out_features, self.in_features_per_rank, **factory))
-        set_tensor_parallel_attrs(self.weight, 1)
-        if bias:
-            self.bias = nn.Parameter(torch.empty(out_features, **factory))
-            set_tensor_parallel_attrs(self.bias, None)
-        else:
-            self.register_parameter("bias", None)
-        if init_seed is not None:
-            self.init_weights(init_seed, self._default_name() if init_name is None else init_name)
-
-    def _default_name(self) -> str:
-        return f"RowParallelLinear({self.in_features},{self.out_features})"
-
-    def init_weights(self, seed: int, prefix: str = "") -> None:
-        """TP-invariant init: weight ~ N(0, init_std) keyed by ``prefix.weight``; bias zero."""
-        tp_invariant_normal_(self.weight, std=self.init_std, seed=seed, name=_join(prefix, "weight"),
-                             partition_dim=1, tp_rank=self.tp_rank)
-        if self.bias is not None and not self.bias.is_meta:
-            with torch.no_grad():
-                self.bias.zero_()
+        self.in_features_per_rank = self.weight.shape[1]
 
     def forward(self, x: torch.Tensor, *, sequence_parallel: bool = False) -> torch.Tensor:
         """``sequence_parallel=True`` (msp): reduce-scatter the partial sums into sequence chunks instead of
