@@ -70,19 +70,19 @@ def measure(overrides: list[str], steps: int, group: Any = None) -> dict[str, An
 def _tp2_worker(rank: int, world: int, overrides: list[str], steps: int) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from tessera.parallel.comm import use_fast_all_reduce
-    from tessera.parallel.shm_comm import ShmAllReduce, shm_unavailable_reason
+    from tessera.parallel.comm import use_fast_collectives
+    from tessera.parallel.shm_comm import ShmCollectives, shm_unavailable_reason
 
     group = dist.new_group(list(range(world)))
     route = None
     if shm_unavailable_reason(world) is None:
-        route, _ = ShmAllReduce.create(group)
-        use_fast_all_reduce(group, route)
+        route, _ = ShmCollectives.create(group)
+        use_fast_collectives(group, route)
     try:
         out = measure(overrides, steps, group)
     finally:
         if route is not None:
-            use_fast_all_reduce(group, None)
+            use_fast_collectives(group, None)
             route.close()
     out["route"] = "shared memory" if route is not None else "gloo"
     return out

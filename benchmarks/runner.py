@@ -44,8 +44,8 @@ from tessera.config.precision import apply_precision, resolve_precision
 from tessera.data import build_data
 from tessera.model import ModelArgs, build_model, flops_per_token
 from tessera.parallel import lowp
-from tessera.parallel.comm import use_fast_all_reduce
-from tessera.parallel.shm_comm import ShmAllReduce
+from tessera.parallel.comm import use_fast_collectives
+from tessera.parallel.shm_comm import ShmCollectives
 from tessera.train.builder import Groups, build_training_stack
 from tessera.train.metrics import gpu_peak_tflops, measure_matmul_tflops
 from tessera.train.precision_report import closed_form_bytes
@@ -451,7 +451,7 @@ def _parallel_worker(rank: int, world: int, mode: Mode) -> dict[str, Any]:
     steps["dp2"] = lambda: d2.train_step(shard)
     names = ["tp1", "tp1_1thread", "tp2", "dp2"]
     # the same TP=2 model with its all-reduces routed through shared memory (what launch does on CPU)
-    shm, _why = ShmAllReduce.create(group)
+    shm, _why = ShmCollectives.create(group)
     if shm is not None:
         shm.all_reduce = timer._wrap(shm.all_reduce)  # type: ignore[method-assign]
         steps["tp2_shm"] = steps["tp2"]
@@ -476,14 +476,14 @@ def _parallel_worker(rank: int, world: int, mode: Mode) -> dict[str, Any]:
             comm[name].append(0.0)
             return
         if name == "tp2_shm":
-            use_fast_all_reduce(group, shm)
+            use_fast_collectives(group, shm)
         try:
             with timer.measure():
                 t0 = time.perf_counter()
                 steps[name]()
                 dt = time.perf_counter() - t0
         finally:
-            use_fast_all_reduce(group, None)
+            use_fast_collectives(group, None)
         times[name].append(dt)
         comm[name].append(timer.seconds)
         calls[name] = timer.calls

@@ -305,16 +305,16 @@ def test_build_training_stack_compiles_the_blocks_and_a_dry_run_does_not():
 def _tp2_worker(rank: int, world: int, modes: list[str], checkpoints: list[Any], shm: bool) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from tessera.parallel.comm import use_fast_all_reduce
+    from tessera.parallel.comm import use_fast_collectives
 
     group = dist.new_group([0, 1])
     route = None
     if shm:
-        from tessera.parallel.shm_comm import ShmAllReduce
+        from tessera.parallel.shm_comm import ShmCollectives
 
-        route, why = ShmAllReduce.create(group)
+        route, why = ShmCollectives.create(group)
         assert route is not None, why
-        use_fast_all_reduce(group, route)
+        use_fast_collectives(group, route)
     out: dict[str, Any] = {}
     try:
         for mode in modes:
@@ -325,18 +325,53 @@ def _tp2_worker(rank: int, world: int, modes: list[str], checkpoints: list[Any],
                 compiled = _model("bfloat16", checkpoint, group=group, mode=mode)
                 compile_blocks(compiled, backend=_backend())
                 worst = _compare(eager, compiled, _tol("bfloat16"), PACKED, evaluate=checkpoint is False)
-                out[f"{mode} {checkpoint}"] = (worst, dict(torch._dynamo.utils.counters["stats"]), _graph_breaks())
+                calls: dict[str, Any] = {}
+                if route is not None:  # every TP collective of a compiled step takes the route, as eager ones do
+                    for name, model in (("eager", eager), ("compiled", compiled)):
+                        calls[name] = _route_calls(route, lambda model=model: _step(model, 0, PACKED))
+                    calls["layers"] = compiled_blocks(compiled)
+                out[f"{mode} {checkpoint}"] = (worst, dict(torch._dynamo.utils.counters["stats"]), _graph_breaks(),
+                                               calls)
     finally:
         if route is not None:
-            use_fast_all_reduce(group, None)
+            use_fast_collectives(group, None)
             route.close()
     return out
 
 
+def _route_calls(route: Any, run: Any) -> dict[str, int]:
+    """How many times ``run()`` calls each collective of the shared-memory route."""
+    calls = {"all_reduce": 0, "all_gather": 0}
+    originals = {name: getattr(route, name) for name in calls}
+
+    def counted(name: str) -> Any:
+        def call(*args: Any) -> Any:
+            calls[name] += 1
+            return originals[name](*args)
+        return call
+
+    for name in calls:
+        setattr(route, name, counted(name))
+    try:
+        run()
+    finally:
+        for name, fn in originals.items():
+            setattr(route, name, fn)
+    return calls
+
+
 def _check_tp2(results: list[dict[str, Any]]) -> None:
     for per_rank in results:
-        for name, (worst, stats, breaks) in per_rank.items():
+        for name, (worst, stats, breaks, calls) in per_rank.items():
             assert breaks == 0, (name, breaks)
+            if calls:
+                eager, compiled = calls["eager"], calls["compiled"]
+                assert compiled["all_reduce"] == eager["all_reduce"] > 0, (name, calls)
+                if name.startswith("msp"):  # per layer: 2 forward gathers, 2 of the gradients, 2 re-gathers for
+                    # the weight gradients, which the compiled backward takes from the forward's gathered input
+                    assert compiled["all_gather"] == eager["all_gather"] - 2 * calls["layers"] > 0, (name, calls)
+                else:  # mtp gathers only the logits, outside the blocks
+                    assert compiled["all_gather"] == eager["all_gather"] == 1, (name, calls)
             assert stats["unique_graphs"] >= 2, (name, stats)
             assert worst["grad"] <= _tol("bfloat16"), (name, worst)
 
@@ -351,8 +386,8 @@ def test_tp2_compiled_matches_eager(mode):
 
 @pytest.mark.slow
 def test_tp2_shared_memory_route_inside_compiled_blocks():
-    """The node-local all-reduce route (train.py's default on CPU) is one custom op inside the graph, in both
-    tensor modes (msp's reduce-scatter goes through it too)."""
+    """The node-local shared-memory route (train.py's default on CPU) is one custom op per collective inside the
+    graph, in both tensor modes (msp's all-gathers and reduce-scatters go through it too)."""
     from tessera.parallel.shm_comm import shm_unavailable_reason
 
     if shm_unavailable_reason(2) is not None:

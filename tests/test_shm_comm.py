@@ -1,4 +1,4 @@
-"""The shared-memory all-reduce equals gloo's, chunks large tensors, times out on a missing peer, and is
+"""The shared-memory all-reduce and all-gather equal gloo's, chunk large tensors, times out on a missing peer, and is
 what ``launch`` picks for a node-local CPU tensor-parallel group (and where it must not)."""
 
 from __future__ import annotations
@@ -11,21 +11,21 @@ import torch
 import torch.distributed as dist
 
 from harness.distributed import run_distributed
-from tessera.parallel.shm_comm import ShmAllReduce, shm_unavailable_reason
+from tessera.parallel.shm_comm import ShmCollectives, shm_unavailable_reason
 
 pytestmark = pytest.mark.skipif(shm_unavailable_reason(2) is not None, reason=str(shm_unavailable_reason(2)))
 
 
-def _segment(world: int, **kw) -> tuple[ShmAllReduce, object]:
+def _segment(world: int, **kw) -> tuple[ShmCollectives, object]:
     group = dist.new_group(list(range(world)))
-    shm, why = ShmAllReduce.create(group, **kw)
+    shm, why = ShmCollectives.create(group, **kw)
     assert shm is not None, why
     return shm, group
 
 
 def _equals_gloo_worker(rank: int, world: int) -> None:
     shm, group = _segment(world, slot_bytes=1024)  # tiny slots: most tensors go in several chunks
-    assert not [f for f in os.listdir("/dev/shm") if f.startswith("tessera-allreduce-")], "segment name not unlinked"
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith("tessera-shm-")], "segment name not unlinked"
     g = torch.Generator().manual_seed(100 + rank)
     cases = [
         (torch.float32, (7,)), (torch.float32, (3, 1000)), (torch.bfloat16, (16, 33, 8)),
@@ -50,6 +50,17 @@ def _equals_gloo_worker(rank: int, world: int) -> None:
                 everyone = [torch.empty_like(x) for _ in range(world)]
                 dist.all_gather(everyone, x, group=group)
                 assert all(torch.equal(e, x) for e in everyone), "ranks disagree"  # fixed summation order
+            # the all-gather, between all-reduces (one collective counter for both), against gloo's
+            mine = (torch.randn(shape, generator=g) * 100).to(dtype) + rank
+            parts = [torch.empty_like(mine) for _ in range(world)]
+            dist.all_gather(parts, mine, group=group)
+            stacked = shm.all_gather(mine)
+            assert stacked.shape == (world, *shape) and stacked.dtype == dtype
+            assert all(torch.equal(stacked[r], parts[r]) for r in range(world)), (dtype, shape)
+    flags = torch.rand(37, generator=g) > 0.5  # bool: no reduction, but gathered as bytes
+    parts = [torch.empty_like(flags) for _ in range(world)]
+    dist.all_gather(parts, flags, group=group)
+    assert torch.equal(shm.all_gather(flags), torch.stack(parts))
     # a non-contiguous tensor is reduced in place too
     base = torch.arange(24, dtype=torch.float32).view(4, 6) * (rank + 1)
     view = base.t()
@@ -60,8 +71,36 @@ def _equals_gloo_worker(rank: int, world: int) -> None:
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_equals_gloo_all_reduce(world):
+def test_equals_gloo_all_reduce_and_all_gather(world):
     run_distributed(_equals_gloo_worker, world)
+
+
+def _gather_tensor_worker(rank: int, world: int) -> None:
+    """``gather_tensor`` (TP's all-gather: msp's sequence gathers, gathered logits) takes the route, along any dim."""
+    from tessera.parallel.comm import gather_tensor, use_fast_collectives
+
+    shm, group = _segment(world, slot_bytes=4096)
+    x = torch.randn(3, 10, 6, generator=torch.Generator().manual_seed(rank)).to(torch.bfloat16)
+    try:
+        for dim in (0, 1, 2, -1, -2):
+            use_fast_collectives(group, None)
+            ref = gather_tensor(x, dim, group)  # gloo
+            calls = []
+            gather = shm.all_gather
+            shm.all_gather = lambda t: calls.append(t.shape) or gather(t)  # type: ignore[method-assign]
+            use_fast_collectives(group, shm)
+            out = gather_tensor(x, dim, group)
+            shm.all_gather = gather  # type: ignore[method-assign]
+            assert calls == [x.shape], (dim, calls)
+            assert torch.equal(out, ref) and out.is_contiguous(), dim
+    finally:
+        use_fast_collectives(group, None)
+        shm.close()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_gather_tensor_goes_through_the_route(world):
+    run_distributed(_gather_tensor_worker, world)
 
 
 def _timeout_worker(rank: int, world: int) -> str:
@@ -104,18 +143,18 @@ def test_exited_peer_is_an_error_at_once():
 def _launch_worker(rank: int, world: int, tp: int, mode: str, env: dict[str, str]) -> tuple[bool, float]:
     os.environ.update(env)
     from tessera.dist import ParallelMode, gpc, launch_from_torch
-    from tessera.parallel.comm import all_reduce, fast_all_reduce_for
+    from tessera.parallel.comm import all_reduce, fast_collectives_for
 
     cfg = {"model": {"num_layers": 1, "hidden_size": 8, "num_attention_heads": 2, "vocab_size": 16},
            "data": {"type": "synthetic", "seq_len": 8},
            "parallel": {"tensor": {"size": tp}}, "dist": {"cpu_shm_allreduce": mode}}
     launch_from_torch(cfg)
     group = gpc.get_group(ParallelMode.TENSOR)
-    used = fast_all_reduce_for(group) is not None
+    used = fast_collectives_for(group) is not None
     x = torch.full((5,), float(gpc.get_global_rank() + 1))
     all_reduce(x, group)  # through whichever route was chosen
     gpc.destroy()
-    assert fast_all_reduce_for(group) is None
+    assert fast_collectives_for(group) is None
     return used, float(x[0])
 
 

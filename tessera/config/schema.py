@@ -142,8 +142,8 @@ SCHEMA = Section(
                 "timeout_s": Key(FLOAT, 1800, _positive, doc="collective timeout in seconds"),
                 "backend": Key(STR, None, _one_of("nccl", "gloo"), nullable=True, doc="None: nccl on CUDA, else gloo"),
                 "cpu_shm_allreduce": Key(STR, "auto", _one_of("auto", "on", "off"),
-                                         doc="tensor-parallel all-reduces on CPU through shared memory instead of "
-                                             "gloo when the TP group is on one machine; auto: unless its "
+                                         doc="tensor-parallel all-reduces and all-gathers on CPU through shared memory "
+                                             "instead of gloo when the TP group is on one machine; auto: unless its "
                                              "processes outnumber the cores"),
             }
         ),

@@ -29,12 +29,12 @@ import torch.distributed as dist
 
 from tessera.config import Config
 from tessera.dist.layout import ParallelMode, group_layout
-from tessera.parallel.comm import use_fast_all_reduce
+from tessera.parallel.comm import use_fast_collectives
 from tessera.parallel.defaults import LaunchDefaults, register_launch_defaults
 from tessera.parallel.seeds import derive_seed
 
 if TYPE_CHECKING:
-    from tessera.parallel.shm_comm import ShmAllReduce
+    from tessera.parallel.shm_comm import ShmCollectives
 
 logger = logging.getLogger("tessera")
 
@@ -53,7 +53,7 @@ class ParallelContext:
         self._current_rng_mode = ParallelMode.DATA
         self.device = torch.device("cpu")
         self.tensor_group_nodes: list[Any] = []
-        self.shm_all_reduce: ShmAllReduce | None = None  # the TP group's ShmAllReduce route, if used
+        self.shm_collectives: ShmCollectives | None = None  # the TP group's ShmCollectives route, if used
 
     # ------------------------------------------------------------------ getters
     def is_initialized(self, mode: ParallelMode) -> bool:
@@ -180,9 +180,9 @@ class ParallelContext:
 
     def destroy(self) -> None:
         """Tear down the process groups and forget the layout (safe to call twice)."""
-        if self.shm_all_reduce is not None:
-            use_fast_all_reduce(self.shm_all_reduce.group, None)
-            self.shm_all_reduce.close()
+        if self.shm_collectives is not None:
+            use_fast_collectives(self.shm_collectives.group, None)
+            self.shm_collectives.close()
         if dist.is_initialized():
             dist.destroy_process_group()
         type(self).__init__(self)  # (self.__init__() reads the same; mypy flags it as unsound)

@@ -2,8 +2,8 @@
 
 ``launch`` validates the layout before any collective (a bad world size is a ConfigError on every
 rank, never a hang), joins the default group, builds the TENSOR/DATA/ZERO1 groups of ``gpc``, warns
-when a TP group crosses nodes, routes a node-local CPU TP group's all-reduces through shared memory,
-applies the precision switches (TF32, reduced-precision reductions) and seeds the RNG streams.
+when a TP group crosses nodes, routes a node-local CPU TP group's all-reduces and all-gathers through shared
+memory, applies the precision switches (TF32, reduced-precision reductions) and seeds the RNG streams.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import torch.distributed as dist
 from tessera.config import Config, ConfigError, check_world_size
 from tessera.config.precision import apply_precision
 from tessera.dist.context import ParallelContext, ParallelMode, gpc
-from tessera.parallel.comm import use_fast_all_reduce
-from tessera.parallel.shm_comm import ShmAllReduce
+from tessera.parallel.comm import use_fast_collectives
+from tessera.parallel.shm_comm import ShmCollectives
 
 logger = logging.getLogger("tessera")
 
@@ -59,7 +59,7 @@ def launch(
     gpc.init_global_dist(rank, world_size, backend, init_method, local_rank, cfg.dist.timeout_s)
     gpc.init_parallel_groups(tp, zero1, cfg.dist.timeout_s)
     _check_tensor_groups_are_node_local()
-    _setup_shm_all_reduce(cfg)
+    _setup_shm_collectives(cfg)
     apply_precision(cfg.model.dtype, reduced_precision_reduction=cfg.model.allow_reduced_precision_reduction)
     torch.backends.cudnn.deterministic = cfg.cudnn_deterministic
     torch.backends.cudnn.benchmark = cfg.cudnn_benchmark
@@ -90,8 +90,8 @@ def _check_tensor_groups_are_node_local() -> None:
                     gpc.get_ranks_in_group(ParallelMode.TENSOR))
 
 
-def _setup_shm_all_reduce(cfg: Config) -> None:
-    """Route the TP group's all-reduces through shared memory when it is on one machine (CPU only).
+def _setup_shm_collectives(cfg: Config) -> None:
+    """Route the TP group's all-reduces and all-gathers through shared memory when it is on one machine (CPU only).
 
     Every input to the decision is the same on all ranks of a TP group (config, the gathered node
     list, the machine), so they all take the same route; the choice is logged once.
@@ -111,17 +111,17 @@ def _setup_shm_all_reduce(cfg: Config) -> None:
         why = (f"{local} processes share {cores} cores and waiting ranks would spin on them "
                "(dist.cpu_shm_allreduce='on' forces it)")
     if why is None:
-        impl, why = ShmAllReduce.create(group, timeout_s=cfg.dist.timeout_s)
+        impl, why = ShmCollectives.create(group, timeout_s=cfg.dist.timeout_s)
         if impl is not None:
-            use_fast_all_reduce(group, impl)
-            gpc.shm_all_reduce = impl
+            use_fast_collectives(group, impl)
+            gpc.shm_collectives = impl
             if gpc.get_global_rank() == 0:
-                logger.info("tensor-parallel all-reduce: shared memory (%d ranks on one machine); "
+                logger.info("tensor-parallel all-reduce and all-gather: shared memory (%d ranks on one machine); "
                             "dist.cpu_shm_allreduce='off' uses gloo", size)
             return
     if gpc.get_global_rank() == 0:
         log = logger.warning if mode == "on" else logger.info
-        log("tensor-parallel all-reduce: gloo (shared memory not used: %s)", why)
+        log("tensor-parallel all-reduce and all-gather: gloo (shared memory not used: %s)", why)
 
 
 def _env_int(name: str, *fallbacks: str) -> int:

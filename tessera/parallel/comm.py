@@ -38,8 +38,8 @@ __all__ = [
     "scatter_to_region",
     "all_reduce",
     "gather_tensor",
-    "use_fast_all_reduce",
-    "fast_all_reduce_for",
+    "use_fast_collectives",
+    "fast_collectives_for",
     "collective_device",
     "to_host",
     "reduce_scalars",
@@ -94,10 +94,10 @@ def _check_can_communicate(x: torch.Tensor, group: Any) -> bool:
     return True
 
 
-# group -> an object with ``supports(x, op)`` and ``all_reduce(x, op)`` used instead of torch.distributed
-# (the shared-memory all-reduce of ``tessera.parallel.shm_comm`` for node-local CPU groups). Weak keys:
-# a destroyed group drops its route with it.
-_FAST_ALL_REDUCE: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+# group -> an object with ``supports(x, op)``, ``all_reduce(x, op)`` and ``all_gather(x)`` used instead of
+# torch.distributed for CPU tensors (the shared-memory collectives of ``tessera.parallel.shm_comm`` for
+# node-local CPU groups). Weak keys: a destroyed group drops its route with it.
+_FAST_ROUTES: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 
 # the routes in use by id, for the graph op below (a compiled graph names its route by a number)
@@ -105,19 +105,20 @@ _ROUTES: dict[int, Any] = {}
 _OP_NAMES: dict[Any, str] = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.MAX: "max", dist.ReduceOp.MIN: "min"}
 
 
-def use_fast_all_reduce(group: dist.ProcessGroup | None, impl: Any | None) -> None:
-    """Route this module's all-reduces over ``group`` through ``impl`` (``None`` removes the route)."""
-    old = _FAST_ALL_REDUCE.pop(group, None)
+def use_fast_collectives(group: dist.ProcessGroup | None, impl: Any | None) -> None:
+    """Route this module's all-reduces and all-gathers of CPU tensors over ``group`` through ``impl``
+    (``None`` removes the route)."""
+    old = _FAST_ROUTES.pop(group, None)
     if old is not None:
         _ROUTES.pop(id(old), None)
     if impl is not None:
-        _FAST_ALL_REDUCE[group] = impl
+        _FAST_ROUTES[group] = impl
         _ROUTES[id(impl)] = impl
 
 
-def fast_all_reduce_for(group: Any) -> Any | None:
+def fast_collectives_for(group: Any) -> Any | None:
     try:
-        return _FAST_ALL_REDUCE.get(group)
+        return _FAST_ROUTES.get(group)
     except TypeError:  # a group object that cannot be weakly referenced has no route
         return None
 
@@ -139,11 +140,23 @@ def _routed_all_reduce_shape(x: torch.Tensor, route: int, op: str) -> torch.Tens
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
+@torch.library.custom_op("tessera::routed_all_gather", mutates_args=())
+def routed_all_gather(x: torch.Tensor, route: int, size: int) -> torch.Tensor:
+    """``[size, *x.shape]``: every rank's ``x`` over the group of fast route ``route``, stacked in rank order
+    (one graph op under ``torch.compile``, as ``routed_all_reduce``)."""
+    return _ROUTES[route].all_gather(x)
+
+
+@routed_all_gather.register_fake
+def _routed_all_gather_shape(x: torch.Tensor, route: int, size: int) -> torch.Tensor:
+    return x.new_empty((size, *x.shape))
+
+
 def all_reduce(x: torch.Tensor, group: Any,
                op: dist.ReduceOp | dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
     """In-place all-reduce of ``x`` over ``group`` (no autograd); the identity for a 1-rank group."""
     if group_size(group) > 1 and _check_can_communicate(x, group):
-        fast = fast_all_reduce_for(group)
+        fast = fast_collectives_for(group)
         if fast is not None and fast.supports(x, op):
             if torch.compiler.is_compiling():  # traced: the route as one graph op
                 x.copy_(routed_all_reduce(x, id(fast), _OP_NAMES[op]))
@@ -270,6 +283,11 @@ def gather_tensor(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
         shape[dim] *= size
         return torch.empty(shape, dtype=x.dtype, device=x.device)
     x = x.contiguous()
+    fast = fast_collectives_for(group)
+    if fast is not None and x.device.type == "cpu":
+        stacked = routed_all_gather(x, id(fast), size) if torch.compiler.is_compiling() else fast.all_gather(x)
+        dim %= x.dim()  # [size, ..., n_dim, ...] -> [..., size * n_dim, ...], rank-major
+        return stacked.movedim(0, dim).flatten(dim, dim + 1)
     parts = [torch.empty_like(x) for _ in range(size)]
     dist.all_gather(parts, x, group=group)
     return torch.cat(parts, dim=dim)

@@ -38,7 +38,7 @@ from tessera.parallel.comm import (
     MetaGroup,
     all_reduce,
     copy_to_region,
-    fast_all_reduce_for,
+    fast_collectives_for,
     gather_tensor,
     group_rank,
     group_size,
@@ -110,7 +110,7 @@ def _reduce_scatter_stacked(stacked: torch.Tensor, group: Any) -> torch.Tensor:
         if not stacked.is_meta:
             raise RuntimeError(f"a collective was called on a real tensor with {group}")
         return stacked[group.rank].clone()
-    fast = fast_all_reduce_for(group)
+    fast = fast_collectives_for(group)
     if fast is not None and fast.supports(stacked, dist.ReduceOp.SUM):
         return all_reduce(stacked, group)[group_rank(group)].clone()
     out = torch.empty_like(stacked[0])

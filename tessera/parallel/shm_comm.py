@@ -1,10 +1,11 @@
-"""All-reduce through shared memory for a CPU process group whose ranks share one machine.
+"""All-reduce and all-gather through shared memory for a CPU process group whose ranks share one machine.
 
-Why: tensor parallelism all-reduces activations twice per layer forward and twice backward. On CPU
-the gloo backend hands each collective to worker threads and sockets, a fixed cost per call whatever
-the size that a small model's step pays dozens of times (BENCHMARKS.md §3 measures both routes).
-Ranks on one machine can instead write their tensor into a shared segment and each add up all slots
-itself: a little synchronisation plus one copy in and one pass over the slots.
+Why: tensor parallelism all-reduces activations twice per layer forward and twice backward (mtp), or
+all-gathers and reduce-scatters them (msp). On CPU the gloo backend hands each collective to worker
+threads and sockets, a fixed cost per call whatever the size that a small model's step pays dozens of
+times (BENCHMARKS.md §3 measures both routes). Ranks on one machine can instead write their tensor into
+a shared segment and each read all slots itself: a little synchronisation plus one copy in and one pass
+over the slots.
 
 Protocol (collective number ``k``, counting from 1; every rank calls the same collectives in the same
 order, as with any process group):
@@ -12,8 +13,9 @@ order, as with any process group):
 1. wait until every rank has finished reading buffer ``k % 2`` for collective ``k - 2``;
 2. copy the local tensor into this rank's slot of that buffer, then publish ``ready[me] = k``;
 3. wait until ``ready[r] >= k`` for every rank ``r``;
-4. reduce the slots in rank order 0, 1, ... into the output (the same order on every rank, so every
-   rank gets bitwise the same result), then publish ``done[me] = k``.
+4. read the slots: an all-reduce reduces them in rank order 0, 1, ... into the output (the same order on
+   every rank, so every rank gets bitwise the same result), an all-gather copies each slot to its rank's
+   place in the output; then publish ``done[me] = k``.
 
 Tensors larger than a slot go through in slot-sized chunks, one collective each. Waiting spins and
 yields the core. A waiting rank checks every 50 ms that the ranks it waits for still exist (their
@@ -31,13 +33,14 @@ import os
 import platform
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-__all__ = ["ShmAllReduce", "shm_unavailable_reason"]
+__all__ = ["ShmCollectives", "shm_unavailable_reason"]
 
 _LINE = 64  # bytes per counter: one cache line each, so ranks do not write the same line
 _MAX_RANKS = 64
@@ -56,7 +59,7 @@ def _header(mm: mmap.mmap, size: int) -> tuple[np.ndarray, np.ndarray, np.ndarra
 
 
 def shm_unavailable_reason(group_size: int) -> str | None:
-    """``None`` when this machine can run the shared-memory all-reduce, else why not."""
+    """``None`` when this machine can run the shared-memory collectives, else why not."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return f"the CPU is {platform.machine()}: the lock-free protocol relies on x86-64 store ordering"
     if not os.path.isdir(SHM_DIR):
@@ -66,10 +69,10 @@ def shm_unavailable_reason(group_size: int) -> str | None:
     return None
 
 
-class ShmAllReduce:
-    """In-place all-reduce of CPU tensors over ``group`` through one shared-memory segment.
+class ShmCollectives:
+    """All-reduce and all-gather of CPU tensors over ``group`` through one shared-memory segment.
 
-    Build it with the collective ``ShmAllReduce.create(group)``.
+    Build it with the collective ``ShmCollectives.create(group)``.
     """
 
     def __init__(self, group: dist.ProcessGroup | None, mm: mmap.mmap, slot_bytes: int, timeout_s: float) -> None:
@@ -87,7 +90,7 @@ class ShmAllReduce:
 
     @classmethod
     def create(cls, group: dist.ProcessGroup | None, *, slot_bytes: int = 1 << 20,
-               timeout_s: float = 1800.0) -> tuple[ShmAllReduce | None, str | None]:
+               timeout_s: float = 1800.0) -> tuple[ShmCollectives | None, str | None]:
         """Collective over ``group``: ``(instance, None)``, or ``(None, why)`` on every rank alike.
 
         Rank 0 of the group creates the segment, the others map it, all agree that everyone
@@ -100,7 +103,7 @@ class ShmAllReduce:
         path: str | None = None
         error: str | None = shm_unavailable_reason(size)
         if rank == 0 and error is None:
-            path = os.path.join(SHM_DIR, f"tessera-allreduce-{uuid.uuid4().hex}")
+            path = os.path.join(SHM_DIR, f"tessera-shm-{uuid.uuid4().hex}")
             try:
                 fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
                 try:  # reserve the pages now: a full /dev/shm is an error here, not a SIGBUS mid-training
@@ -159,40 +162,58 @@ class ShmAllReduce:
 
     @staticmethod
     def supports(x: torch.Tensor, op: Any) -> bool:
+        """Whether ``all_reduce(x, op)`` can run here (``all_gather`` takes any CPU tensor)."""
         return (x.device.type == "cpu" and op in _SUPPORTED_OPS and not x.is_complex()
                 and x.dtype is not torch.bool)
 
     def all_reduce(self, x: torch.Tensor, op: Any = dist.ReduceOp.SUM) -> torch.Tensor:
         """Reduce ``x`` in place over the group and return it (same contract as ``dist.all_reduce``)."""
         flat = x.view(-1) if x.is_contiguous() else x.contiguous().view(-1)
-        per_chunk = max(1, self.slot_bytes // flat.element_size())
-        for start in range(0, flat.numel(), per_chunk):
-            self._one(flat[start:start + per_chunk], op)
+        kind = _SUPPORTED_OPS[op]
+
+        def reduce(chunk: torch.Tensor, slots: torch.Tensor) -> None:
+            chunk.copy_(slots[0])
+            for r in range(1, self.size):
+                if kind == "sum":
+                    chunk.add_(slots[r])
+                elif kind == "max":
+                    torch.maximum(chunk, slots[r], out=chunk)
+                else:
+                    torch.minimum(chunk, slots[r], out=chunk)
+
+        for _, chunk in self._chunks(flat):
+            self._exchange(chunk, "all-reduce", reduce)
         if flat.data_ptr() != x.data_ptr():
             x.copy_(flat.view_as(x))
         return x
 
-    def _one(self, chunk: torch.Tensor, op: Any) -> None:
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``x`` in rank order, stacked: ``[size, *x.shape]`` (every rank passes the same shape)."""
+        flat = x.reshape(-1)
+        out = torch.empty(self.size, flat.numel(), dtype=x.dtype)
+        for start, chunk in self._chunks(flat):
+            place = out[:, start:start + chunk.numel()]
+            self._exchange(chunk, "all-gather", lambda _chunk, slots, place=place: place.copy_(slots))
+        return out.view(self.size, *x.shape)
+
+    def _chunks(self, flat: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+        per_chunk = max(1, self.slot_bytes // flat.element_size())
+        return [(start, flat[start:start + per_chunk]) for start in range(0, flat.numel(), per_chunk)]
+
+    def _exchange(self, chunk: torch.Tensor, name: str, read: Callable[[torch.Tensor, torch.Tensor], Any]) -> None:
+        """One collective: ``chunk`` into this rank's slot, then ``read(chunk, slots)`` once all have arrived."""
         self._k += 1
         k, b = self._k, self._k % 2
         nbytes = chunk.numel() * chunk.element_size()
         slots = self._slots[b, :, :nbytes].view(chunk.dtype)  # [size, n]
-        self._wait(self._done, k - 2, "finish reading the previous use of its buffer")
+        self._wait(self._done, k - 2, f"{name} #{k}", "finish reading the previous use of its buffer")
         slots[self.rank].copy_(chunk)
         self._ready[self.rank] = k
-        self._wait(self._ready, k, "contribute")
-        kind = _SUPPORTED_OPS[op]
-        chunk.copy_(slots[0])
-        for r in range(1, self.size):
-            if kind == "sum":
-                chunk.add_(slots[r])
-            elif kind == "max":
-                torch.maximum(chunk, slots[r], out=chunk)
-            else:
-                torch.minimum(chunk, slots[r], out=chunk)
+        self._wait(self._ready, k, f"{name} #{k}", "contribute")
+        read(chunk, slots)
         self._done[self.rank] = k
 
-    def _wait(self, counters: np.ndarray, k: int, what: str) -> None:
+    def _wait(self, counters: np.ndarray, k: int, collective: str, what: str) -> None:
         if k <= 0 or (counters >= k).all():
             return
         spins = 0
@@ -210,12 +231,12 @@ class ShmAllReduce:
                 gone = [r for r in late if not _process_alive(int(self._pids[r]))]
                 if gone:  # fail now, as gloo does when a peer's socket closes, instead of at the timeout
                     raise RuntimeError(
-                        f"shared-memory all-reduce #{k}: global rank(s) {[self.global_ranks[r] for r in gone]} "
+                        f"shared-memory {collective}: global rank(s) {[self.global_ranks[r] for r in gone]} "
                         f"(pid {[int(self._pids[r]) for r in gone]}) exited while rank "
                         f"{self.global_ranks[self.rank]} waited for them to {what}")
                 if now - start > self.timeout_s:
                     raise RuntimeError(
-                        f"shared-memory all-reduce #{k}: timed out after {self.timeout_s:g} s (dist.timeout_s) "
+                        f"shared-memory {collective}: timed out after {self.timeout_s:g} s (dist.timeout_s) "
                         f"waiting for global rank(s) {[self.global_ranks[r] for r in late]} to {what}; "
                         "a peer has died or hung")
 
