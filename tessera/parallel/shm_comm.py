@@ -193,7 +193,11 @@ class ShmCollectives:
         out = torch.empty(self.size, flat.numel(), dtype=x.dtype)
         for start, chunk in self._chunks(flat):
             place = out[:, start:start + chunk.numel()]
-            self._exchange(chunk, "all-gather", lambda _chunk, slots, place=place: place.copy_(slots))
+
+            def copy_out(_chunk: torch.Tensor, slots: torch.Tensor, place: torch.Tensor = place) -> None:
+                place.copy_(slots)
+
+            self._exchange(chunk, "all-gather", copy_out)
         return out.view(self.size, *x.shape)
 
     def _chunks(self, flat: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
