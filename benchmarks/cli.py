@@ -13,6 +13,7 @@ Run from the repository root (``benchmarks`` is not part of the installed packag
     python -m benchmarks attention-kernels [--only SHAPE ...] # CPU attention kernels side by side
     python -m benchmarks compile [--tp 2 --demo ...]         # section 11: compiled blocks vs eager step time
     python -m benchmarks precision-telemetry [--every 100]   # section 14: what the precision telemetry costs
+    python -m benchmarks tensor-modes --against PATH         # section 15: the step in mtp and msp vs a base
 
 Sections: (1) framework overhead vs a plain PyTorch step of the same model, (2) bf16/fp16/fp32/tf32,
 (3) TP=2 and DP=2 vs one process on the same cores with the communication share, (4) measured bytes
@@ -92,6 +93,7 @@ SUBCOMMANDS = {
     "optimizer-update": ("benchmarks.optimizer_update", "section 12: the AdamW update per precision policy vs a base"),
     "precision-telemetry": ("benchmarks.precision_overhead",
                             "section 14: the demo with metrics.precision_every 0 vs N, paired rounds"),
+    "tensor-modes": ("benchmarks.tensor_modes", "section 15: the demo's step in mtp and msp against a base checkout"),
 }
 
 

@@ -22,46 +22,14 @@ import argparse
 import json
 import os
 import shlex
-import shutil
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
+from benchmarks.train_runs import ROOT, log, run_once
 from tessera.cli_args import positive_int
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FIXED = ["ckpt.enable_save_ckpt=False", "generate.max_new_tokens=0", "data.valid_micro_num=1",
-         "metrics.progress_bar=False"]
-
-
-def _log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-def run_once(checkout: str, overrides: list[str], config: str, steps: int, run_dir: str) -> dict[str, Any]:
-    """One train.py run; its per-step loop wall times and step times (seconds), by step."""
-    from tessera.config import Config
-
-    nproc = Config.from_file(config, overrides).parallel.tensor.size
-    shutil.rmtree(run_dir, ignore_errors=True)
-    os.makedirs(run_dir)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           os.path.join(checkout, "train.py"), "--config", config, *FIXED, *overrides, f"data.total_steps={steps}",
-           f"data.cache_folder='{os.path.join(ROOT, 'data_cache')}'", f"log_folder='{run_dir}'", "job_name='run'"]
-    env = dict(os.environ, PYTHONPATH=checkout)
-    with open(os.path.join(run_dir, "stdout.log"), "w") as log:
-        rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env).returncode
-    if rc:
-        raise RuntimeError(f"train.py exited {rc}: {shlex.join(cmd)}; see {run_dir}/stdout.log")
-    with open(os.path.join(run_dir, "run", "metrics.jsonl")) as f:
-        records = [json.loads(line) for line in f if line.strip()]
-    train = {r["step"]: r for r in records if r["kind"] == "train"}
-    measured = [r["step"] for r in records if r["kind"] == "precision"]
-    return {"time": {s: r["time"] for s, r in train.items()},
-            "step_time": {s: r["step_time"] for s, r in train.items()}, "measured": measured}
 
 
 def per_step_wall(run: dict[str, Any], first: int, last: int) -> float:
@@ -91,7 +59,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         order = names[r % len(names):] + names[: r % len(names)]
         for name in order:
             checkout, overrides = variants[name]
-            _log(f"[precision-telemetry] round {r + 1}/{args.rounds}: {name}")
+            log(f"[precision-telemetry] round {r + 1}/{args.rounds}: {name}")
             runs[name].append(run_once(checkout, overrides, args.config, args.steps,
                                        os.path.join(args.workdir, f"{name}_{r}")))
     wall = {n: [per_step_wall(run, first, args.steps) for run in runs[n]] for n in names}
@@ -175,7 +143,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m benchmarks pr
     command = " ".join([prog, *(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))])
     write_section(args.out, "precision-telemetry", "## 14. Precision telemetry: what measuring costs",
                   markdown(res, command, machine))
-    _log(f"wrote the precision-telemetry section of {args.out}")
+    log(f"wrote the precision-telemetry section of {args.out}")
     return 0
 
 

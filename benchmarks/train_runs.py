@@ -1,0 +1,45 @@
+"""One ``train.py`` run under torchrun, from scratch, and its per-step figures: what the whole-run benchmarks
+(``precision-telemetry``, ``tensor-modes``) pair round by round."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# no checkpoints, no final sample, one validation batch: the loop is what these runs measure
+FIXED = ["ckpt.enable_save_ckpt=False", "generate.max_new_tokens=0", "data.valid_micro_num=1",
+         "metrics.progress_bar=False"]
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def run_once(checkout: str, overrides: list[str], config: str, steps: int, run_dir: str) -> dict[str, Any]:
+    """``checkout``'s train.py for ``steps`` steps; by step: the loop's wall ``time`` and the ``step_time``
+    (seconds) of each ``train`` record of metrics.jsonl, and the steps with a ``precision`` record."""
+    from tessera.config import Config
+
+    nproc = Config.from_file(config, overrides).parallel.tensor.size
+    shutil.rmtree(run_dir, ignore_errors=True)
+    os.makedirs(run_dir)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           os.path.join(checkout, "train.py"), "--config", config, *FIXED, *overrides, f"data.total_steps={steps}",
+           f"data.cache_folder='{os.path.join(ROOT, 'data_cache')}'", f"log_folder='{run_dir}'", "job_name='run'"]
+    env = dict(os.environ, PYTHONPATH=checkout)
+    with open(os.path.join(run_dir, "stdout.log"), "w") as log:
+        rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env).returncode
+    if rc:
+        raise RuntimeError(f"train.py exited {rc}: {shlex.join(cmd)}; see {run_dir}/stdout.log")
+    with open(os.path.join(run_dir, "run", "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    train = {r["step"]: r for r in records if r["kind"] == "train"}
+    measured = [r["step"] for r in records if r["kind"] == "precision"]
+    return {"time": {s: r["time"] for s, r in train.items()},
+            "step_time": {s: r["step_time"] for s, r in train.items()}, "measured": measured}
