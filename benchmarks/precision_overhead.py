@@ -19,16 +19,14 @@ shows whether "off" costs anything at all.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import shlex
 import statistics
 import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
-from benchmarks.train_runs import ROOT, log, run_once
+from benchmarks.train_runs import ROOT, log, report, run_once
 from tessera.cli_args import positive_int
 
 
@@ -126,24 +124,14 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m benchmarks pr
     ap.add_argument("--rounds", type=positive_int, default=3, help="paired rounds (default 3)")
     ap.add_argument("--every", type=positive_int, default=100, help="metrics.precision_every of 'on' (default 100)")
     ap.add_argument("--against", default=None, help="another checkout to run as a third variant (no telemetry keys)")
-    ap.add_argument("--out", default="BENCHMARKS.md")
+    ap.add_argument("--out", default="BENCHMARKS.md", help="file whose section 14 is replaced ('' = none)")
     ap.add_argument("--workdir", default="runs/precision_overhead")
     ap.add_argument("overrides", nargs="*", help="key.sub=value applied to every run")
     args = ap.parse_args(argv)
     if args.every + 1 >= args.steps:
         ap.error(f"--every {args.every} needs --steps above {args.every + 1}: a measured step with a step on each side")
-    from benchmarks.cli import write_section
-    from benchmarks.runner import machine_info
-
-    res = measure(args)
-    with open(os.path.join(args.workdir, "result.json"), "w") as f:
-        json.dump(res, f, indent=1)
-    info = machine_info()
-    machine = f"{info.get('cpu', 'CPU')}, {info.get('cores', '?')} cores, torch {info.get('torch')}"
-    command = " ".join([prog, *(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))])
-    write_section(args.out, "precision-telemetry", "## 14. Precision telemetry: what measuring costs",
-                  markdown(res, command, machine))
-    log(f"wrote the precision-telemetry section of {args.out}")
+    report(measure(args), args.workdir, argv, prog, args.out, "precision-telemetry",
+           "## 14. Precision telemetry: what measuring costs", markdown)
     return 0
 
 

@@ -13,16 +13,14 @@ taken within a round, between runs made minutes apart on the same machine.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import shlex
 import statistics
 import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
-from benchmarks.train_runs import ROOT, log, run_once
+from benchmarks.train_runs import ROOT, log, report, run_once
 from tessera.cli_args import positive_int
 from tessera.parallel.sequence import TENSOR_MODES
 
@@ -90,20 +88,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m benchmarks te
     args = ap.parse_args(argv)
     if not os.path.isfile(os.path.join(args.against, "train.py")):
         ap.error(f"--against {args.against}: no train.py there")
-    from benchmarks.cli import write_section
-    from benchmarks.runner import machine_info
-
-    res = measure(args)
-    with open(os.path.join(args.workdir, "result.json"), "w") as f:
-        json.dump(res, f, indent=1)
-    info = machine_info()
-    machine = f"{info.get('cpu', 'CPU')}, {info.get('cores', '?')} cores, torch {info.get('torch')}"
-    command = " ".join([prog, *(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))])
-    lines = markdown(res, command, machine)
-    print("\n".join(lines))
-    if args.out:
-        write_section(args.out, "tensor-modes", TITLE, lines)
-        log(f"wrote the tensor-modes section of {args.out}")
+    report(measure(args), args.workdir, argv, prog, args.out, "tensor-modes", TITLE, markdown)
     return 0
 
 

@@ -9,6 +9,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable, Sequence
 from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -43,3 +44,21 @@ def run_once(checkout: str, overrides: list[str], config: str, steps: int, run_d
     measured = [r["step"] for r in records if r["kind"] == "precision"]
     return {"time": {s: r["time"] for s, r in train.items()},
             "step_time": {s: r["step_time"] for s, r in train.items()}, "measured": measured}
+
+
+def report(res: dict[str, Any], workdir: str, argv: Sequence[str] | None, prog: str, out: str, section: str,
+           title: str, markdown: Callable[[dict[str, Any], str, str], list[str]]) -> None:
+    """Save ``res`` as ``workdir/result.json``, print its markdown, write it as ``section`` of ``out`` ('': none)."""
+    from benchmarks.cli import write_section
+    from benchmarks.runner import machine_info
+
+    with open(os.path.join(workdir, "result.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    info = machine_info()
+    machine = f"{info.get('cpu', 'CPU')}, {info.get('cores', '?')} cores, torch {info.get('torch')}"
+    command = " ".join([prog, *(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))])
+    lines = markdown(res, command, machine)
+    print("\n".join(lines))
+    if out:
+        write_section(out, section, title, lines)
+        log(f"wrote the {section} section of {out}")
