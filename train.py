@@ -1,18 +1,20 @@
 """Train a tessera decoder: ``torchrun --nproc_per_node=N train.py --config configs/7B.py [key.sub=value ...]``.
 
-Read top to bottom: config -> launch (groups, seeds, precision) -> writable folders -> will it fit -> data -> model
--> precision wrapper -> optimizer and LR schedule -> resume -> loop (step, log, validate, checkpoint, stop) -> final
-validation, checkpoint and sample.
+``main`` reads top to bottom: config -> launch (the run description: groups, seeds, precision) -> writable
+folders -> will it fit -> data -> the training stack -> resume -> metrics -> the loop (step, log, validate,
+checkpoint, stop) -> final validation, checkpoint and sample. Each step is a function below it, in that order.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
@@ -20,7 +22,6 @@ import torch.distributed as dist
 
 from tessera.checkpoint import (
     CheckpointError,
-    Layout,
     Progress,
     RngStreams,
     TrainState,
@@ -30,17 +31,17 @@ from tessera.checkpoint import (
     save_checkpoint,
 )
 from tessera.config import Config, ConfigError
-from tessera.config.precision import resolve_precision
-from tessera.data import build_data
+from tessera.core.context import gpc, launch_from_slurm, launch_from_torch
+from tessera.core.job import Job
+from tessera.data import DataBundle, build_data
 from tessera.data.errors import DataError
 from tessera.data.stdlib_corpus import prepare_stdlib_corpus
-from tessera.dist import ParallelMode, gpc, launch_from_slurm, launch_from_torch
 from tessera.files import os_error_text
 from tessera.model import flops_per_token
 from tessera.model.kv_cache import generate_ids_cached
 from tessera.optim.skips import TooManySkippedSteps
 from tessera.parallel.comm import agree_on_errors
-from tessera.train.builder import build_training_stack
+from tessera.train.builder import TrainingStack, build_training_stack
 from tessera.train.memory_check import check_memory
 from tessera.train.metrics import MetricsWriter, gpu_peak_tflops, measure_matmul_tflops, peak_memory_gib, setup_logging
 from tessera.train.stop import StopRequest
@@ -58,12 +59,16 @@ class TrainingStopped(RuntimeError):
         self.every_rank = every_rank
 
 
-_doing = "starting"  # what main() is doing: the context of an OSError that reaches run()
-
-
-def _now(what: str) -> None:
-    global _doing
-    _doing = what
+@contextlib.contextmanager
+def doing(what: str) -> Iterator[None]:
+    """Name what the run was doing on a file error raised inside (``run`` reports it in one line); the
+    innermost name wins."""
+    try:
+        yield
+    except OSError as e:
+        if not hasattr(e, "tessera_doing"):
+            e.tessera_doing = what  # type: ignore[attr-defined]
+        raise
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -83,210 +88,279 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_intermixed_args(argv)
 
 
-def peak_tflops_per_device(cfg: Config, precision_name: str, device: torch.device) -> tuple[float, str]:
-    """MFU denominator: the config's override, the GPU table (exact device name), or matmuls measured here (a
-    CPU, or a GPU the table does not list)."""
-    if cfg.metrics.peak_tflops:
-        return cfg.metrics.peak_tflops, "config"
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        peak = gpu_peak_tflops(name, precision_name)
-        if peak:
-            return peak, name
-        logger.warning("no peak TFLOP/s known for %s; measuring a matmul instead (set metrics.peak_tflops)", name)
-    dtype = resolve_precision(cfg.model.dtype).dtype
-    return measure_matmul_tflops(dtype, device), f"measured {dtype} matmul"
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-
-    # 1. config: every mistake is reported here, before any process group exists (logging first: the config
-    #    says which InternEvo keys it mapped or accepted)
     setup_logging(int(os.environ.get("RANK" if args.launcher == "torch" else "SLURM_PROCID", "0")))
-    _now(f"reading the config {args.config}")
-    cfg = Config.from_file(args.config, args.overrides)
-    seed = cfg.seed if args.seed is None else args.seed
+    with doing(f"reading the config {args.config}"):  # every config mistake is reported before any group exists
+        cfg = Config.from_file(args.config, args.overrides)
     if args.dry_run:
         return dry_run_report(cfg, args.config)
+    with doing("launching"):
+        job = launch_job(cfg, args)
+    with doing("checking the output folders"):
+        check_output_folders(cfg)
+    peak = mfu_peak(cfg, job)
+    if not args.skip_memory_check:
+        check_it_fits(cfg, job)
+    with doing(f"reading the data ({_data_keys(cfg)})"):
+        data = load_data(cfg, job)
+    with doing("building the model and optimizer"):
+        stack = build_training_stack(cfg, job, before_cast=lambda model: weights_only_start(cfg, job, model))
+    run = Run(cfg, job, stack, data, peak)
+    with doing(f"resuming from ckpt.save_ckpt_folder={cfg.ckpt.save_ckpt_folder}"):
+        resume(run)
+    open_metrics(run)
+    with doing("training"):
+        train_loop(run, args.stop_file)
+    with doing("finishing"):
+        finish(run)
+    gpc.destroy()
+    return 0
 
-    # 2. launch: process groups, RNG streams, TF32 switches
-    _now("launching")
+
+def launch_job(cfg: Config, args: argparse.Namespace) -> Job:
+    """Join the job (process groups, RNG streams, precision switches); its description, built once."""
+    seed = cfg.seed if args.seed is None else args.seed
     if args.launcher == "slurm":
         launch_from_slurm(cfg, host=args.host, port=args.port, seed=seed)
     else:
         launch_from_torch(cfg, seed=seed)
-    layout = Layout.from_gpc()
-    precision = resolve_precision(cfg.model.dtype)
-    device = gpc.device
-    is_rank0 = gpc.get_global_rank() == 0
-    logger.info("launched: world %d = tp %d x dp %d, zero1 %d, dtype %s, device %s", layout.world_size,
-                layout.tp_size, layout.dp_size, layout.zero1_size, precision.name, device)
+    job = gpc.job
+    assert job is not None
+    lay = job.layout
+    logger.info("launched: world %d = tp %d x dp %d, zero1 %d, dtype %s, device %s", lay.world_size, lay.tp_size,
+                lay.dp_size, lay.zero1_size, job.precision.name, job.device)
+    return job
 
-    # 2b. the folders the run writes (logs, checkpoints, data cache): a problem on any rank stops every rank
-    #     now, not at the first save
-    _now("checking the output folders")
-    problems = agree_on_errors(output_folder_problem(cfg))
-    if problems:
-        _exit_together("; ".join(problems))
 
-    # 2c. the MFU denominator: a GPU missing from the peak table is measured now, before the model takes its memory
-    peak, peak_source = peak_tflops_per_device(cfg, precision.name, device)
+def check_output_folders(cfg: Config) -> None:
+    """The folders the run writes (logs, checkpoints, data cache): a problem on any rank stops every rank now,
+    not at the first save."""
+    _exit_on(agree_on_errors(output_folder_problem(cfg)))
+
+
+def mfu_peak(cfg: Config, job: Job) -> tuple[float, str]:
+    """The MFU denominator: the config's override, the GPU table (exact device name), or matmuls measured here
+    (a CPU, or a GPU the table does not list), before the model takes its memory."""
+    device = job.device
+    if cfg.metrics.peak_tflops:
+        return cfg.metrics.peak_tflops, "config"
+    peak: tuple[float, str] | None = None
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        table = gpu_peak_tflops(name, job.precision.name)
+        if table:
+            peak = table, name
+        else:
+            logger.warning("no peak TFLOP/s known for %s; measuring a matmul instead (set metrics.peak_tflops)", name)
+    if peak is None:
+        peak = measure_matmul_tflops(job.dtype, device), f"measured {job.dtype} matmul"
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)  # the run's peak (metrics' peak_mem_gib) leaves the probe out
+    return peak
 
-    # 3. will it fit: the persistent state of this layout (counted on the meta device) vs this rank's memory
-    if not args.skip_memory_check:
-        problem = check_memory(cfg, layout.world_size, layout.tp_size, layout.zero1_size, device)
-        if problem:  # every rank agreed: each says so before any exits (torchrun stops the rest at the first exit)
-            _exit_together(problem)
 
-    # 4. data: a problem on any rank (missing, unreadable, a disk full while preparing) stops every rank
-    _now(f"reading the data ({_data_keys(cfg)})")
-    if cfg.data.type == "stdlib":  # rank 0 prepares the corpus while the others wait in the agreement
-        _, problem = _data_step(cfg, lambda: prepare_stdlib_corpus(cfg.data.cache_folder, progress=True), is_rank0)
+def check_it_fits(cfg: Config, job: Job) -> None:
+    """The persistent state of this layout (counted on the meta device) against this rank's memory; every rank
+    reaches the same verdict and each says so before any exits (torchrun stops the rest at the first exit)."""
+    problem = check_memory(cfg, job)
+    if problem:
+        _exit_together(problem)
+
+
+def load_data(cfg: Config, job: Job) -> DataBundle:
+    """The loaders of this DP rank; a problem on any rank (missing, unreadable, a disk full while preparing)
+    stops every rank. The stdlib corpus is prepared by rank 0 while the others wait in the agreement."""
+    if cfg.data.type == "stdlib":
+        _, problem = _data_step(cfg, lambda: prepare_stdlib_corpus(cfg.data.cache_folder, progress=True),
+                                job.is_rank0)
         _exit_on(agree_on_errors(problem))
+    lay = job.layout
     data, problem = _data_step(cfg, lambda: build_data(
         cfg.data, vocab_size=cfg.model.vocab_size, max_seq_len=cfg.model.max_position_embeddings,
-        dp_rank=layout.dp_rank, dp_size=layout.dp_size, seed=seed, barrier=dist.barrier,
-        is_main=layout.global_rank == 0, progress=is_rank0))
+        dp_rank=lay.dp_rank, dp_size=lay.dp_size, seed=job.seed, barrier=dist.barrier, is_main=job.is_rank0,
+        progress=job.is_rank0))
     _exit_on(agree_on_errors(problem))
     assert data is not None  # no rank had a problem
     logger.info("data: %s", data.info)
+    return data
 
-    # 5. the training stack: model (fp32, TP-sharded; a weights-only start is loaded before the precision
-    #    cast) -> precision wrapper -> optimizer (fp32 masters, ZeRO-1) -> LR schedule -> trainer
-    def weights_only_start(model: torch.nn.Module) -> None:
-        if cfg.ckpt.load_ckpt_folder and not _has_checkpoint(cfg):
-            _now(f"loading ckpt.load_ckpt_folder={cfg.ckpt.load_ckpt_folder}")
-            try:
-                load_checkpoint(cfg.ckpt.load_ckpt_folder, TrainState(model), layout=layout, load_optimizer=False,
-                                load_components=False)
-            except CheckpointError as e:  # name the key the path came from
-                raise CheckpointError(f"ckpt.load_ckpt_folder={cfg.ckpt.load_ckpt_folder}: {e}",
-                                      every_rank=e.every_rank) from None
-            logger.info("initialized weights from %s", cfg.ckpt.load_ckpt_folder)
 
-    _now("building the model and optimizer")
-    stack = build_training_stack(cfg, seed=seed, before_cast=weights_only_start)
-    optimizer, scheduler, trainer = stack.optimizer, stack.scheduler, stack.trainer
-
-    # 6. what a checkpoint holds, registered once: saving and resuming iterate this one registry
-    progress = Progress()
-    state = TrainState(stack.inner_model, optimizer, progress=progress, lr_scheduler=scheduler, sampler=data.train)
-    state.register("rng", RngStreams(gpc), per_rank=True)
-
-    # 7. resume from the newest complete checkpoint (damaged ones are skipped with a warning)
-    last_ckpt = None
-    if cfg.ckpt.auto_resume and cfg.ckpt.save_ckpt_folder:
-        _now(f"resuming from ckpt.save_ckpt_folder={cfg.ckpt.save_ckpt_folder}")
-        last_ckpt, meta = find_resumable_checkpoint(cfg.ckpt.save_ckpt_folder, layout,
-                                                    load=lambda path: load_checkpoint(path, state, layout=layout))
-        if last_ckpt:
-            if not meta["rank_state_loaded"]:  # a different TP/DP layout: per-rank streams cannot be carried over
-                gpc.set_seed(seed + progress.step)
-            logger.info("resumed from %s at step %d", last_ckpt, progress.step)
-            if progress.step > cfg.data.total_steps:
-                logger.warning("%s is past data.total_steps=%d: nothing to train, only the final validation "
-                               "and sample run (train longer by raising data.total_steps, or start over with "
-                               "another ckpt.save_ckpt_folder or ckpt.auto_resume=False)",
-                               last_ckpt, cfg.data.total_steps)
-
-    # 8. metrics
-    flops_tok = flops_per_token(cfg.model, cfg.data.seq_len)
-    log_dir = os.path.join(cfg.log_folder, cfg.job_name)
-    metrics = MetricsWriter(log_dir, is_rank0, cfg.data.total_steps, progress.step, cfg.metrics.tensorboard,
-                            cfg.metrics.progress_bar)
-
-    def metrics_problem() -> str | None:  # rank 0's metrics files: a failure stops every rank (agreed)
-        return f"log_folder={cfg.log_folder}: {metrics.problem}" if metrics.problem else None
-
-    _exit_on(agree_on_errors(metrics_problem()))
-    metrics.log_event(f"peak {peak:.3f} TFLOP/s per device ({peak_source}); {flops_tok / 1e6:.2f} MFLOP per token",
-                      peak_tflops=peak, flops_per_token=flops_tok, resumed_from=last_ckpt, start_step=progress.step)
-
-    def save() -> str:
-        nonlocal last_ckpt
-        if last_ckpt == os.path.join(cfg.ckpt.save_ckpt_folder, f"step_{progress.step}"):
-            return last_ckpt  # saved (or resumed from) at this very step: same state, nothing to write
-        last_ckpt = save_checkpoint(cfg.ckpt.save_ckpt_folder, progress.step, state, config=cfg.to_dict(),
-                                    layout=layout, keep_last=cfg.ckpt.keep_last)
-        metrics.log_event(f"saved checkpoint {last_ckpt}", checkpoint=last_ckpt)
-        return last_ckpt
-
-    def validate(at_step: int) -> None:
-        if data.valid is not None:
-            metrics.log_valid(at_step, trainer.evaluate(data.valid))
-
-    # 9. the loop
-    _now("training")
-    stop = StopRequest(stop_file=args.stop_file)
-    stop.install()
-    saving = cfg.ckpt.enable_save_ckpt
-    while progress.step < cfg.data.total_steps:
-        lr = scheduler.current_lr
+def weights_only_start(cfg: Config, job: Job, model: torch.nn.Module) -> None:
+    """``ckpt.load_ckpt_folder``: the fp32, TP-sharded decoder starts from those weights (before the precision
+    cast), unless the run already saved checkpoints of its own to resume from."""
+    if not cfg.ckpt.load_ckpt_folder or _has_checkpoint(cfg):
+        return
+    with doing(f"loading ckpt.load_ckpt_folder={cfg.ckpt.load_ckpt_folder}"):
         try:
-            result = trainer.train_step(data.train.next_step_batches(), step=progress.step + 1)
-        except TooManySkippedSteps as e:
-            raise TrainingStopped(f"stopping at step {progress.step + 1}: {e}; last good checkpoint: "
-                                  f"{last_ckpt or 'none'}") from None
-        scheduler.step()
-        progress.step += 1
-        progress.consumed_tokens += result.tokens
+            load_checkpoint(cfg.ckpt.load_ckpt_folder, TrainState(model), layout=job.layout, load_optimizer=False,
+                            load_components=False)
+        except CheckpointError as e:  # name the key the path came from
+            raise CheckpointError(f"ckpt.load_ckpt_folder={cfg.ckpt.load_ckpt_folder}: {e}",
+                                  every_rank=e.every_rank) from None
+    logger.info("initialized weights from %s", cfg.ckpt.load_ckpt_folder)
+
+
+@dataclass
+class Run:
+    """What the loop works on: the config, the job, the stack, the data, and what a checkpoint holds (one
+    registry: saving and resuming iterate it)."""
+
+    cfg: Config
+    job: Job
+    stack: TrainingStack
+    data: DataBundle
+    peak: tuple[float, str]  # MFU denominator (TFLOP/s per device) and where it came from
+    last_ckpt: str | None = None
+    metrics: MetricsWriter | None = None
+
+    def __post_init__(self) -> None:
+        self.progress = Progress()
+        self.state = TrainState(self.stack.inner_model, self.stack.optimizer, progress=self.progress,
+                                lr_scheduler=self.stack.scheduler, sampler=self.data.train)
+        self.state.register("rng", RngStreams(gpc), per_rank=True)
+        self.flops_per_token = flops_per_token(self.cfg.model, self.cfg.data.seq_len)
+
+    @property
+    def log(self) -> MetricsWriter:
+        assert self.metrics is not None, "open_metrics(run) first"
+        return self.metrics
+
+    def metrics_problem(self) -> str | None:
+        """Rank 0's metrics files: a failure stops every rank (agreed)."""
+        problem = self.metrics.problem if self.metrics is not None else None
+        return f"log_folder={self.cfg.log_folder}: {problem}" if problem else None
+
+    def save(self) -> str:
+        """A checkpoint of this step (none written twice for the same step)."""
+        folder, step = self.cfg.ckpt.save_ckpt_folder, self.progress.step
+        if self.last_ckpt == os.path.join(folder, f"step_{step}"):
+            return self.last_ckpt  # saved (or resumed from) at this very step: same state, nothing to write
+        self.last_ckpt = save_checkpoint(folder, step, self.state, config=self.cfg.to_dict(), layout=self.job.layout,
+                                         keep_last=self.cfg.ckpt.keep_last)
+        self.log.log_event(f"saved checkpoint {self.last_ckpt}", checkpoint=self.last_ckpt)
+        return self.last_ckpt
+
+    def validate(self) -> None:
+        if self.data.valid is not None:
+            self.log.log_valid(self.progress.step, self.stack.trainer.evaluate(self.data.valid))
+
+
+def resume(run: Run) -> None:
+    """Continue from the newest complete checkpoint of ``ckpt.save_ckpt_folder`` (damaged ones are skipped
+    with a warning)."""
+    cfg, job, progress = run.cfg, run.job, run.progress
+    if not (cfg.ckpt.auto_resume and cfg.ckpt.save_ckpt_folder):
+        return
+    run.last_ckpt, meta = find_resumable_checkpoint(cfg.ckpt.save_ckpt_folder, job.layout,
+                                                    load=lambda path: load_checkpoint(path, run.state,
+                                                                                      layout=job.layout))
+    if not run.last_ckpt:
+        return
+    if not meta["rank_state_loaded"]:  # a different TP/DP layout: per-rank streams cannot be carried over
+        gpc.set_seed(job.seed + progress.step)
+    logger.info("resumed from %s at step %d", run.last_ckpt, progress.step)
+    if progress.step > cfg.data.total_steps:
+        logger.warning("%s is past data.total_steps=%d: nothing to train, only the final validation and sample "
+                       "run (train longer by raising data.total_steps, or start over with another "
+                       "ckpt.save_ckpt_folder or ckpt.auto_resume=False)", run.last_ckpt, cfg.data.total_steps)
+
+
+def open_metrics(run: Run) -> None:
+    """metrics.jsonl, TensorBoard and the progress bar on rank 0; a failure there stops every rank."""
+    cfg = run.cfg
+    run.metrics = MetricsWriter(os.path.join(cfg.log_folder, cfg.job_name), run.job.is_rank0, cfg.data.total_steps,
+                                run.progress.step, cfg.metrics.tensorboard, cfg.metrics.progress_bar)
+    _exit_on(agree_on_errors(run.metrics_problem()))
+    peak, source = run.peak
+    run.log.log_event(f"peak {peak:.3f} TFLOP/s per device ({source}); {run.flops_per_token / 1e6:.2f} MFLOP per "
+                      "token", peak_tflops=peak, flops_per_token=run.flops_per_token, resumed_from=run.last_ckpt,
+                      start_step=run.progress.step)
+
+
+def train_loop(run: Run, stop_file: str | None) -> None:
+    """Steps until ``data.total_steps`` or a stop request (a signal, ``--stop-file``, a metrics failure)."""
+    cfg, progress = run.cfg, run.progress
+    stop = StopRequest(stop_file=stop_file)
+    stop.install()
+    while progress.step < cfg.data.total_steps:
+        train_one_step(run)
         step = progress.step
-        tgs = result.tokens / result.step_time / layout.world_size
-        tflops = tgs * flops_tok / 1e12
-        metrics.log_train(step, {  # every step to metrics.jsonl and TensorBoard; log_every paces the printed line
-            "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm, "loss_scale": optimizer.loss_scale,
-            "skipped_steps": optimizer.skipped_steps, "success": result.success, "tgs": tgs,
-            "tflops": tflops, "mfu": tflops / peak, "step_time": result.step_time,
-            "consumed_tokens": progress.consumed_tokens, "peak_mem_gib": peak_memory_gib(device),
-        }, line=step % cfg.metrics.log_every == 0 or step == cfg.data.total_steps)
-        if result.precision is not None:  # metrics.precision_every: per-module numerics of this step
-            metrics.log_precision(step, result.precision)
         if cfg.data.valid_every and step % cfg.data.valid_every == 0 and step < cfg.data.total_steps:
-            validate(step)
-        if (saving and cfg.ckpt.checkpoint_every and step % cfg.ckpt.checkpoint_every == 0
+            run.validate()
+        if (cfg.ckpt.enable_save_ckpt and cfg.ckpt.checkpoint_every and step % cfg.ckpt.checkpoint_every == 0
                 and step < cfg.data.total_steps):
-            save()
-        requested, reason = stop.should_stop(problem=metrics_problem())  # one agreement for both
+            run.save()
+        requested, reason = stop.should_stop(problem=run.metrics_problem())  # one agreement for both
         if requested:
-            metrics.log_event(f"stop requested ({reason}) after step {step}")
-            if saving:
-                save()
-            if stop.problems:  # the state so far is saved: stop with the problem on every rank
-                raise TrainingStopped(f"{reason}; stopped after step {step}, last checkpoint: {last_ckpt or 'none'}",
-                                      every_rank=True)
-            try:
-                stop.consume()  # every rank has seen it: remove the stop file so a relaunch trains on
-            except OSError as e:
-                raise TrainingStopped(f"--stop-file {args.stop_file}: cannot remove it after stopping "
-                                      f"({os_error_text(e)}): remove it before relaunching, or the next launch stops "
-                                      f"after its first step; last checkpoint: {last_ckpt or 'none'}") from None
+            stop_now(run, stop, reason, stop_file)
             break
 
-    # 10. the end: validation, checkpoint, a sample
-    _now("finishing")
-    if progress.step >= cfg.data.total_steps:
-        validate(progress.step)
-        if saving:
-            save()
-        if cfg.generate.max_new_tokens and data.tokenizer is not None:
-            ids = generate_ids_cached(stack.inner_model, data.tokenizer.encode(cfg.generate.prompt),
-                                      cfg.generate.max_new_tokens, temperature=cfg.generate.temperature,
-                                      top_k=cfg.generate.top_k, top_p=cfg.generate.top_p,
-                                      tp_group=gpc.get_group(ParallelMode.TENSOR),
-                                      device=device, seed=seed, max_seq_len=cfg.model.max_position_embeddings,
-                                      vocab_size=data.tokenizer.vocab_size)
-            sample = data.tokenizer.decode(ids)
-            metrics.log_event("sample:\n" + sample, sample=sample)
-    metrics.close()
-    problems = agree_on_errors(metrics_problem())
+
+def train_one_step(run: Run) -> None:
+    """One optimizer step, and its metrics (every step to metrics.jsonl and TensorBoard; ``metrics.log_every``
+    paces the printed line)."""
+    cfg, progress, optimizer = run.cfg, run.progress, run.stack.optimizer
+    lr = run.stack.scheduler.current_lr
+    try:
+        result = run.stack.trainer.train_step(run.data.train.next_step_batches(), step=progress.step + 1)
+    except TooManySkippedSteps as e:
+        raise TrainingStopped(f"stopping at step {progress.step + 1}: {e}; last good checkpoint: "
+                              f"{run.last_ckpt or 'none'}") from None
+    run.stack.scheduler.step()
+    progress.step += 1
+    progress.consumed_tokens += result.tokens
+    step = progress.step
+    tgs = result.tokens / result.step_time / run.job.layout.world_size
+    tflops = tgs * run.flops_per_token / 1e12
+    run.log.log_train(step, {
+        "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm, "loss_scale": optimizer.loss_scale,
+        "skipped_steps": optimizer.skipped_steps, "success": result.success, "tgs": tgs,
+        "tflops": tflops, "mfu": tflops / run.peak[0], "step_time": result.step_time,
+        "consumed_tokens": progress.consumed_tokens, "peak_mem_gib": peak_memory_gib(run.job.device),
+    }, line=step % cfg.metrics.log_every == 0 or step == cfg.data.total_steps)
+    if result.precision is not None:  # metrics.precision_every: per-module numerics of this step
+        run.log.log_precision(step, result.precision)
+
+
+def stop_now(run: Run, stop: StopRequest, reason: str, stop_file: str | None) -> None:
+    """A stop every rank agreed on: save, then stop with the problem (if any) or remove the stop file."""
+    step = run.progress.step
+    run.log.log_event(f"stop requested ({reason}) after step {step}")
+    if run.cfg.ckpt.enable_save_ckpt:
+        run.save()
+    if stop.problems:  # the state so far is saved: stop with the problem on every rank
+        raise TrainingStopped(f"{reason}; stopped after step {step}, last checkpoint: {run.last_ckpt or 'none'}",
+                              every_rank=True)
+    try:
+        stop.consume()  # every rank has seen it: remove the stop file so a relaunch trains on
+    except OSError as e:
+        raise TrainingStopped(f"--stop-file {stop_file}: cannot remove it after stopping ({os_error_text(e)}): "
+                              "remove it before relaunching, or the next launch stops after its first step; last "
+                              f"checkpoint: {run.last_ckpt or 'none'}") from None
+
+
+def finish(run: Run) -> None:
+    """At ``data.total_steps``: the final validation, checkpoint and sample; then close the metrics."""
+    cfg, job = run.cfg, run.job
+    if run.progress.step >= cfg.data.total_steps:
+        run.validate()
+        if cfg.ckpt.enable_save_ckpt:
+            run.save()
+        tokenizer = run.data.tokenizer
+        if cfg.generate.max_new_tokens and tokenizer is not None:
+            gen = cfg.generate
+            ids = generate_ids_cached(run.stack.inner_model, tokenizer.encode(gen.prompt), gen.max_new_tokens,
+                                      temperature=gen.temperature, top_k=gen.top_k, top_p=gen.top_p,
+                                      tp_group=job.groups.tp, device=job.device, seed=job.seed,
+                                      max_seq_len=cfg.model.max_position_embeddings, vocab_size=tokenizer.vocab_size)
+            sample = tokenizer.decode(ids)
+            run.log.log_event("sample:\n" + sample, sample=sample)
+    run.log.close()
+    problems = agree_on_errors(run.metrics_problem())
     if problems:
-        raise TrainingStopped(f"{'; '.join(problems)}; training finished at step {progress.step}, last checkpoint: "
-                              f"{last_ckpt or 'none'}", every_rank=True)
-    gpc.destroy()
-    return 0
+        raise TrainingStopped(f"{'; '.join(problems)}; training finished at step {run.progress.step}, last "
+                              f"checkpoint: {run.last_ckpt or 'none'}", every_rank=True)
 
 
 def dry_run_report(cfg: Config, config_name: str) -> int:
@@ -382,7 +456,7 @@ def run() -> None:
         if e.filename is None:  # not a file (a socket, a timeout): the traceback says where
             _report(f"training failed:\n{traceback.format_exc()}")
         else:
-            _report(f"error: {_doing}: {os_error_text(e)}")
+            _report(f"error: {getattr(e, 'tessera_doing', 'starting')}: {os_error_text(e)}")
     except Exception:  # noqa: BLE001 - report with the traceback, then take the whole job down
         _report(f"training failed:\n{traceback.format_exc()}")
     # os._exit: skip interpreter teardown, which can block on a process group whose peers died;

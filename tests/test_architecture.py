@@ -3,9 +3,16 @@
 - Import direction: every module under ``tessera/`` belongs to a layer (``LAYERS``, lowest first) and
   imports only from its own layer or lower ones. Every tessera import counts: top-level and
   function-local, ``import x``, ``from x import y``, relative imports, ``if TYPE_CHECKING:`` blocks and
-  ``importlib.import_module("tessera...")`` with a literal name. ``tessera/core/*`` only aliases the
-  contract paths of ``../shared/DESIGN.md`` and sits on top: nothing inside tessera may import it.
-- No import cycle among tessera's packages (``tessera.<name>``, leaf modules included).
+  ``importlib.import_module("tessera...")`` with a literal name. ``core`` (the run description,
+  launch, precision) sits between ``config`` and the packages that take the run description. Its one
+  upward name, ``tessera.core.optimizer.HybridZeroOptimizer`` (DESIGN.md's path), resolves lazily on
+  first use: checked below to import nothing of ``optim`` at load time.
+- No import cycle among tessera's packages (``tessera.<name>``, leaf modules included), and none among
+  its modules, not even between two files of one folder (every import counts, as for the layers).
+- No function in the package longer than ``MAX_FUNCTION_LINES``; no length cap on files (a file is split
+  where it holds two jobs, not at a line count).
+- One reader of the run's precision: outside ``config/`` and ``core/``, nothing calls the model-precision
+  parsers (``resolve_precision``, ``parse_dtype``) or reads ``model.dtype`` from a config.
 - No ``sys.path`` edits in ``tools/``, ``tests/``, ``benchmarks/``, ``harness/`` or ``train.py``: the
   package is installed (``pip install -e .``), pytest puts the repository root on ``sys.path``
   (pytest.ini), and ``python -m benchmarks`` runs from the root.
@@ -27,6 +34,8 @@ from __future__ import annotations
 import ast
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -34,11 +43,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 # lowest first: a module may import its own layer and the layers before it, never a later one
-LAYERS = ("leaf", "parallel", "model", "config", "data", "dist", "optim", "train", "checkpoint", "plan", "top")
+LAYERS = ("leaf", "parallel", "model", "config", "core", "data", "optim", "train", "checkpoint", "plan")
 # tessera/<name>.py modules that import no tessera package (stdlib / torch only); "__init__" is tessera/__init__.py
 LEAF_MODULES = frozenset({"__init__", "files", "cli_args"})
-TOP = frozenset({"core"})  # aliases of the documented contract paths (may import anything; nothing imports them)
-MAX_LINES = 450
+MAX_FUNCTION_LINES = 80
+PRECISION_READERS = ("tessera/config/", "tessera/core/")  # the only places that resolve the run's precision
+PRECISION_PARSERS = frozenset({"resolve_precision", "parse_dtype"})
 SCRIPT_PLACES = ("tools", "tests", "benchmarks", "harness", "train.py")
 # top-level names of the repository that are not installed: the package must not import them
 UNINSTALLED = ("harness", "benchmarks", "tests", "tools", "train")
@@ -124,8 +134,6 @@ def layer_of(dotted: str) -> str | None:
     name = dotted.split(".")[1] if "." in dotted else "__init__"  # plain ``tessera`` is tessera/__init__.py
     if name in LEAF_MODULES:
         return "leaf"
-    if name in TOP:
-        return "top"
     return name if name in LAYERS else None
 
 
@@ -176,33 +184,7 @@ def package_cycles(root: Path) -> list[str]:
             graph.setdefault(a, set()).add(b)
             graph.setdefault(b, set())
             where.setdefault((a, b), f"{file}:{line} -> {target}")
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    sccs: list[list[str]] = []
-
-    def visit(v: str) -> None:
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        for w in sorted(graph[v]):
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in stack:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            scc = []
-            while True:
-                w = stack.pop()
-                scc.append(w)
-                if w == v:
-                    break
-            if len(scc) > 1:
-                sccs.append(sorted(scc))
-
-    for v in sorted(graph):
-        if v not in index:
-            visit(v)
+    sccs = _tarjan(graph)
     return [" <-> ".join(scc) + ": " + "; ".join(where[(a, b)] for a in scc for b in scc if (a, b) in where)
             for scc in sccs]
 
@@ -235,13 +217,103 @@ def _is_sys_path(node: ast.AST) -> bool:
             and node.value.id == "sys")
 
 
-def long_files(root: Path, limit: int = MAX_LINES) -> list[str]:
-    out = []
+def _tarjan(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected sets of 2+ nodes of ``graph`` (every node a key)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    sccs: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            scc = []
+            while True:
+                w = stack.pop()
+                scc.append(w)
+                if w == v:
+                    break
+            if len(scc) > 1:
+                sccs.append(sorted(scc))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sccs
+
+
+def module_cycles(root: Path) -> list[str]:
+    """Each strongly connected set of 2+ tessera modules (a package is its ``__init__``), with the imports
+    that close it. An import of ``a.b.c`` counts as an edge to ``a.b.c`` only: the parent packages it
+    initialises first are not edges (else every package that re-exports its modules would be a cycle)."""
+    edges, _ = import_graph(root)
+    graph: dict[str, set[str]] = {}
+    where: dict[tuple[str, str], str] = {}
+    for file, line, me, target in edges:
+        if me != target:
+            graph.setdefault(me, set()).add(target)
+            graph.setdefault(target, set())
+            where.setdefault((me, target), f"{file}:{line} -> {target}")
+    return [" <-> ".join(scc) + ": " + "; ".join(where[(a, b)] for a in scc for b in scc if (a, b) in where)
+            for scc in _tarjan(graph)]
+
+
+def long_functions(root: Path, limit: int = MAX_FUNCTION_LINES) -> list[str]:
+    """``file:line name(): N lines`` for every function or method of the package longer than ``limit``."""
+    out: list[str] = []
     for path in _py_files(root / "tessera"):
-        n = len(path.read_text(encoding="utf-8").splitlines())
-        if n > limit:
-            out.append(f"{path.relative_to(root)}: {n} lines (limit {limit})")
-    return out
+        tree = _parse(path, root, out)
+        for node in ast.walk(tree) if tree is not None else ():
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = (node.end_lineno or node.lineno) - node.lineno + 1
+                if n > limit:
+                    out.append(f"{path.relative_to(root)}:{node.lineno} {node.name}(): {n} lines (limit {limit})")
+    return sorted(out)
+
+
+def _reads_model_dtype(node: ast.AST) -> bool:
+    """``<x>.model.dtype``, ``model_cfg["dtype"]`` / ``model_cfg.get("dtype")`` on a name containing "model"."""
+    if isinstance(node, ast.Attribute) and node.attr == "dtype":
+        v = node.value
+        return isinstance(v, ast.Attribute) and v.attr == "model" or isinstance(v, ast.Name) and v.id == "model_cfg"
+    if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) and node.slice.value == "dtype":
+        return _names_a_model_section(node.value)
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"
+            and node.args and isinstance(node.args[0], ast.Constant) and node.args[0].value == "dtype"):
+        return _names_a_model_section(node.func.value)
+    return False
+
+
+def _names_a_model_section(node: ast.AST) -> bool:
+    if isinstance(node, ast.Name):
+        return "model" in node.id
+    if isinstance(node, ast.Attribute):
+        return node.attr == "model"
+    return isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) and node.slice.value == "model"
+
+
+def precision_rederivations(root: Path, places=("tessera", "train.py", "tools")) -> list[str]:
+    """``file:line: what`` wherever code outside ``PRECISION_READERS`` resolves the run's precision itself."""
+    out: list[str] = []
+    for place in places:
+        for path in _py_files(root / place):
+            rel = path.relative_to(root).as_posix()
+            if rel.startswith(PRECISION_READERS):
+                continue
+            tree = _parse(path, root, out)
+            for node in ast.walk(tree) if tree is not None else ():
+                if isinstance(node, ast.ImportFrom) and any(a.name in PRECISION_PARSERS for a in node.names):
+                    out.append(f"{rel}:{node.lineno}: imports a precision parser (take the run's RunPrecision)")
+                elif _reads_model_dtype(node):
+                    out.append(f"{rel}:{node.lineno}: reads model.dtype from a config (take the run's RunPrecision)")
+    return sorted(set(out))
 
 
 # a figure with a unit ("~1-2 ms", "5-60x", "60 GFLOP/s", "12%") ...
@@ -338,8 +410,30 @@ def test_the_package_imports_nothing_uninstalled():
     assert not found, f"the installed package imports folders setup.py does not install:{_fmt(found)}"
 
 
-def test_package_files_are_short():
-    assert not long_files(ROOT), f"files above {MAX_LINES} lines:{_fmt(long_files(ROOT))}"
+def test_no_import_cycle_among_modules():
+    cycles = module_cycles(ROOT)
+    assert not cycles, f"import cycles among tessera's modules:{_fmt(cycles)}"
+
+
+def test_package_functions_are_short():
+    found = long_functions(ROOT)
+    assert not found, f"functions above {MAX_FUNCTION_LINES} lines:{_fmt(found)}"
+
+
+def test_only_config_and_core_resolve_the_run_precision():
+    found = precision_rederivations(ROOT)
+    assert not found, f"the run's precision re-derived outside {' and '.join(PRECISION_READERS)}:{_fmt(found)}"
+
+
+def test_the_documented_optimizer_path_loads_no_optimizer_code():
+    """``tessera.core.optimizer`` (below ``optim`` in the layers) names HybridZeroOptimizer lazily: importing it
+    imports nothing of ``tessera.optim``; the name still resolves to the real class."""
+    code = ("import sys, tessera.core.optimizer as m\n"
+            "assert not [k for k in sys.modules if k.startswith('tessera.optim')], 'optim loaded'\n"
+            "from tessera.optim.hybrid_zero import HybridZeroOptimizer\n"
+            "assert m.HybridZeroOptimizer is HybridZeroOptimizer\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
 
 
 def test_the_training_stack_is_assembled_in_one_function():
@@ -356,9 +450,9 @@ def test_module_docstrings_narrate_no_measurements():
 def test_every_layer_and_leaf_exists():
     """The table names real code: a renamed package must be renamed here too, not silently unchecked."""
     for name in LAYERS:
-        if name not in ("leaf", "top"):
+        if name != "leaf":
             assert (ROOT / "tessera" / name / "__init__.py").is_file(), name
-    assert (ROOT / "tessera" / "core" / "__init__.py").is_file()
+    assert not (ROOT / "tessera" / "dist").exists()  # a folder name Python tooling reads as build output
     present = [m for m in LEAF_MODULES if m != "__init__" and (ROOT / "tessera" / f"{m}.py").is_file()]
     assert {"cli_args", "files"} <= set(present)
 
@@ -373,12 +467,12 @@ def _write(root: Path, files: dict[str, str]) -> Path:
 
 
 def _tiny_tree(root: Path, **extra: str) -> Path:
-    files = {f"tessera/{name}/__init__.py": "" for name in LAYERS if name not in ("leaf", "top")}
+    files = {f"tessera/{name}/__init__.py": "" for name in LAYERS if name != "leaf"}
     files.update({
         "tessera/__init__.py": '__version__ = "0"\n',
         "tessera/cli_args.py": "import argparse\n",
-        "tessera/core/__init__.py": "",
-        "tessera/core/optimizer.py": "import sys\nimport tessera.train.opt as _m\nsys.modules[__name__] = _m\n",
+        "tessera/core/job.py": "from tessera.config import schema\n",
+        "tessera/config/schema.py": "from tessera.model import attention\n",
         "tessera/parallel/comm.py": "import torch\n",
         "tessera/model/attention.py": "from tessera.parallel.comm import x\nfrom ..parallel import comm\n",
         "tessera/train/opt.py": "from tessera.model import attention\nfrom . import step\n",
@@ -392,6 +486,15 @@ def test_a_clean_tree_passes(tmp_path):
     root = _tiny_tree(tmp_path)
     assert layering_violations(root) == []
     assert package_cycles(root) == []
+    assert module_cycles(root) == []
+
+
+def test_a_module_cycle_inside_one_folder_is_reported(tmp_path):
+    root = _tiny_tree(tmp_path, tessera__train__step="from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                                     "    from tessera.train.opt import Opt\n")
+    assert package_cycles(root) == []  # one package: only the module graph sees it
+    assert module_cycles(root) == ["tessera.train.opt <-> tessera.train.step: tessera/train/opt.py:2 -> "
+                                   "tessera.train.step; tessera/train/step.py:3 -> tessera.train.opt"]
 
 
 @pytest.mark.parametrize("text, target", [
@@ -399,9 +502,9 @@ def test_a_clean_tree_passes(tmp_path):
     ("def f():\n    from tessera.train.opt import y\n", "tessera.train.opt"),  # function-local
     ("from ..train import opt\n", "tessera.train.opt"),  # relative
     ("from tessera import train\n", "tessera.train"),  # a package imported by name
-    ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from tessera.dist import gpc\n", "tessera.dist"),
+    ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from tessera.core.job import Job\n", "tessera.core.job"),
     ("import importlib\nm = importlib.import_module('tessera.checkpoint')\n", "tessera.checkpoint"),
-    ("from tessera.core.optimizer import X\n", "tessera.core.optimizer"),  # the aliases are top level
+    ("from tessera.config.schema import X\n", "tessera.config.schema"),
 ])
 def test_an_upward_import_is_reported_with_file_and_line(tmp_path, text, target):
     root = _tiny_tree(tmp_path, tessera__model__bad=text)
@@ -460,13 +563,16 @@ def test_sys_path_edits_are_found(tmp_path):
                                         "tools/a.py:2: sys.path.insert"]
 
 
-def test_long_files_and_narrated_measurements_are_found(tmp_path):
+def test_long_functions_and_narrated_measurements_are_found(tmp_path):
+    body = "    x = 1\n"
     _write(tmp_path, {
-        "tessera/parallel/big.py": "x = 1\n" * (MAX_LINES + 1),
-        "tessera/parallel/ok.py": '"""Checks every 50 ms; training = 3 x forward."""\n' + "x = 1\n" * (MAX_LINES - 1),
+        "tessera/parallel/big.py": "def big():\n" + body * MAX_FUNCTION_LINES + "\n\ndef ok():\n" + body * 3,
+        "tessera/parallel/ok.py": '"""Checks every 50 ms; training = 3 x forward."""\n\nclass A:\n    def m(self):\n'
+                                  + "    " + body * (MAX_FUNCTION_LINES - 1),
         "tessera/model/slow.py": '"""Attention.\n\nThis costs ~1-2 ms per call.\nWe measured 5-60x slower bf16.\n"""\n',
     })
-    assert long_files(tmp_path) == [f"tessera/parallel/big.py: {MAX_LINES + 1} lines (limit {MAX_LINES})"]
+    assert long_functions(tmp_path) == [f"tessera/parallel/big.py:1 big(): {MAX_FUNCTION_LINES + 1} lines "
+                                        f"(limit {MAX_FUNCTION_LINES})"]
     assert narrated_measurements(tmp_path) == ["tessera/model/slow.py:3: This costs ~1-2 ms per call.",
                                                "tessera/model/slow.py:4: We measured 5-60x slower bf16."]
 
@@ -482,3 +588,28 @@ def test_a_second_stack_builder_is_found(tmp_path):
     found = stack_assemblies(root)
     assert [f.split(":")[0] for f in found] == ["benchmarks/mine.py", "tests/test_x.py", "train.py"], found
     assert "builds a decoder and a HybridZeroOptimizer" in found[0] and "calls Trainer" in found[1]
+
+
+def test_a_precision_re_derivation_is_found(tmp_path):
+    root = _write(tmp_path, {
+        "tessera/train/a.py": "from tessera.config.precision import resolve_precision\n\ndef f(cfg):\n"
+                              "    return cfg.model.dtype\n",
+        "tessera/plan/b.py": "def g(model_cfg, cfg):\n    return model_cfg.get('dtype'), cfg['model']['dtype']\n",
+        "tools/c.py": "def h(run, t):\n    return run.precision.dtype, t.dtype, {'dtype': 1}['dtype']\n",
+        "tessera/core/ok.py": "from tessera.config.precision import resolve_precision\nx = cfg.model.dtype\n",
+    })
+    assert precision_rederivations(root) == [
+        "tessera/plan/b.py:2: reads model.dtype from a config (take the run's RunPrecision)",
+        "tessera/train/a.py:1: imports a precision parser (take the run's RunPrecision)",
+        "tessera/train/a.py:4: reads model.dtype from a config (take the run's RunPrecision)",
+    ]
+
+
+def test_every_core_module_defines_something():
+    """``tessera/core`` holds real code: each of its modules defines a function or a class of its own."""
+    for path in _py_files(ROOT / "tessera" / "core"):
+        if path.name == "__init__.py":
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        defined = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
+        assert defined, f"{path.relative_to(ROOT)} defines nothing (a re-export belongs where the code lives)"

@@ -24,10 +24,10 @@ import torch.nn.functional as F
 
 from harness.distributed import run_distributed
 from tessera.config import Config, ConfigError
+from tessera.core.naive_amp import NaiveAMPModel, enable_fp8_linears
 from tessera.model.args import ModelArgs
 from tessera.model.compile import compile_blocks, compiled_blocks
 from tessera.model.transformer import Transformer
-from tessera.train.naive_amp import NaiveAMPModel, enable_fp8_linears
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SEQ, BATCH, VOCAB = 32, 2, 128

@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from harness.distributed import WorkerError, free_port, run_distributed
 from tessera.config import ConfigError
-from tessera.dist.launch import expand_slurm_nodelist
+from tessera.core.context import expand_slurm_nodelist
 
 
 def cfg_dict(tp=1, zero1=-1, dtype="torch.float32"):
@@ -43,7 +43,7 @@ def combos(world):
 
 def _groups_worker(rank, world):
     """Build every layout; read each group's membership by a real all_gather over that group."""
-    from tessera.dist import ParallelMode, gpc, launch_from_torch
+    from tessera.core.context import ParallelMode, gpc, launch_from_torch
 
     results = {}
     for i, (tp, zero1) in enumerate(combos(world)):
@@ -106,7 +106,7 @@ def test_the_rank_layout_type_gives_the_same_groups():
     """``tessera.dist.Layout`` (what the checkpoint code and the plan take) places each rank in the groups
     ``gpc`` builds, and checkpoint/plan use that one type."""
     from tessera.checkpoint import Layout as CheckpointLayout
-    from tessera.dist import Layout, ParallelMode
+    from tessera.core.context import Layout, ParallelMode
 
     assert CheckpointLayout is Layout
     for world in (1, 2, 4, 8):
@@ -125,7 +125,7 @@ def test_the_rank_layout_type_gives_the_same_groups():
 
 
 def _slurm_worker(rank, world, port):
-    from tessera.dist import ParallelMode, gpc, launch_from_slurm
+    from tessera.core.context import ParallelMode, gpc, launch_from_slurm
 
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         os.environ.pop(k, None)
@@ -139,7 +139,7 @@ def _slurm_worker(rank, world, port):
 
 
 def _torch_worker(rank, world):
-    from tessera.dist import ParallelMode, gpc, launch_from_torch
+    from tessera.core.context import ParallelMode, gpc, launch_from_torch
 
     launch_from_torch(cfg_dict(tp=2), seed=3)
     out = {m.value: gpc.get_ranks_in_group(m) for m in ParallelMode}
@@ -161,7 +161,7 @@ def test_slurm_nodelist_expansion():
 
 
 def _bad_world_worker(rank, world):
-    from tessera.dist import launch_from_torch
+    from tessera.core.context import launch_from_torch
 
     try:
         launch_from_torch(cfg_dict(tp=4), seed=1)
@@ -178,7 +178,7 @@ def test_world_size_not_tp_times_dp_fails_on_every_rank():
 
 
 def _dropout_worker(rank, world):
-    from tessera.dist import ParallelMode, gpc, launch_from_torch
+    from tessera.core.context import ParallelMode, gpc, launch_from_torch
 
     launch_from_torch(cfg_dict(tp=2), seed=11)
     x = torch.ones(256)

@@ -62,8 +62,8 @@ def small_tmpfs(path, size_bytes: int, read_only: bool = False):
 
 # ------------------------------------------------------------------------------------------ save: gloo job
 def _build(rank: int, seed: int):
+    from tessera.core.naive_amp import NaiveAMPModel, unwrap_model
     from tessera.optim.hybrid_zero import HybridZeroOptimizer
-    from tessera.train.naive_amp import NaiveAMPModel, unwrap_model
 
     torch.manual_seed(seed)
     # ~66k parameters: a checkpoint of ~0.9 MiB (bf16 weights, fp32 masters and Adam moments in 2 ZeRO files)

@@ -125,10 +125,10 @@ def _model_cfg(tp, recipe, mode="mtp", dtype="torch.bfloat16"):
 def _model_step(cfg, group, force_recipe=None):
     """One forward/backward; ``force_recipe`` turns fp8 on by hand in an fp32 model (where fp32 partial
     sums make TP=N and TP=1 feed the fp8 casts the same values, so their agreement can be checked tightly)."""
+    from tessera.core.naive_amp import naive_amp_from_config, unwrap_model
     from tessera.model import build_model
     from tessera.parallel import vocab_parallel_cross_entropy
     from tessera.parallel.comm import gather_tensor
-    from tessera.train.naive_amp import naive_amp_from_config, unwrap_model
 
     model = naive_amp_from_config(build_model(cfg.model, tp_group=group, seed=5, tensor_mode=cfg.parallel.tensor.mode),
                                   cfg.model, sync_buffer=False)
@@ -204,9 +204,9 @@ def test_fp8_config_needs_a_bf16_model():
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_fp8_training_resumes_bitwise_across_a_checkpoint(tmp_path, recipe):
     from tessera.checkpoint import Layout, TrainState, load_checkpoint, save_checkpoint
+    from tessera.core.naive_amp import unwrap_model
     from tessera.parallel import vocab_parallel_cross_entropy
     from tessera.train.builder import build_training_stack
-    from tessera.train.naive_amp import unwrap_model
 
     cfg = _model_cfg(1, recipe)
 

@@ -19,10 +19,10 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from harness.distributed import run_distributed
+from tessera.core.naive_amp import NaiveAMPModel
 from tessera.model import FeedForward, RMSNorm, build_model, rotary_cos_sin
 from tessera.model.fused_ops import rms_norm, rotary, swiglu
 from tessera.model.rotary import apply_rotary
-from tessera.train.naive_amp import NaiveAMPModel
 
 EPS = 1e-5
 LOW = (torch.bfloat16, torch.float16)

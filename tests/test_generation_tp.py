@@ -10,7 +10,7 @@ MODEL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_kv_attenti
 def _worker(rank, world):
 
     from tessera.config import Config
-    from tessera.dist import ParallelMode, gpc, launch_from_torch
+    from tessera.core.context import ParallelMode, gpc, launch_from_torch
     from tessera.model import build_model
     from tessera.model.generation import generate_ids
     from tessera.model.kv_cache import generate_ids_cached

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tessera.config import Config, ConfigError
-from tessera.optim.grad_scaler import ConstantGradScaler, DynamicGradScaler, build_grad_scaler
+from tessera.core.grad_scaler import ConstantGradScaler, DynamicGradScaler, build_grad_scaler
 
 
 def _run(scaler, events):

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from harness.distributed import run_distributed
 from tessera.config import Config
-from tessera.dist import gpc, launch_from_torch
+from tessera.core.context import gpc, launch_from_torch
 from tessera.model import attention as attention_module
 from tessera.model import build_model, count_parameters, flops_per_token, rotary_cos_sin
 from tessera.model.rotary import apply_rotary

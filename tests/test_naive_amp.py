@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from tessera.config import ConfigError
-from tessera.train.naive_amp import (
+from tessera.core.naive_amp import (
     NaiveAMPModel,
     fp32_module_names,
     mark_fp32_modules,

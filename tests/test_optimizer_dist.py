@@ -9,9 +9,9 @@ import torch.distributed as dist
 from torch import nn
 
 from harness.distributed import run_distributed
+from tessera.core.naive_amp import NaiveAMPModel, unwrap_model
 from tessera.optim.hybrid_zero import HybridZeroOptimizer
 from tessera.optim.params import build_param_groups
-from tessera.train.naive_amp import NaiveAMPModel, unwrap_model
 from tests.test_optimizer import Net, rel  # the same small model and relative-difference helper
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -245,7 +245,7 @@ class BufNet(Net):
 
 
 def _overflow_part(rank, world):
-    from tessera.dist import gpc, launch_from_torch
+    from tessera.core.context import gpc, launch_from_torch
 
     cfg = dict(
         model=dict(num_layers=1, hidden_size=8, num_attention_heads=2, vocab_size=16, dtype="torch.float16"),

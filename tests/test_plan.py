@@ -32,8 +32,7 @@ def _tiny(*overrides: str) -> Config:
 
 def _real_step_worker(rank: int, world: int, overrides: list[str], save_dir: str):
     """One real iteration on CPU gloo processes, traced exactly as the dry run traces its meta one."""
-    from tessera.dist import gpc
-    from tessera.dist.launch import launch
+    from tessera.core.context import gpc, launch
     from tessera.plan import trace_iteration
 
     cfg = _tiny(*overrides, "dist.cpu_shm_allreduce='off'")  # its shared-memory buffers are a CPU-only path

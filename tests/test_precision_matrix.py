@@ -175,7 +175,7 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _observe_dtypes(inner) -> dict:
-    from tessera.train.naive_amp import fp32_module_names
+    from tessera.core.naive_amp import fp32_module_names
 
     return {
         # remove_duplicate=False: a tied weight is checked under both of its names
@@ -214,7 +214,7 @@ def _run_cell(job: _Job, dtype: str, marks: str, tied: bool, folder: str) -> dic
     from tessera.checkpoint import Progress, TrainState, load_checkpoint, save_checkpoint
     from tessera.config import ConfigError
     from tessera.config.precision import apply_precision
-    from tessera.train.naive_amp import unwrap_model
+    from tessera.core.naive_amp import unwrap_model
 
     cfg = _config(dtype, marks, tied, job.tp_size)
     apply_precision(cfg.model.dtype)  # what launch_from_torch does (TF32 switches: CUDA only)
@@ -243,8 +243,8 @@ def _run_cell(job: _Job, dtype: str, marks: str, tied: bool, folder: str) -> dic
 
 def _parallel_output_part(job: _Job) -> dict:
     """fp32, TP=2: the same run with vocab-sharded logits and with gathered logits, through Trainer."""
+    from tessera.core.naive_amp import unwrap_model
     from tessera.model.transformer import logits_are_vocab_sharded
-    from tessera.train.naive_amp import unwrap_model
 
     out = {}
     for tied in TIED:
@@ -420,8 +420,8 @@ def test_tf32_keeps_fp32_parameters_and_fp32_numbers_on_cpu():
     """``tf32`` is a CUDA compute mode, not a storage dtype: parameters stay fp32 (marks or not) and a
     CPU forward equals the fp32 model's bitwise."""
     from tessera.config.precision import parse_dtype, resolve_precision
+    from tessera.core.naive_amp import NaiveAMPModel
     from tessera.model import build_model
-    from tessera.train.naive_amp import NaiveAMPModel
 
     for name in ("tf32", "torch.tf32"):
         assert parse_dtype(name) == (torch.float32, True)

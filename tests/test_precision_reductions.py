@@ -89,8 +89,7 @@ def test_config_key_is_validated_and_defaults_to_off():
 
 def test_launch_applies_the_config_key(tmp_path):
     """A single-process launch (what train.py does on every rank) sets the switches from the config."""
-    from tessera.dist import gpc
-    from tessera.dist.launch import launch
+    from tessera.core.context import gpc, launch
 
     MATMUL.allow_bf16_reduced_precision_reduction = True
     MATMUL.allow_fp16_reduced_precision_reduction = True

@@ -11,11 +11,11 @@ import torch
 from torch import nn
 
 from tessera.config import Config
+from tessera.core.naive_amp import NaiveAMPModel
 from tessera.optim.hybrid_zero import HybridZeroOptimizer
 from tessera.optim.lowp_adamw import adamw_step
 from tessera.parallel.layers import ColumnParallelLinear
 from tessera.train.builder import Groups, build_training_stack
-from tessera.train.naive_amp import NaiveAMPModel
 from tessera.train.precision_telemetry import MEASURES, PrecisionTelemetry, group_name
 
 POLICIES = {

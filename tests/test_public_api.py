@@ -7,8 +7,8 @@ import importlib
 def test_the_design_import_block_runs_and_names_the_real_objects():
     import tessera.config
     import tessera.config.precision
+    import tessera.core.naive_amp
     import tessera.dist
-    import tessera.train.naive_amp
     from tessera.core.config import Config, ConfigError
     from tessera.core.context import ParallelMode, gpc, launch_from_slurm, launch_from_torch
     from tessera.core.grad_scaler import DynamicGradScaler
@@ -25,11 +25,11 @@ def test_the_design_import_block_runs_and_names_the_real_objects():
 
     assert (Config, ConfigError) == (tessera.config.Config, tessera.config.ConfigError)
     assert (gpc, ParallelMode, launch_from_torch, launch_from_slurm) == (
-        tessera.dist.gpc, tessera.dist.ParallelMode, tessera.dist.launch_from_torch, tessera.dist.launch_from_slurm)
+        tessera.dist.gpc, tessera.dist.ParallelMode, tessera.core.context.launch_from_torch, tessera.core.context.launch_from_slurm)
     assert parse_dtype is tessera.config.precision.parse_dtype
     assert (NaiveAMPModel, set_fp32_attr_to_module, module_has_fp32_attr) == (
-        tessera.train.naive_amp.NaiveAMPModel, tessera.train.naive_amp.set_fp32_attr_to_module,
-        tessera.train.naive_amp.module_has_fp32_attr)
+        tessera.core.naive_amp.NaiveAMPModel, tessera.core.naive_amp.set_fp32_attr_to_module,
+        tessera.core.naive_amp.module_has_fp32_attr)
     assert all(callable(x) for x in (DynamicGradScaler, HybridZeroOptimizer, RMSNorm, build_model, ColumnParallelLinear,
                                      RowParallelLinear, VocabParallelEmbedding, vocab_parallel_cross_entropy))
     assert {"GLOBAL", "DATA", "TENSOR", "ZERO1"} <= set(ParallelMode.__members__)

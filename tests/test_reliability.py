@@ -401,8 +401,8 @@ def test_flipped_bytes_in_a_shard_are_reported_and_the_run_falls_back(tmp_path, 
 
 
 def _tiny_model_and_optimizer(seed):
+    from tessera.core.naive_amp import NaiveAMPModel
     from tessera.optim.hybrid_zero import HybridZeroOptimizer
-    from tessera.train.naive_amp import NaiveAMPModel
 
     torch.manual_seed(seed)
     model = NaiveAMPModel(nn.Sequential(nn.Linear(6, 8), nn.Linear(8, 2)), dtype="bf16", sync_buffer=False)
@@ -411,7 +411,7 @@ def _tiny_model_and_optimizer(seed):
 
 
 def _train_and_save(folder, step, seed):
-    from tessera.train.naive_amp import unwrap_model
+    from tessera.core.naive_amp import unwrap_model
 
     model, opt = _tiny_model_and_optimizer(seed)
     x = torch.randn(4, 6)
@@ -423,7 +423,7 @@ def _train_and_save(folder, step, seed):
 
 
 def _resume_with_optimizer(folder):
-    from tessera.train.naive_amp import unwrap_model
+    from tessera.core.naive_amp import unwrap_model
 
     model, opt = _tiny_model_and_optimizer(99)
     state = _tiny_state(unwrap_model(model), optimizer=opt)
@@ -451,7 +451,7 @@ def test_damaged_file_is_named_and_the_previous_checkpoint_is_used(tmp_path, cap
             f.truncate(os.path.getsize(target) - 7)
     else:
         os.remove(target)
-    from tessera.train.naive_amp import unwrap_model
+    from tessera.core.naive_amp import unwrap_model
 
     with pytest.raises(CheckpointError) as err:
         m, o = _tiny_model_and_optimizer(5)
@@ -564,9 +564,9 @@ def test_nan_loss_in_bf16_skips_on_both_ranks_then_stops_naming_step_and_checkpo
 def test_fp16_stop_rule_counts_skips_only_at_the_minimum_scale():
     """fp16: overflows back the scale off (no stop) until it reaches min_scale; from then on the same
     max_consecutive_skips rule as bf16/fp32 applies."""
-    from tessera.optim.grad_scaler import DynamicGradScaler
+    from tessera.core.grad_scaler import DynamicGradScaler
+    from tessera.core.naive_amp import NaiveAMPModel
     from tessera.optim.hybrid_zero import HybridZeroOptimizer, TooManySkippedSteps
-    from tessera.train.naive_amp import NaiveAMPModel
 
     torch.manual_seed(0)
     model = NaiveAMPModel(nn.Linear(4, 2), dtype="fp16", sync_buffer=False)

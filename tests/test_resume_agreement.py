@@ -87,8 +87,8 @@ def _job(rank: int, world: int, zeros: list[int], folder: str) -> dict:
 
 def _case(rank: int, world: int, zero: int, zero_group, folder: str) -> dict:
     """Train and save steps 1 and 2, then resume from damaged copies of them; what each rank saw."""
+    from tessera.core.naive_amp import NaiveAMPModel, unwrap_model
     from tessera.optim.hybrid_zero import HybridZeroOptimizer
-    from tessera.train.naive_amp import NaiveAMPModel, unwrap_model
 
     whole = dist.group.WORLD
     layout = Layout(global_rank=rank, world_size=world, dp_rank=rank, dp_size=world, zero1_size=zero)

@@ -124,7 +124,7 @@ def _compare_modes(group, singles, overrides: dict, optimizer_steps: int = 3) ->
 
 def _bf16_smoke(group, features: dict | None = None) -> None:
     """bf16 with fp32 norms and head (NaiveAMPModel): msp close to mtp, norm weights fp32 and in sync."""
-    from tessera.train.naive_amp import naive_amp_from_config
+    from tessera.core.naive_amp import naive_amp_from_config
 
     out = {}
     for mode in ("mtp", "msp"):

@@ -15,9 +15,9 @@ from harness.distributed import run_distributed
 from tessera.checkpoint import Layout, TrainState, load_checkpoint, save_checkpoint
 from tessera.checkpoint.optim_shards import OptimizerShards
 from tessera.checkpoint.safetensors_io import SafetensorsReader
+from tessera.core.naive_amp import NaiveAMPModel, unwrap_model
 from tessera.optim.hybrid_zero import HybridZeroOptimizer
 from tessera.optim.params import build_param_groups
-from tessera.train.naive_amp import NaiveAMPModel, unwrap_model
 from tests.test_optimizer import rel
 
 BUCKET = 2048  # elements: ~8 buckets, so a save that gathers anything shows above one bucket

@@ -142,7 +142,7 @@ def test_exited_peer_is_an_error_at_once():
 
 def _launch_worker(rank: int, world: int, tp: int, mode: str, env: dict[str, str]) -> tuple[bool, float]:
     os.environ.update(env)
-    from tessera.dist import ParallelMode, gpc, launch_from_torch
+    from tessera.core.context import ParallelMode, gpc, launch_from_torch
     from tessera.parallel.comm import all_reduce, fast_collectives_for
 
     cfg = {"model": {"num_layers": 1, "hidden_size": 8, "num_attention_heads": 2, "vocab_size": 16},

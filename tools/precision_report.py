@@ -30,7 +30,7 @@ import torch
 
 from tessera.cli_args import positive_int
 from tessera.config import Config, ConfigError
-from tessera.config.precision import resolve_precision
+from tessera.core.precision import RunPrecision
 from tessera.train.precision_report import policy_table, precision_report
 
 
@@ -50,8 +50,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("overrides", nargs="*", help="key.sub=value config overrides")
     args = ap.parse_args(argv)
     try:
-        cfg = Config.from_file(args.config, args.overrides)
-        resolve_precision(args.dtype or cfg.model.dtype)  # a bad --dtype fails here, before any process starts
+        # --dtype is an override of model.dtype: a bad one fails here, before any process starts
+        cfg = Config.from_file(args.config, [*args.overrides, *([f"model.dtype={args.dtype!r}"] if args.dtype else [])])
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -83,7 +83,7 @@ def _report(args: argparse.Namespace, cfg: Config, emit) -> int:
         print(f"error: tessera.model.build_model is not available ({e})", file=sys.stderr)
         return 2
     model_cfg = cfg.model
-    dtype = args.dtype or model_cfg.dtype
+    dtype = RunPrecision.from_config(cfg).model
     fp32_modules = model_cfg.fp32_modules if args.fp32_modules is None else args.fp32_modules
     use_fp32_norm = model_cfg.use_fp32_norm if args.use_fp32_norm is None else args.use_fp32_norm
     reduce_dtype = args.reduce_dtype or cfg.hybrid_zero_optimizer.reduce_dtype

@@ -44,8 +44,9 @@ from tessera.checkpoint.source import CheckpointSource
 from tessera.checkpoint.state import Progress, RngStreams, Stateful, TrainState
 from tessera.checkpoint.training import find_resumable_checkpoint, load_checkpoint, save_checkpoint
 from tessera.checkpoint.tree import read_tree, write_tree
-from tessera.data.tokenizer import byte_tokenizer_json, tokenizer_for_checkpoint  # re-exported
-from tessera.dist.layout import Layout  # the rank layout, re-exported: checkpoint code takes it
+from tessera.core.layout import Layout  # the rank layout, re-exported: checkpoint code takes it
+from tessera.data.run_tokenizer import tokenizer_for_checkpoint  # re-exported
+from tessera.data.tokenizer import byte_tokenizer_json  # re-exported
 
 __all__ = [
     "CHECKPOINT_FORMAT", "CheckpointError", "CheckpointSource", "Layout", "ParamLayout", "Progress", "RngStreams",

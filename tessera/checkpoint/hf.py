@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,14 +32,16 @@ from tessera.checkpoint.hf_config import (
     to_hf_name,
 )
 from tessera.checkpoint.meta import file_entry, new_meta, shard_files, write_meta
-from tessera.checkpoint.reshard import param_layout, reshard
+from tessera.checkpoint.reshard import ParamLayout, param_layout, reshard
 from tessera.checkpoint.safetensors_io import SafetensorsReader, SafetensorsWriter, read_header
 from tessera.checkpoint.source import CheckpointSource
 from tessera.checkpoint.tree import flat_state_metadata
 from tessera.config import Config
-from tessera.config.precision import dtype_from_name, parse_dtype
+from tessera.config.precision import dtype_from_name
+from tessera.core.precision import RunPrecision
 from tessera.data.errors import DataError
-from tessera.data.tokenizer import HFTokenizer, tokenizer_for_checkpoint, write_hf_tokenizer_files
+from tessera.data.run_tokenizer import tokenizer_for_checkpoint
+from tessera.data.tokenizer import HFTokenizer, write_hf_tokenizer_files
 
 __all__ = ["to_hf_name", "from_hf_name", "hf_config_from_model_cfg", "model_cfg_from_hf_config", "export_hf",
            "import_hf", "parse_dtype_name"]
@@ -52,8 +55,8 @@ def parse_dtype_name(name: str) -> torch.dtype:
 
 
 def run_dtype(model_cfg: Mapping[str, Any]) -> torch.dtype:
-    """The storage dtype a run trained in (tf32 is fp32 storage)."""
-    return parse_dtype(model_cfg.get("dtype", "torch.float32"))[0]
+    """The storage dtype a run trained in (tf32 is fp32 storage), from its saved ``model`` section."""
+    return RunPrecision.from_config({"model": model_cfg}).dtype
 
 
 # ---------------------------------------------------------------------------------------- export
@@ -169,13 +172,53 @@ def import_hf(hf_dir: str, dst: str, *, tp: int, dtype: str | torch.dtype | None
     ``dst``: a ``step_<N>`` folder, or a folder that gets ``step_<step>``. ``dtype``: storage dtype of the
     shards (default: each HF tensor's own). Returns the step folder, ready for ``ckpt.load_ckpt_folder``.
     """
+    if tp < 1:
+        raise ValueError(f"--tp must be >= 1, got {tp}")
+    src = _read_hf_model(hf_dir, tp)
+    out_dtype = None if dtype is None else (dtype if isinstance(dtype, torch.dtype) else parse_dtype_name(dtype))
+    plan = _import_plan(src, out_dtype)
+    final = output_step_folder(dst, step)
+    with new_step_folder(final, overwrite=overwrite) as out:
+        files = _write_model_shards(out, plan, src.layout, tp)
+        extra: dict[str, Any] = {"hf_vocab_size": src.hf_vocab,
+                                 "imported_from": {"path": os.path.abspath(hf_dir), "family": src.family,
+                                                   "vocab_padded_to": src.model_cfg["vocab_size"]}}
+        if os.path.isfile(os.path.join(hf_dir, "tokenizer.json")):
+            for name in ("tokenizer.json", "tokenizer_config.json"):
+                if os.path.isfile(os.path.join(hf_dir, name)):
+                    shutil.copyfile(os.path.join(hf_dir, name), os.path.join(out, name))
+                    files[name] = file_entry(os.path.join(out, name))
+            extra["tokenizer"] = _tokenizer_record(os.path.join(out, "tokenizer.json"), src.hf)
+        meta = new_meta(step=step, layout={"tp_size": tp, "dp_size": 1, "zero1_size": 1}, has_optimizer=False,
+                        trainer_state={"progress": {"step": step, "consumed_tokens": 0}}, config=src.config,
+                        files=files, **extra)
+        write_meta(out, meta)
+    return final
+
+
+@dataclass(frozen=True)
+class _HFModel:
+    """A Hugging Face model folder as the import reads it: its config, the tessera config it maps to, the shard
+    layout at the target TP size, and which safetensors file holds each tensor."""
+
+    hf_dir: str
+    cfg_path: str
+    hf: dict[str, Any]
+    model_cfg: dict[str, Any]
+    hf_vocab: int
+    family: str
+    config: dict[str, Any]
+    layout: ParamLayout
+    tp: int
+    weight_files: dict[str, str]
+
+
+def _read_hf_model(hf_dir: str, tp: int) -> _HFModel:
     cfg_path = os.path.join(hf_dir, "config.json")
     if not os.path.isfile(cfg_path):
         raise CheckpointError(f"{cfg_path} is missing: not a Hugging Face model folder")
     with open(cfg_path) as f:
         hf = json.load(f)
-    if tp < 1:
-        raise ValueError(f"--tp must be >= 1, got {tp}")
     model_cfg, hf_vocab, family = model_cfg_from_hf_config(hf, tp, cfg_path)
     max_pos = model_cfg["max_position_embeddings"]
     raw = {"model": model_cfg, "parallel": {"tensor": {"size": tp}},
@@ -184,87 +227,73 @@ def import_hf(hf_dir: str, dst: str, *, tp: int, dtype: str | torch.dtype | None
         config = Config.from_dict(raw, source=cfg_path).to_dict()
     except Exception as e:  # noqa: BLE001 - ConfigError/ValueError: name the problem and the file
         raise CheckpointError(f"{cfg_path} cannot be trained at tensor-parallel size {tp}: {e}") from None
-    layout = param_layout(config["model"], tp)
-    out_dtype = None if dtype is None else (dtype if isinstance(dtype, torch.dtype) else parse_dtype_name(dtype))
+    return _HFModel(hf_dir, cfg_path, hf, model_cfg, hf_vocab, family, config, param_layout(config["model"], tp), tp,
+                    _hf_weight_files(hf_dir))
 
-    weight_files = _hf_weight_files(hf_dir)
-    headers = {p: read_header(p)[0] for p in set(weight_files.values())}
-    tied = bool(model_cfg["tie_word_embeddings"])
+
+def _import_plan(src: _HFModel, out_dtype: torch.dtype | None) -> list[tuple[str, str, str, torch.dtype]]:
+    """(tessera name, HF name, file, stored dtype) of every weight the import writes, shapes checked."""
+    layout, tp = src.layout, src.tp
+    headers = {p: read_header(p)[0] for p in set(src.weight_files.values())}
     wanted = [k for k in layout.state_keys if k not in layout.aliases]
     source: dict[str, str] = {}
-    for hf_name in weight_files:
+    for hf_name in src.weight_files:
         name = from_hf_name(hf_name)
         if name is None:
             if hf_name.endswith("rotary_emb.inv_freq"):
                 continue  # a recomputed buffer some older checkpoints contain
-            raise CheckpointError(f"{hf_dir}: tensor {hf_name!r} has no tessera counterpart (a {family} model "
+            raise CheckpointError(f"{src.hf_dir}: tensor {hf_name!r} has no tessera counterpart (a {src.family} model "
                                   "tessera cannot represent?)")
-        if name == "output.weight" and tied:
+        if name == "output.weight" and src.model_cfg["tie_word_embeddings"]:
             continue  # tied: the head is the embedding
         source[name] = hf_name
     missing = [to_hf_name(k) for k in wanted if k not in source]
     if missing:
-        raise CheckpointError(f"{hf_dir}: missing weights {missing[:5]}")
-
-    def full_shape(name: str) -> tuple[int, ...]:
-        shape, dim = list(layout.shapes[name]), layout.dims[name]
-        if dim is not None:
-            shape[dim] *= tp
-        return tuple(shape)
-
-    plan = []  # (tessera name, hf name, file, stored dtype)
+        raise CheckpointError(f"{src.hf_dir}: missing weights {missing[:5]}")
+    plan = []
     for name in wanted:
         hf_name = source[name]
-        info = headers[weight_files[hf_name]][hf_name]
-        expect = list(full_shape(name))
+        info = headers[src.weight_files[hf_name]][hf_name]
+        expect, dim = list(layout.shapes[name]), layout.dims[name]
+        if dim is not None:
+            expect[dim] *= tp
         if name in _VOCAB_ROWS:
-            expect[0] = hf_vocab
+            expect[0] = src.hf_vocab
         if tuple(info["shape"]) != tuple(expect):
-            raise CheckpointError(f"{weight_files[hf_name]}: {hf_name} has shape {info['shape']}, {cfg_path} implies "
-                                  f"{tuple(expect)}")
-        plan.append((name, hf_name, weight_files[hf_name], out_dtype or info["dtype"]))
+            raise CheckpointError(f"{src.weight_files[hf_name]}: {hf_name} has shape {info['shape']}, {src.cfg_path} "
+                                  f"implies {tuple(expect)}")
+        plan.append((name, hf_name, src.weight_files[hf_name], out_dtype or info["dtype"]))
+    return plan
 
+
+def _write_model_shards(out: str, plan: list[tuple[str, str, str, torch.dtype]], layout: ParamLayout,
+                        tp: int) -> dict[str, Any]:
+    """Stream each planned tensor from its HF file into the ``tp`` model shards of ``out``; their file entries."""
     metadata = flat_state_metadata(layout.state_keys, layout.aliases)
-    final = output_step_folder(dst, step)
-    with new_step_folder(final, overwrite=overwrite) as out:
-        files: dict[str, Any] = {}
-        writers = [SafetensorsWriter(os.path.join(out, name), [("/" + n, dt, layout.shapes[n]) for n, _, _, dt in plan],
-                                     metadata) for name in shard_files("model", tp)]
-        handles: dict[str, SafetensorsReader] = {}
-        try:
-            for name, hf_name, path, dt in plan:
-                if path not in handles:
-                    handles[path] = SafetensorsReader(path)
-                t = handles[path].get_tensor(hf_name).to(dt)
-                if name in _VOCAB_ROWS and t.shape[0] != layout.shapes[name][0] * tp:
-                    pad = t.new_zeros(layout.shapes[name][0] * tp - t.shape[0], *t.shape[1:])
-                    t = torch.cat([t, pad])
-                for w, piece in zip(writers, reshard([t], layout.dims[name], tp, name=name)):
-                    w.write("/" + name, piece)
-            for name, w in zip(shard_files("model", tp), writers):
-                files[name] = w.close()
-        except BaseException:
-            for w in writers:
-                w.abort()
-            raise
-        finally:
-            for h in handles.values():
-                h.close()
-        extra: dict[str, Any] = {"hf_vocab_size": hf_vocab,
-                                 "imported_from": {"path": os.path.abspath(hf_dir), "family": family,
-                                                   "vocab_padded_to": model_cfg["vocab_size"]}}
-        tok_json = os.path.join(hf_dir, "tokenizer.json")
-        if os.path.isfile(tok_json):
-            for name in ("tokenizer.json", "tokenizer_config.json"):
-                if os.path.isfile(os.path.join(hf_dir, name)):
-                    shutil.copyfile(os.path.join(hf_dir, name), os.path.join(out, name))
-                    files[name] = file_entry(os.path.join(out, name))
-            extra["tokenizer"] = _tokenizer_record(os.path.join(out, "tokenizer.json"), hf)
-        meta = new_meta(step=step, layout={"tp_size": tp, "dp_size": 1, "zero1_size": 1}, has_optimizer=False,
-                        trainer_state={"progress": {"step": step, "consumed_tokens": 0}}, config=config, files=files,
-                        **extra)
-        write_meta(out, meta)
-    return final
+    files: dict[str, Any] = {}
+    writers = [SafetensorsWriter(os.path.join(out, name), [("/" + n, dt, layout.shapes[n]) for n, _, _, dt in plan],
+                                 metadata) for name in shard_files("model", tp)]
+    handles: dict[str, SafetensorsReader] = {}
+    try:
+        for name, hf_name, path, dt in plan:
+            if path not in handles:
+                handles[path] = SafetensorsReader(path)
+            t = handles[path].get_tensor(hf_name).to(dt)
+            if name in _VOCAB_ROWS and t.shape[0] != layout.shapes[name][0] * tp:
+                pad = t.new_zeros(layout.shapes[name][0] * tp - t.shape[0], *t.shape[1:])
+                t = torch.cat([t, pad])
+            for w, piece in zip(writers, reshard([t], layout.dims[name], tp, name=name)):
+                w.write("/" + name, piece)
+        for name, w in zip(shard_files("model", tp), writers):
+            files[name] = w.close()
+    except BaseException:
+        for w in writers:
+            w.abort()
+        raise
+    finally:
+        for h in handles.values():
+            h.close()
+    return files
 
 
 def _tokenizer_record(path: str, hf: Mapping[str, Any]) -> dict[str, Any] | None:

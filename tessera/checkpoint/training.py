@@ -30,7 +30,7 @@ from tessera.checkpoint.optim_shards import OptimizerShards, optim_shard_files, 
 from tessera.checkpoint.reshard import model_param_dims, reshard_tree
 from tessera.checkpoint.state import TrainState
 from tessera.checkpoint.tree import read_tree, tree_nbytes, write_tree
-from tessera.dist.layout import Layout
+from tessera.core.layout import Layout
 from tessera.files import commit_folder, discard_folder, hidden_sibling, os_error_text
 from tessera.parallel.comm import reduce_scalars, share_texts
 

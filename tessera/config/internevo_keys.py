@@ -14,15 +14,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from tessera.config.schema import SCHEMA, Section
 
-if TYPE_CHECKING:
-    from tessera.config.internevo import Translation
-
-__all__ = ["Entry", "MISSING", "is_tessera_path", "same_value", "local_path", "same", "noop", "ignored", "renamed",
-           "deferred", "custom"]
+__all__ = ["Entry", "MISSING", "Translating", "is_tessera_path", "same_value", "local_path", "same", "noop", "ignored",
+           "renamed", "deferred", "custom"]
 
 
 class _Missing:
@@ -31,7 +28,25 @@ class _Missing:
 
 
 MISSING: Any = _Missing()  # a key the file does not set
-Handler = Callable[["Translation", str, Any], None]
+
+
+class Translating(Protocol):
+    """What a key's handler may do to the file being translated (``internevo.Translation`` does it)."""
+
+    internevo: bool  # the file is an InternEvo config (it defines a name only InternEvo has)
+
+    def get(self, path: str, default: Any = ...) -> Any: ...
+    def has(self, path: str) -> bool: ...
+    def once(self, key: str) -> bool: ...
+    def drop(self, path: str) -> None: ...
+    def noop(self, path: str, value: Any, why: str = "") -> None: ...
+    def map(self, path: str, value: Any, target: str, new: Any, why: str = "") -> None: ...
+    def default(self, target: str, value: Any, why: str) -> None: ...
+    def refuse(self, path: str, value: Any, why: str) -> None: ...
+    def differ(self, text: str) -> None: ...
+
+
+Handler = Callable[[Translating, str, Any], None]
 
 
 @dataclass(frozen=True)
@@ -68,7 +83,7 @@ def same_value(a: Any, b: Any) -> bool:
 
 # ------------------------------------------------------------------------------------ kinds of entry
 def same(does: str = "same key, same meaning", refuse: Callable[[Any], str | None] | None = None) -> Entry:
-    def handle(t: Translation, path: str, value: Any) -> None:
+    def handle(t: Translating, path: str, value: Any) -> None:
         why = refuse(value) if refuse else None
         if why:
             t.refuse(path, value, why)
@@ -77,7 +92,7 @@ def same(does: str = "same key, same meaning", refuse: Callable[[Any], str | Non
 
 
 def noop(values: tuple[Any, ...], why: str, does: str) -> Entry:
-    def handle(t: Translation, path: str, value: Any) -> None:
+    def handle(t: Translating, path: str, value: Any) -> None:
         if any(same_value(value, v) for v in values):
             t.noop(path, value)
         else:
@@ -119,7 +134,7 @@ def local_path(value: Any) -> tuple[Any, str | None]:
 
 @custom("`JOB_NAME` of an InternEvo file becomes `job_name` (unless the file sets `job_name`); in other files "
         "an ALL_CAPS helper, as before")
-def job_name(t: Translation, path: str, value: Any) -> None:
+def job_name(t: Translating, path: str, value: Any) -> None:
     if t.internevo and not t.has("job_name") and isinstance(value, str):
         t.map(path, value, "job_name", value)
     else:
@@ -128,7 +143,7 @@ def job_name(t: Translation, path: str, value: Any) -> None:
 
 @custom("`local:` prefix dropped; object stores refused; `None` when `enable_save_ckpt=False` (InternEvo "
         "neither saves nor resumes there then)")
-def save_folder(t: Translation, path: str, value: Any) -> None:
+def save_folder(t: Translating, path: str, value: Any) -> None:
     if t.get("ckpt.enable_save_ckpt", True) is False and value is not None:
         t.map(path, value, path, None, "enable_save_ckpt=False")
         return
@@ -141,7 +156,7 @@ def save_folder(t: Translation, path: str, value: Any) -> None:
 
 @custom("no-op when saving is off or at <= 1; otherwise refused: tessera writes no rolling snapshots "
         "(lower `ckpt.checkpoint_every`, with `ckpt.keep_last`)")
-def snapshots(t: Translation, path: str, value: Any) -> None:
+def snapshots(t: Translating, path: str, value: Any) -> None:
     if t.get("ckpt.enable_save_ckpt", True) is not True or (_is_num(value) and value <= 1):
         t.noop(path, value)
     else:
@@ -151,7 +166,7 @@ def snapshots(t: Translation, path: str, value: Any) -> None:
 
 @custom("`True` -> `model.bias=False`; `False` -> `model.bias=True`, `model.mlp_bias=False` (InternEvo biases "
         "q/k/v/o, never the MLP)")
-def no_bias(t: Translation, path: str, value: Any) -> None:
+def no_bias(t: Translating, path: str, value: Any) -> None:
     if value is True:
         t.map(path, value, "model.bias", False)
     elif value is False:
@@ -165,7 +180,7 @@ INIT_STDS = ("embedding_init_std", "attn_wqkv_init_std", "attn_other_init_std", 
              "ffn_other_init_std", "out_head_init_std")
 
 
-def init_stds(t: Translation, path: str, value: Any) -> None:
+def init_stds(t: Translating, path: str, value: Any) -> None:
     if not t.once("init_stds"):
         t.drop(path)
         return
@@ -184,7 +199,7 @@ def init_stds(t: Translation, path: str, value: Any) -> None:
 
 @custom("`init_beta2` equal to `adam.adam_beta2` is a no-op (with `c <= 0` InternEvo holds beta2 there); "
         "otherwise refused")
-def init_beta2(t: Translation, path: str, value: Any) -> None:
+def init_beta2(t: Translating, path: str, value: Any) -> None:
     beta2 = t.get("adam.adam_beta2", 0.95)
     if _is_num(value) and _is_num(beta2) and value == beta2:
         t.noop(path, value)
@@ -193,7 +208,7 @@ def init_beta2(t: Translation, path: str, value: Any) -> None:
                               "set them equal")
 
 
-def beta2_c(t: Translation, path: str, value: Any) -> None:
+def beta2_c(t: Translating, path: str, value: Any) -> None:
     if _is_num(value) and value <= 0:
         t.noop(path, value)
     else:
@@ -201,7 +216,7 @@ def beta2_c(t: Translation, path: str, value: Any) -> None:
 
 
 def equals_micro_num(why: str) -> Handler:
-    def handle(t: Translation, path: str, value: Any) -> None:
+    def handle(t: Translating, path: str, value: Any) -> None:
         micro_num = t.get("data.micro_num", 1)
         if same_value(value, micro_num):
             t.noop(path, value)
@@ -211,7 +226,7 @@ def equals_micro_num(why: str) -> Handler:
     return handle
 
 
-def short_documents(t: Translation, path: str, value: Any) -> None:
+def short_documents(t: Translating, path: str, value: Any) -> None:
     if value in (0, None) or not t.get("data.train_folder", None):  # random tokens are never filtered
         t.noop(path, value)
     else:
@@ -222,7 +237,7 @@ def short_documents(t: Translation, path: str, value: Any) -> None:
 def int_section(size_key: str, zero_is_all: bool = False) -> Handler:
     """InternEvo's ``parallel.tensor=2`` / ``pipeline=1`` / ``zero1=8``: an int is the size."""
 
-    def handle(t: Translation, path: str, value: Any) -> None:
+    def handle(t: Translating, path: str, value: Any) -> None:
         if not _is_int(value):
             return  # tessera's validation says "expected a dict"
         size = -1 if zero_is_all and value <= 0 else value
@@ -235,14 +250,14 @@ def int_section(size_key: str, zero_is_all: bool = False) -> Handler:
 
 
 @custom("InternEvo's `<= 0` (whole data-parallel group) -> `-1`")
-def zero1_size(t: Translation, path: str, value: Any) -> None:
+def zero1_size(t: Translating, path: str, value: Any) -> None:
     if _is_int(value) and value <= 0 and value != -1:
         t.map(path, value, path, -1)
 
 
 @custom("old InternEvo switch: `True` -> `parallel.tensor.mode='msp'` when no mode is set (refused against "
         "`mtp`); `False` a no-op (InternEvo derives it from the mode)")
-def sequence_parallel(t: Translation, path: str, value: Any) -> None:
+def sequence_parallel(t: Translating, path: str, value: Any) -> None:
     mode = t.get("parallel.tensor.mode", None)
     if not isinstance(value, bool):
         t.refuse(path, value, "expected a bool")
@@ -257,7 +272,7 @@ def sequence_parallel(t: Translation, path: str, value: Any) -> None:
 
 
 @custom("accepted while `enable=False`; 2D sequence parallelism refused")
-def sequence_2d(t: Translation, path: str, value: Any) -> None:
+def sequence_2d(t: Translating, path: str, value: Any) -> None:
     if isinstance(value, dict) and value.get("enable", False) is False:
         t.noop(path, value)
     else:
@@ -266,7 +281,7 @@ def sequence_2d(t: Translation, path: str, value: Any) -> None:
 
 @custom("ignored beside `use_sliding_window` (read only when it is `True`, which is refused); without it, "
         "tessera's key of the same name where tessera has one")
-def window_size(t: Translation, path: str, value: Any) -> None:
+def window_size(t: Translating, path: str, value: Any) -> None:
     if t.has("model.use_sliding_window") or not is_tessera_path(path):
         t.noop(path, value)
 

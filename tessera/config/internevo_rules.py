@@ -12,12 +12,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from tessera.config.internevo_keys import MISSING, local_path
-
-if TYPE_CHECKING:
-    from tessera.config.internevo import Translation
+from tessera.config.internevo_keys import MISSING, Translating, local_path
 
 __all__ = ["file_rules", "FAMILIES"]
 
@@ -35,7 +32,7 @@ _INTERNEVO_LOAD_KEYS = ("ckpt.load_ckpt_info", "ckpt.load_model_only_folder", "c
                         "ckpt.load_given_ckpt")  # only InternEvo has them: they bring its loading rule
 
 
-def file_rules(t: Translation) -> None:
+def file_rules(t: Translating) -> None:
     """Run every rule that applies to ``t``'s file (the checkpoint rule also for a tessera file that uses
     InternEvo's checkpoint-loading keys)."""
     if t.internevo or any(t.has(k) for k in _INTERNEVO_LOAD_KEYS):
@@ -54,7 +51,7 @@ def file_rules(t: Translation) -> None:
                  "validation data: a valid_folder, or random tokens)")
 
 
-def _model_family(t: Translation) -> None:
+def _model_family(t: Translating) -> None:
     family = t.get("model_type", "INTERNLM")
     if t.has("model_type"):
         if family in FAMILIES:
@@ -70,7 +67,7 @@ def _model_family(t: Translation) -> None:
         t.default("model.mlp_bias", False, why)
 
 
-def _data_type(t: Translation) -> None:
+def _data_type(t: Translating) -> None:
     kind = t.get("data.type", MISSING)
     folder = t.get("data.train_folder", None)
     if kind is MISSING or kind == "tokenized":
@@ -85,7 +82,7 @@ def _data_type(t: Translation) -> None:
                                     "folders (data.type='tokens', made by tools/prepare_data.py)")
 
 
-def _auto_resume(t: Translation) -> Any:
+def _auto_resume(t: Translating) -> Any:
     """The run's ``auto_resume``: the file's, else ``not load_given_ckpt`` (legacy), else True (both defaults)."""
     auto, given = t.get("ckpt.auto_resume"), t.get("ckpt.load_given_ckpt")
     if given is MISSING:
@@ -100,7 +97,7 @@ def _auto_resume(t: Translation) -> Any:
     return True if auto is MISSING else auto
 
 
-def _load_source(t: Translation) -> tuple[str | None, Any]:
+def _load_source(t: Translating) -> tuple[str | None, Any]:
     """The key InternEvo loads from when it does not resume, and what it loads, as a ``load_ckpt_info`` dict."""
     info = t.get("ckpt.load_ckpt_info", None)
     if info is not None:
@@ -116,7 +113,7 @@ def _load_source(t: Translation) -> tuple[str | None, Any]:
     return None, None
 
 
-def _checkpoint_loading(t: Translation) -> None:
+def _checkpoint_loading(t: Translating) -> None:
     auto = _auto_resume(t)
     key, info = _load_source(t)
     for other in (*_LOAD_SOURCES, "ckpt.load_optimizer"):

@@ -1,20 +1,12 @@
-"""Precision names -> storage dtype + TF32 switch, and the one table of dtype names.
+"""Precision names -> storage dtype + TF32 flag, and the one table of dtype names.
 
 ``DTYPE_TABLE`` names every dtype tessera reads or writes: torch's name, the short name of configs and
 tools (``bf16``), the safetensors code (``BF16``) and torch's other names (``half``). The precision
 aliases, the safetensors codes, the Hugging Face ``torch_dtype`` names and the optimizer's dtype keys
 are all derived from it.
 
-``torch.tf32`` is not a storage type: the parameters stay fp32 and TF32 is a compute mode of CUDA
-matmuls and cuDNN convolutions. We flip it only through the legacy ``allow_tf32`` setters: on torch
-2.13 those keep both the legacy getters and the new ``fp32_precision`` getters readable, whereas the
-new setters make any later ``allow_tf32`` read raise "mix of the legacy and new APIs".
-
-bf16 and fp16 GEMMs accumulate in fp32, but cuBLAS may still reduce the partial sums of a split-K
-GEMM in the operand dtype unless told otherwise (torch's default allows it). ``apply_precision`` sets
-both switches explicitly, off unless ``model.allow_reduced_precision_reduction`` asks for them, and
-keeps fp16 GEMMs from accumulating in fp16 (``allow_fp16_accumulation``) in any case. These switches
-have no ``fp32_precision``-style twin, so setting them cannot upset the TF32 getters.
+This module is the one place a dtype name is parsed. ``torch.tf32`` is not a storage type: the
+parameters stay fp32 and TF32 is a compute mode (``tessera.core.precision`` flips the switches).
 """
 
 from __future__ import annotations
@@ -25,9 +17,8 @@ import torch
 
 from tessera.config.errors import ConfigError
 
-__all__ = ["DTYPE_TABLE", "SAFETENSORS_CODES", "VALID_NAMES", "Precision", "apply_precision", "dtype_from_name",
-           "dtype_name", "dtypes_by_short_name", "parse_dtype", "resolve_precision", "set_reduced_precision_reduction",
-           "set_tf32"]
+__all__ = ["DTYPE_TABLE", "SAFETENSORS_CODES", "VALID_NAMES", "Precision", "dtype_from_name", "dtype_name",
+           "dtypes_by_short_name", "parse_dtype", "resolve_precision"]
 
 
 @dataclass(frozen=True)
@@ -129,33 +120,3 @@ def parse_dtype(value: str | torch.dtype) -> tuple[torch.dtype, bool]:
     """``"torch.tf32"`` -> ``(torch.float32, True)``; ``"bf16"`` -> ``(torch.bfloat16, False)``."""
     p = resolve_precision(value)
     return p.dtype, p.tf32
-
-
-def set_tf32(enabled: bool) -> None:
-    """Switch TF32 for CUDA matmuls and cuDNN through the legacy setters (see module docstring)."""
-    torch.backends.cuda.matmul.allow_tf32 = enabled
-    torch.backends.cudnn.allow_tf32 = enabled
-
-
-def set_reduced_precision_reduction(allowed: bool) -> None:
-    """Whether cuBLAS may reduce the partial sums of bf16 and fp16 GEMMs (split-K) in bf16/fp16; off: in
-    fp32. Both are set, through the legacy boolean setters (split-K itself stays allowed: with reduced
-    precision off its partial sums are reduced in fp32). fp16 accumulation is always switched off."""
-    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = allowed
-    torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = allowed
-    if hasattr(torch._C, "_set_cublas_allow_fp16_accumulation"):  # torch >= 2.7
-        torch.backends.cuda.matmul.allow_fp16_accumulation = False
-
-
-def apply_precision(value: str | torch.dtype | Precision, *, reduced_precision_reduction: bool = False) -> Precision:
-    """Apply the process-wide switches a precision asks for: TF32 on for tf32, IEEE fp32 otherwise, and
-    bf16/fp16 GEMM reductions in fp32 unless ``reduced_precision_reduction`` (the config's
-    ``model.allow_reduced_precision_reduction``) allows them in reduced precision.
-
-    fp16/bf16 runs also get TF32 off, so the fp32 parts of a mixed run (marked modules, the loss,
-    the optimizer) compute in IEEE fp32 as the precision table promises.
-    """
-    p = resolve_precision(value)
-    set_tf32(p.tf32)
-    set_reduced_precision_reduction(reduced_precision_reduction)
-    return p

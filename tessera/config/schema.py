@@ -22,7 +22,8 @@ from tessera.model.compile import MODES as COMPILE_MODES
 from tessera.model.rotary import rope_scaling_problem
 from tessera.parallel.sequence import TENSOR_MODES
 
-__all__ = ["Key", "Section", "SCHEMA", "REQUIRED", "NORM_TYPES", "PRECISION_GROUPS", "DEFAULT_MEMORY_HEADROOM"]
+__all__ = ["Key", "Section", "SCHEMA", "default_of", "REQUIRED", "NORM_TYPES", "PRECISION_GROUPS",
+           "DEFAULT_MEMORY_HEADROOM"]
 
 REQUIRED: Any = object()  # the default of a key the file must set
 
@@ -376,3 +377,15 @@ SCHEMA = Section(
     },
     optional=False,
 )
+
+
+def default_of(path: str) -> Any:
+    """The schema's default of a dotted key (``"model.dtype"``): the one place each default is written."""
+    node: Key | Section = SCHEMA
+    for part in path.split("."):
+        if not isinstance(node, Section):
+            raise KeyError(path)
+        node = node.keys[part]
+    if not isinstance(node, Key):
+        raise KeyError(f"{path} is a section, not a key")
+    return node.default

@@ -1,5 +1,14 @@
-"""The import paths of DESIGN.md's public API: ``tessera.core.config``, ``.context``, ``.precision``,
-``.naive_amp``, ``.grad_scaler`` and ``.optimizer`` re-export the contract names from where the code
-lives (``tessera.config``, ``tessera.dist``, ``tessera.train``, ``tessera.optim``). New code imports from
-the real modules; nothing inside tessera imports this package.
+"""What a run is, resolved once: the run description and everything that builds or reads it.
+
+    job.py               Job: layout, process groups, tensor mode, device, seed and precision of a run
+    layout.py            Layout: one rank's place in the TP x DP x ZeRO-1 grid; ParallelMode
+    parallel_context.py  ParallelContext / gpc: the launched Job and the RNG streams (InternEvo's getters)
+    context.py           launch, launch_from_torch, launch_from_slurm: join a job, build its groups and Job
+    config.py            as_config: the config a launch takes (file, dict or Config), validated
+    precision.py         RunPrecision (dtypes as torch dtypes, fp32 marks, fp8) and the backend switches
+    naive_amp.py         NaiveAMPModel and the fp32 marks
+    grad_scaler.py       the loss scalers a precision needs
+    optimizer.py         OptimizerDtypes; the documented path of HybridZeroOptimizer
+
+This package imports nothing of its own here: import the module you need.
 """

@@ -199,13 +199,6 @@ class TokenShard:
                                 f"{what} {limit}; the data was made with a vocab of {self.meta['vocab_size']} "
                                 f"({self.meta['tokenizer'].get('kind')} tokenizer)")
 
-    def verify_checksums(self) -> None:
-        """Full sha256 check against meta.json (slow on big files: not done at open)."""
-        for name, path in ((TOKENS_FILE, self.tokens_path), (INDEX_FILE, self.index_path)):
-            want = self.meta["files"][name].get("sha256")
-            if want and sha256_file(path) != want:
-                raise DataError(f"{path}: sha256 does not match meta.json")
-
     def read(self, start: int, stop: int) -> np.ndarray:
         """Tokens ``[start, stop)`` (clipped to the file) as int64."""
         return np.asarray(self.tokens[start:min(stop, self.num_tokens)], dtype=np.int64)

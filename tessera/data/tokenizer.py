@@ -6,7 +6,7 @@ Why a common interface: token files record which tokenizer made them (meta.json)
 whatever the tokenizer is.
 
 Loading: ``build_tokenizer`` from a name or file, ``load_tokenizer`` from a token folder's meta.json,
-``tokenizer_for_checkpoint`` for a checkpoint. A checkpoint does not store its tokenizer; its config
+``run_tokenizer.tokenizer_for_checkpoint`` for a checkpoint. A checkpoint does not store its tokenizer; its config
 does say where the data came from: ``data.type='stdlib'`` is always the byte tokenizer,
 ``data.type='tokens'`` names token folders whose meta.json describes (and, for HF tokenizers, holds a
 copy of) the tokenizer, and synthetic data has none. A checkpoint imported from Hugging Face records
@@ -30,7 +30,7 @@ import numpy as np
 from tessera.data.errors import DataError
 
 __all__ = ["BYTE_EOD_TOKEN", "ByteTokenizer", "HFTokenizer", "Tokenizer", "build_tokenizer", "byte_tokenizer_json",
-           "load_tokenizer", "tokenizer_for_checkpoint", "write_hf_tokenizer_files"]
+           "load_tokenizer", "write_hf_tokenizer_files"]
 
 BYTE_EOD_TOKEN = "<|endoftext|>"  # the byte tokenizer's end of document in its Hugging Face files
 
@@ -206,32 +206,6 @@ def load_tokenizer(meta: Mapping[str, Any], folder: str | os.PathLike | None = N
             )
         return tok
     raise DataError(f"meta.json in {folder}: unknown tokenizer kind {desc['kind']!r} (expected 'byte' or 'hf')")
-
-
-def tokenizer_for_checkpoint(path: str, meta: Mapping[str, Any], override: str | None = None
-                             ) -> tuple[ByteTokenizer | HFTokenizer | None, str]:
-    """``(tokenizer or None, where it came from / why there is none)`` for checkpoint folder ``path``
-    whose meta.json is ``meta``. ``override``: ``"byte"`` or a ``tokenizer.json`` path, used as is."""
-    from tessera.data.token_file import find_shards  # token_file imports this module
-
-    if override:
-        return build_tokenizer(override), f"--tokenizer {override}"
-    if isinstance(meta.get("tokenizer"), dict):  # recorded by tools/import_hf.py, file inside the step folder
-        return load_tokenizer({"tokenizer": meta["tokenizer"]}, path), f"{path}/meta.json"
-    data = (meta.get("config") or {}).get("data") or {}
-    kind = data.get("type")
-    if kind == "stdlib":
-        return ByteTokenizer(), "data.type='stdlib' (byte tokenizer)"
-    if kind == "tokens":
-        folder = data.get("train_folder")
-        try:
-            shard = find_shards(folder)[0]  # type: ignore[arg-type]  # None: the TypeError is reported below
-            with open(os.path.join(shard, "meta.json"), encoding="utf-8") as f:
-                return load_tokenizer(json.load(f), shard), f"data.train_folder={folder}"
-        except (DataError, OSError, ValueError, TypeError) as e:
-            return None, (f"the run's data.train_folder={folder!r} is not readable from here ({e}); "
-                          "pass --tokenizer byte|PATH/tokenizer.json")
-    return None, f"data.type={kind!r} has no tokenizer; pass --tokenizer byte|PATH/tokenizer.json"
 
 
 def byte_tokenizer_json(eod_token: str = BYTE_EOD_TOKEN) -> str:

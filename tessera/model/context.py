@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tessera.model.attention import AttentionPlan, KVCacheLike
+from tessera.model.documents import AttentionPlan, KVCacheLike
 from tessera.model.recompute import RNGReplay
 
 __all__ = ["ForwardContext"]

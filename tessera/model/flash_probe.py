@@ -84,10 +84,3 @@ def flash_attn_unusable(device: torch.device, head_dim: int | None) -> str:
     if head_dim is not None and (head_dim > MAX_HEAD_DIM or head_dim % 8):
         return f"head_dim {head_dim}: flash_attn takes head dims up to {MAX_HEAD_DIM} that are multiples of 8"
     return ""
-
-
-def _reset() -> None:
-    """Forget the probe and the capabilities (tests)."""
-    global _PROBE
-    _PROBE = None
-    _CAPABILITY.clear()

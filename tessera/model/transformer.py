@@ -31,8 +31,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tessera.model.args import ModelArgs, check_tensor_parallel_sizes
-from tessera.model.attention import Attention, KVCacheLike, check_max_seqlen, plan_attention
+from tessera.model.attention import Attention
 from tessera.model.context import ForwardContext
+from tessera.model.documents import KVCacheLike, check_max_seqlen, plan_attention
 from tessera.model.mlp import FeedForward
 from tessera.model.norm import RMSNorm
 from tessera.model.recompute import full_checkpoint, selective_checkpoint

@@ -1,7 +1,8 @@
 """The process groups HybridZeroOptimizer talks to: each with its size and this process's rank.
 
-Groups come from the caller, else from ``gpc`` when it is launched, else there is none (a single
-process): size 1 means no communication at all, so the same code runs in a plain test process.
+Groups come from the caller (the run description's, ``tessera.core.job.JobGroups``), else there is
+none (a single process): size 1 means no communication at all, so the same code runs in a plain test
+process.
 The flat-buffer collectives here work in place, as NCCL documents its in-place forms, so the ZeRO
 reduce-scatter and all-gather need no staging buffer.
 """
@@ -15,7 +16,6 @@ import torch
 import torch.distributed as dist
 
 from tessera.config import ConfigError, resolve_zero1_size
-from tessera.dist.context import ParallelMode, gpc
 from tessera.parallel.comm import all_reduce as comm_all_reduce
 
 __all__ = ["GroupComm", "OptimizerGroups"]
@@ -91,10 +91,6 @@ class GroupComm:
         return out
 
 
-def _default_group(mode: ParallelMode) -> dist.ProcessGroup | None:
-    return gpc.get_group(mode) if gpc.is_initialized(mode) else None
-
-
 @dataclass(frozen=True)
 class OptimizerGroups:
     """TP, DP and ZERO1 groups, and the whole job's group (None: TP then DP reach every rank)."""
@@ -108,14 +104,11 @@ class OptimizerGroups:
     def resolve(cls, tp_group: dist.ProcessGroup | None = None, dp_group: dist.ProcessGroup | None = None,
                 zero1_group: dist.ProcessGroup | None = None,
                 global_group: dist.ProcessGroup | None = None) -> OptimizerGroups:
-        """Explicit groups first, then gpc's, else a single process; checks that ZERO1 splits DP."""
-        def pick(group: dist.ProcessGroup | None, mode: ParallelMode) -> dist.ProcessGroup | None:
-            return group if group is not None else _default_group(mode)
-
-        tp = GroupComm.of(pick(tp_group, ParallelMode.TENSOR), "tp_group")
-        dp = GroupComm.of(pick(dp_group, ParallelMode.DATA), "dp_group")
-        zero1 = GroupComm.of(pick(zero1_group, ParallelMode.ZERO1), "zero1_group")
-        world = pick(global_group, ParallelMode.GLOBAL)
+        """The groups given (None: that dimension has one rank); checks that ZERO1 splits DP."""
+        tp = GroupComm.of(tp_group, "tp_group")
+        dp = GroupComm.of(dp_group, "dp_group")
+        zero1 = GroupComm.of(zero1_group, "zero1_group")
+        world = global_group
         try:
             resolve_zero1_size(dp.size, zero1.size)
         except ConfigError as e:

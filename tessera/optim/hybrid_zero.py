@@ -34,10 +34,13 @@ import torch.distributed as dist
 from torch import nn
 
 from tessera.config.precision import Precision
+from tessera.core.grad_scaler import BaseGradScaler, build_grad_scaler
+from tessera.core.job import Job, JobGroups
+from tessera.core.parallel_context import gpc
+from tessera.core.precision import RunPrecision
 from tessera.optim.bucket import Bucket
 from tessera.optim.buffers import GradientBuffers
 from tessera.optim.clipping import GradNorm, clip_factor
-from tessera.optim.grad_scaler import BaseGradScaler, build_grad_scaler
 from tessera.optim.groups import OptimizerGroups
 from tessera.optim.master_policy import MasterPolicy, resolve_optimizer_dtype
 from tessera.optim.params import ParamNames, param_name_map, trainable_params
@@ -55,7 +58,9 @@ class HybridZeroOptimizer(torch.optim.Optimizer):
 
     Subclasses ``torch.optim.Optimizer`` only so that torch LR schedulers accept it; the real state
     lives in the wrapped optimizer, which is rebuilt in place on the fp32 master slices.
-    ``param_names``: the unwrapped model (or names) the state is keyed by; groups default to gpc's.
+    ``param_names``: the unwrapped model (or names) the state is keyed by. ``job`` (the run description;
+    default: the launched job, else a single process) gives the groups, the model precision and the
+    seed; explicit ``dtype`` and groups take precedence (tests, user code without a launch).
     """
 
     def __init__(
@@ -64,6 +69,7 @@ class HybridZeroOptimizer(torch.optim.Optimizer):
         grad_scal_cfg: Mapping[str, Any] | None = None,
         zero_cfg: Mapping[str, Any] | None = None,
         *,
+        job: Job | None = None,
         dtype: torch.dtype | str | None = None,
         tp_group: dist.ProcessGroup | None = None,
         dp_group: dist.ProcessGroup | None = None,
@@ -71,7 +77,7 @@ class HybridZeroOptimizer(torch.optim.Optimizer):
         global_group: dist.ProcessGroup | None = None,
         param_names: ParamNames = None,
         grad_scaler: BaseGradScaler | None = None,
-        seed: int = 0,
+        seed: int | None = None,
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, HybridZeroOptimizer):
             raise TypeError(f"HybridZeroOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -80,9 +86,17 @@ class HybridZeroOptimizer(torch.optim.Optimizer):
                              "restore state through HybridZeroOptimizer.load_state_dict instead")
         self._optim = optimizer
         self._settings = ZeroSettings.from_config(zero_cfg)
-        self._groups = OptimizerGroups.resolve(tp_group, dp_group, zero1_group, global_group)
+        job = job or gpc.job  # InternEvo-style code builds it after launch and expects the launched groups
+        groups = job.groups if job is not None else JobGroups()
+        self._groups = OptimizerGroups.resolve(
+            *(given if given is not None else default for given, default in (
+                (tp_group, groups.tp), (dp_group, groups.dp), (zero1_group, groups.zero1),
+                (global_group, groups.world))))
         self._params = trainable_params(optimizer)
-        self._precision = resolve_optimizer_dtype(dtype, self._params)
+        stated = RunPrecision.of(dtype).model if dtype is not None else job.precision.model if job is not None else None
+        self._precision = resolve_optimizer_dtype(stated, self._params)
+        if seed is None:  # the run's seed (stochastic rounding of bf16 masters)
+            seed = job.seed if job is not None else 0
         self._policy = MasterPolicy.from_settings(self._settings, self._precision, optimizer, seed)
         self._scaler = grad_scaler if grad_scaler is not None else build_grad_scaler(grad_scal_cfg, self._precision)
         self._grads = GradientBuffers(

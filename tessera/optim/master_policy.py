@@ -17,12 +17,12 @@ import functools
 import logging
 import warnings
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
 
-from tessera.config.precision import Precision, dtypes_by_short_name, resolve_precision
+from tessera.config.precision import Precision, dtypes_by_short_name
+from tessera.core.precision import precision_of
 from tessera.optim.bucket import Bucket
 from tessera.optim.lowp_adamw import COMPENSATIONS, Noise, adamw_step, element_noise, name_key
 from tessera.optim.params import LOW_PRECISION
@@ -35,15 +35,15 @@ _DTYPES = dtypes_by_short_name("fp32", "bf16")
 logger = logging.getLogger("tessera")
 
 
-def resolve_optimizer_dtype(dtype: Any, params: list[nn.Parameter]) -> Precision:
-    """The model precision the optimizer works for: from ``dtype`` when given (checked against the
-    parameters), else from the parameters' low-precision dtype (fp32 when there is none)."""
+def resolve_optimizer_dtype(stated: Precision | None, params: list[nn.Parameter]) -> Precision:
+    """The model precision the optimizer works for: the ``stated`` one when given (checked against the
+    parameters), else the parameters' low-precision dtype (fp32 when there is none)."""
     low = {p.dtype for p in params if p.dtype in LOW_PRECISION}
     if len(low) > 1:
         raise TypeError("HybridZeroOptimizer: parameters mix float16 and bfloat16")
-    if dtype is None:
-        return resolve_precision(next(iter(low)) if low else torch.float32)
-    p = resolve_precision(dtype)
+    if stated is None:
+        return precision_of(next(iter(low)) if low else torch.float32)
+    p = stated
     if p.is_low_precision and low and low != {p.dtype}:
         raise TypeError(f"HybridZeroOptimizer: dtype={p.name} but the parameters are {next(iter(low))}")
     if not p.is_low_precision and low:

@@ -36,12 +36,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tessera.checkpoint import Layout, Progress, RngStreams, TrainState, find_resumable_checkpoint, save_checkpoint
+from tessera.checkpoint import Progress, RngStreams, TrainState, find_resumable_checkpoint, save_checkpoint
 from tessera.checkpoint.tree import prepare_tree
 from tessera.config import Config
+from tessera.core.context import launch
+from tessera.core.job import Job
+from tessera.core.layout import ParallelMode
+from tessera.core.parallel_context import gpc
 from tessera.data import build_data
-from tessera.dist import ParallelMode, gpc
-from tessera.dist.launch import launch
 from tessera.plan.tracker import CollectiveTraffic, LiveBytes
 from tessera.train.builder import build_training_stack
 from tessera.train.stop import StopRequest
@@ -72,11 +74,6 @@ class StepTrace:
         return max(self.step_peak, self.save_peak)
 
     @property
-    def step_extra(self) -> int:
-        """What the step adds on top of the persistent state at its peak."""
-        return self.step_peak - self.persistent_total
-
-    @property
     def backward_extra(self) -> int:
         """Activations, logits, loss and the backward's working set at their peak."""
         return self.backward_peak - self.persistent_total
@@ -91,24 +88,23 @@ class StepTrace:
         return max(0, self.save_peak - self.persistent_total)
 
 
-def _group_names() -> dict[str, str]:
+def _group_names(job: Job) -> dict[str, str]:
     """Process-group name -> the parallel mode(s) it serves (TENSOR, DATA, ZERO1, GLOBAL)."""
     names: dict[str, list[str]] = {}
     for mode in ParallelMode:
-        if gpc.is_initialized(mode):
-            g = gpc.get_group(mode)
-            if g is not None:
-                names.setdefault(g.group_name, []).append(mode.name)
+        g = job.groups.of(mode)
+        if g is not None:
+            names.setdefault(g.group_name, []).append(mode.name)
     return {k: "+".join(v) for k, v in names.items()}
 
 
-def _synthetic_batches(cfg: Config, seed: int) -> list[dict[str, torch.Tensor]]:
+def _synthetic_batches(cfg: Config, job: Job) -> list[dict[str, torch.Tensor]]:
     """This rank's micro-batches of one step, from synthetic tokens in the configured shape."""
     data_cfg = copy.deepcopy(cfg.to_dict()["data"])
     data_cfg.update(type="synthetic", valid_every=0)
     data = build_data(data_cfg, vocab_size=cfg.model.vocab_size, max_seq_len=cfg.model.max_position_embeddings,
-                      dp_rank=gpc.get_local_rank(ParallelMode.DATA), dp_size=gpc.get_world_size(ParallelMode.DATA),
-                      seed=seed, barrier=None, is_main=False, progress=False)
+                      dp_rank=job.layout.dp_rank, dp_size=job.layout.dp_size,
+                      seed=job.seed, barrier=None, is_main=False, progress=False)
     return data.train.next_step_batches()
 
 
@@ -118,17 +114,17 @@ def _plan_write(path: str, tree: Any) -> dict[str, Any]:
     return {"size": sum(t.numel() * t.element_size() for t in unique.values()), "sha256": "dry-run"}
 
 
-def trace_iteration(cfg: Config, seed: int, save_dir: str | None = None) -> StepTrace:
-    """Build train.py's model, optimizer and trainer on ``gpc.device`` and run one iteration of its loop,
-    counting live tensor bytes on that device. ``gpc`` must be launched. With ``save_dir`` the
-    checkpoint save runs there (files planned, not written, on meta)."""
-    device = gpc.device
-    batches = _synthetic_batches(cfg, seed)  # host tensors, made before counting (the loader's own memory)
+def trace_iteration(cfg: Config, job: Job, save_dir: str | None = None) -> StepTrace:
+    """Build train.py's model, optimizer and trainer for ``job`` and run one iteration of its loop, counting
+    live tensor bytes on the job's device. With ``save_dir`` the checkpoint save runs there (files planned,
+    not written, on meta)."""
+    device = job.device
+    batches = _synthetic_batches(cfg, job)  # host tensors, made before counting (the loader's own memory)
     live = LiveBytes(device_type=device.type)
-    # (a name missing from _group_names() would map to None: every group a dry run uses is one of gpc's)
-    traffic = CollectiveTraffic(_group_names().get)  # type: ignore[arg-type]
+    # (a name missing from _group_names() would map to None: every group a dry run uses is one of the job's)
+    traffic = CollectiveTraffic(_group_names(job).get)  # type: ignore[arg-type]
     with live:
-        stack = build_training_stack(cfg, seed=seed, device=device)
+        stack = build_training_stack(cfg, job)
         optimizer, trainer = stack.optimizer, stack.trainer
         built = live.current
         # two iterations: the first creates the optimizer's lazily allocated states; the second is the
@@ -161,16 +157,16 @@ def trace_iteration(cfg: Config, seed: int, save_dir: str | None = None) -> Step
             state = TrainState(stack.inner_model, optimizer, progress=Progress(1, result.tokens),
                                lr_scheduler=stack.scheduler)
             state.register("rng", RngStreams(gpc), per_rank=True)
-            save_checkpoint(save_dir, 1, state, config=None, layout=Layout.from_gpc(),
+            save_checkpoint(save_dir, 1, state, config=None, layout=job.layout,
                             writer=_plan_write if device.type == "meta" else None)
             save_peak = live.peak
             # the resume agreement train.py runs at launch: every rank must accept the same checkpoint
             with traffic:
-                find_resumable_checkpoint(save_dir, Layout.from_gpc(), load=lambda path: path)
+                find_resumable_checkpoint(save_dir, job.layout, load=lambda path: path)
     return StepTrace(persistent=persistent, persistent_total=after, built=built, step_peak=step_peak,
                      backward_peak=phases["backward"], optimizer_peak=phases["optimizer"],
                      save_peak=save_peak, comm=traffic.sent, comm_buffer=traffic.largest_buffer,
-                     tokens=result.tokens // max(1, gpc.data_parallel_size),
+                     tokens=result.tokens // max(1, job.layout.dp_size),
                      num_params=sum(p.numel() for p in optimizer.params))
 
 
@@ -200,24 +196,24 @@ def _object_collectives_answered_locally() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def fake_job(cfg: Config, world_size: int, rank: int = 0, seed: int | None = None) -> Iterator[None]:
+def fake_job(cfg: Config, world_size: int, rank: int = 0, seed: int | None = None) -> Iterator[Job]:
     """``gpc`` launched as rank ``rank`` of a ``world_size`` job on the meta device, whose groups serve
-    meta tensors only (a CPU tensor in a collective fails as under NCCL)."""
+    meta tensors only (a CPU tensor in a collective fails as under NCCL); yields that job."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
         raise RuntimeError("a dry run needs a process without a process group; run it in its own process")
     with _object_collectives_answered_locally():
         launch(cfg, rank=rank, world_size=world_size, init_method=FakeStore(), backend="meta:fake", seed=seed)
-        gpc.device = torch.device("meta")
+        assert gpc.job is not None
+        gpc.job = gpc.job.replace(device=torch.device("meta"))
         try:
-            yield
+            yield gpc.job
         finally:
             gpc.destroy()
 
 
 def dry_run(cfg: Config, world_size: int, rank: int = 0, seed: int | None = None) -> StepTrace:
     """One iteration of ``cfg`` as rank ``rank`` of ``world_size`` ranks, on meta tensors (see the module doc)."""
-    seed = cfg.seed if seed is None else seed
-    with fake_job(cfg, world_size, rank, seed), tempfile.TemporaryDirectory(prefix="tessera-dry-run-") as tmp:
-        return trace_iteration(cfg, seed, save_dir=os.path.join(tmp, "ckpt"))
+    with fake_job(cfg, world_size, rank, seed) as job, tempfile.TemporaryDirectory(prefix="tessera-dry-run-") as tmp:
+        return trace_iteration(cfg, job, save_dir=os.path.join(tmp, "ckpt"))

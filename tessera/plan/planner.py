@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tessera.config import Config, ConfigError, check_model_sizes
-from tessera.config.precision import resolve_precision
+from tessera.core.precision import RunPrecision
 from tessera.model.flash_probe import flash_attn_available
 from tessera.plan.report import (
     Plan,
@@ -48,7 +48,7 @@ def make_plan(cfg: Config, world: int, *, config_name: str = "config", gpu: str 
                 notes=plan_notes(cfg, lay, flash, extras))
     if gpu:
         plan.gpu = gpu
-        plan.gpu_memory, plan.peak_tflops = gpu_spec(gpu, resolve_precision(cfg.model.dtype).name)
+        plan.gpu_memory, plan.peak_tflops = gpu_spec(gpu, shape.precision.name)
     if trace:
         from tessera.plan.dry_run import dry_run
 
@@ -107,6 +107,7 @@ def search_layouts(cfg: Config, gpus: int, memory_gib: float, *, gpu: str = "h10
     headroom = headroom_of(cfg) if headroom is None else headroom
     flash = flash_attn_available() if flash_attn is None else flash_attn
     rows = cfg.data.micro_bsz * cfg.data.micro_num * max(1, gpus // cfg.parallel.tensor.size)
+    precision = RunPrecision.from_config(cfg)
     out: list[Candidate] = []
     for tp in [t for t in range(1, gpus + 1) if gpus % t == 0]:
         try:
@@ -114,7 +115,7 @@ def search_layouts(cfg: Config, gpus: int, memory_gib: float, *, gpu: str = "h10
         except (ValueError, ConfigError):
             continue
         dp = gpus // tp
-        counts = _param_counts(cfg, tp)
+        counts = _param_counts(cfg, tp, precision)
         if rows % dp:
             continue
         per_replica = rows // dp

@@ -15,15 +15,15 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from tessera.config import Config
-from tessera.config.precision import resolve_precision
 from tessera.config.schema import DEFAULT_MEMORY_HEADROOM
-from tessera.dist.layout import Layout
+from tessera.core.layout import Layout
+from tessera.core.precision import RunPrecision
 from tessera.model import flops_per_token
 from tessera.model.activations import activation_bytes
 from tessera.model.args import ModelArgs
 from tessera.parallel.sequence import TENSOR_MODES
 from tessera.plan.tracker import ring_bytes
-from tessera.train.memory_check import param_counts
+from tessera.train.memory_check import meta_census, param_counts
 from tessera.train.memory_extras import (
     MATMUL_STREAMS,
     MATMUL_WORKSPACE_BYTES,
@@ -73,7 +73,7 @@ def gpu_spec(name: str, precision_name: str) -> tuple[float, float]:
 
 @dataclass(frozen=True)
 class StepShape:
-    """What a rank runs in one step beside its place in the rank layout (``tessera.dist.Layout``): the
+    """What a rank runs in one step beside its place in the rank layout (``tessera.core.layout.Layout``): the
     batch, the recomputation and the tensor-parallel mode."""
 
     micro_bsz: int
@@ -81,22 +81,18 @@ class StepShape:
     seq_len: int
     checkpoint: Any
     mode: str
+    precision: RunPrecision
 
 
 def _layout(cfg: Config, world: int, rank: int = 0) -> tuple[Layout, StepShape]:
     """The rank layout of rank ``rank`` of ``cfg`` on ``world`` ranks, and its step shape."""
     lay = Layout.of(world, cfg.parallel.tensor.size, cfg.parallel.zero1.size, rank)
     return lay, StepShape(cfg.data.micro_bsz, cfg.data.micro_num, cfg.data.seq_len, cfg.model.checkpoint,
-                          cfg.parallel.tensor.mode)
+                          cfg.parallel.tensor.mode, RunPrecision.from_config(cfg))
 
 
-def _param_counts(cfg: Config, tp: int) -> tuple[int, int]:
-    return param_counts(cfg.model, tp)
-
-
-def _policy(cfg: Config) -> dict[str, str]:
-    hzo = cfg.hybrid_zero_optimizer
-    return {k: hzo[k] for k in ("master_dtype", "master_compensation", "optimizer_state_dtype") if hzo.get(k)}
+def _param_counts(cfg: Config, tp: int, precision: RunPrecision) -> tuple[int, int]:
+    return param_counts(cfg.model, tp, precision)
 
 
 def step_flops_per_rank(cfg: Config, lay: Layout, shape: StepShape) -> float:
@@ -134,7 +130,8 @@ def comm_closed_form(cfg: Config, lay: Layout, shape: StepShape, low_params: int
     ranks than DP, the shards' all-reduce over the replicas.
     """
     a = ModelArgs.from_config(cfg.model)
-    e = resolve_precision(cfg.model.dtype).dtype.itemsize
+    model = shape.precision.model
+    e = model.dtype.itemsize
     t, d = lay.tp_size, lay.zero1_size
     T = shape.micro_bsz * shape.seq_len
     out: dict[str, float] = {}
@@ -143,10 +140,9 @@ def comm_closed_form(cfg: Config, lay: Layout, shape: StepShape, low_params: int
         mode = shape.mode if shape.mode in TENSOR_MODES else "mtp"
         units = a.num_layers * _TP_UNITS_PER_LAYER[(mode, checkpoint)] + _TP_UNITS_OUTSIDE[mode]
         out["TENSOR"] = shape.micro_num * units * ring_bytes("all_gather", T * a.hidden_size * e, t)
-    low_w = e if resolve_precision(cfg.model.dtype).is_low_precision else 4
-    grad_bytes = 4 * (low_params + fp32_params)
-    if cfg.hybrid_zero_optimizer.get("reduce_dtype") == "model":
-        grad_bytes = low_w * low_params + 4 * fp32_params
+    low_w = e if model.is_low_precision else 4
+    grad_bytes = (shape.precision.optimizer.reduce.itemsize if model.is_low_precision else 4) * low_params \
+        + 4 * fp32_params
     weight_bytes = low_w * low_params + 4 * fp32_params
     if d > 1:
         gather = ring_bytes("all_gather", weight_bytes, d)  # after the step: not overlapped
@@ -276,7 +272,8 @@ def gpu_extras(cfg: Config, lay: Layout, shape: StepShape, flash_installed: bool
     allowance for NCCL communicators and cuBLAS workspaces."""
     data = {"micro_bsz": shape.micro_bsz, "seq_len": shape.seq_len,
             "pack_sample_into_one": cfg.data.pack_sample_into_one}
-    sdpa = sdpa_extra_bytes({"model": cfg.model, "data": data}, lay.tp_size, shape.checkpoint, flash_installed)
+    dtypes = list(meta_census(cfg.model, lay.tp_size, shape.precision).attention_dtypes)
+    sdpa = sdpa_extra_bytes({"model": cfg.model, "data": data}, lay.tp_size, shape.checkpoint, flash_installed, dtypes)
     runtime = runtime_allowance(lay.world_size, lay.tp_size, lay.dp_size, lay.zero1_size, "cuda")
     return {"sdpa_mask": sdpa["mask"], "gqa_kv": sdpa["gqa"], **runtime}
 
@@ -301,21 +298,20 @@ def closed_form_plan(cfg: Config, lay: Layout, shape: StepShape, counts: tuple[i
     """(memory closed forms, communication closed forms, model-dtype params, fp32 params) of TP rank 0;
     ``counts``: the parameter counts when known (they depend on the model and the TP size only);
     ``flash_installed``: whether flash_attn runs on the planned GPU (else SDPA's extras count)."""
-    low, fp32 = counts or _param_counts(cfg, lay.tp_size)
+    low, fp32 = counts or _param_counts(cfg, lay.tp_size, shape.precision)
     n = low + fp32
-    per = closed_form_bytes(cfg.model.dtype, lay.zero1_size, low, fp32,
-                            cfg.hybrid_zero_optimizer.get("reduce_dtype", "fp32"), _policy(cfg))
+    per = closed_form_bytes(shape.precision, lay.zero1_size, low, fp32)
     mem = {role: per[role] * n for role in ROLES}
     mem["persistent"] = per["total"] * n
     extras = gpu_extras(cfg, lay, shape, flash_installed)
     mem.update(extras)
     tp = lay.tp_size
-    if shape.checkpoint in (False, True, "selective") and not (cfg.model.get("fp8") or {}).get("enabled"):
+    if shape.checkpoint in (False, True, "selective") and not shape.precision.fp8.enabled:
         act = activation_bytes(cfg.model, shape.micro_bsz, shape.seq_len, tp, shape.mode, shape.checkpoint,
-                               resolve_precision(cfg.model.dtype).dtype)
+                               shape.precision.dtype)
         v_t = ModelArgs.from_config(cfg.model).vocab_size // tp
         a_h = ModelArgs.from_config(cfg.model).hidden_size
-        act_e = resolve_precision(cfg.model.dtype).dtype.itemsize
+        act_e = shape.precision.dtype.itemsize
         mem["backward_extra"] = act["peak"]
         mem["loss"] = 4.0 * shape.micro_bsz * shape.seq_len * v_t
         # TP collectives work on the [micro_bsz x seq, hidden] activations in the model dtype: mtp's

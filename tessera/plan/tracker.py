@@ -76,11 +76,6 @@ class LiveBytes(TorchDispatchMode):
     def _drop(self, key: int) -> None:
         self.current -= self._live.pop(key, 0)
 
-    def track(self, *tensors: torch.Tensor) -> None:
-        for t in tensors:
-            if isinstance(t, torch.Tensor):
-                self._add(t)
-
     def reset_peak(self) -> None:
         self.peak = self.current
 

@@ -28,18 +28,21 @@ import torch
 import torch.distributed as dist
 
 from tessera.config import check_model_sizes, parallel_sizes
-from tessera.config.precision import resolve_precision
 from tessera.config.schema import DEFAULT_MEMORY_HEADROOM
+from tessera.core.job import Job
+from tessera.core.naive_amp import fp32_module_names, naive_amp_for
+from tessera.core.precision import RunPrecision
 from tessera.model import build_model
 from tessera.model.activations import activation_bytes
+from tessera.model.args import ModelArgs
 from tessera.model.flash_probe import flash_attn_available
 from tessera.parallel import MetaGroup
 from tessera.parallel.comm import reduce_scalars
 from tessera.train.memory_extras import communicators, runtime_allowance, sdpa_extra_bytes
-from tessera.train.naive_amp import naive_amp_from_config
 from tessera.train.precision_report import closed_form_bytes
 
-__all__ = ["StatePlan", "param_counts", "plan_persistent_state", "available_bytes", "check_memory", "headroom_of"]
+__all__ = ["MetaCensus", "StatePlan", "meta_census", "param_counts", "plan_persistent_state", "available_bytes",
+           "check_memory", "headroom_of"]
 
 GIB = 2**30
 
@@ -66,47 +69,67 @@ def headroom_of(cfg: Mapping[str, Any]) -> float:
     return float((cfg.get("memory") or {}).get("headroom", DEFAULT_MEMORY_HEADROOM))
 
 
+@dataclass(frozen=True)
+class MetaCensus:
+    """What a meta build of the decoder with the run's precision says about TP rank 0."""
+
+    low_params: int  # parameters stored in the model dtype
+    fp32_params: int  # parameters kept fp32 (fp32 marks, or an fp32/tf32 model)
+    attention_dtypes: tuple[torch.dtype, ...]  # q/k/v dtype per layer: fp32 where a mark covers the attention
+
+
 @functools.lru_cache(maxsize=32)
-def _param_counts_cached(model_json: str, tp: int) -> tuple[int, int]:
+def _census_cached(model_json: str, tp: int, precision: RunPrecision) -> MetaCensus:
     model_cfg = json.loads(model_json)
     with torch.device("meta"):
         model = build_model(model_cfg, tp_group=MetaGroup(tp), seed=0, device="meta", tensor_rng=None)
-    amp = naive_amp_from_config(model, model_cfg, sync_buffer=False)  # the run's dtype and fp32 marks
+    amp = naive_amp_for(model, precision, sync_buffer=False)  # the run's dtype and fp32 marks, resolved here
     params = {id(p): p for p in amp.parameters()}.values()
-    return (sum(p.numel() for p in params if p.dtype != torch.float32),
-            sum(p.numel() for p in params if p.dtype == torch.float32))
+    fp32_names = fp32_module_names(amp)
+    layers = ModelArgs.from_config(model_cfg).num_layers
+    attention = tuple(torch.float32 if f"layers.{i}.attention" in fp32_names else precision.dtype
+                      for i in range(layers))
+    return MetaCensus(sum(p.numel() for p in params if p.dtype != torch.float32),
+                      sum(p.numel() for p in params if p.dtype == torch.float32), attention)
 
 
-def param_counts(model_cfg: Mapping[str, Any], tp: int) -> tuple[int, int]:
-    """(model-dtype, fp32) parameters of TP rank 0, counted on a meta build with the run's fp32 marks
-    (cached: the search and the refusal's options ask for the same TP sizes again)."""
-    return _param_counts_cached(json.dumps(dict(model_cfg), sort_keys=True, default=str), tp)
+def meta_census(model_cfg: Mapping[str, Any], tp: int, precision: RunPrecision) -> MetaCensus:
+    """Parameters of TP rank 0 by dtype and each layer's attention dtype, counted on a meta build with the
+    run's fp32 marks (cached: the search and the refusal's options ask for the same TP sizes again)."""
+    return _census_cached(json.dumps(dict(model_cfg), sort_keys=True, default=str), tp, precision)
+
+
+def param_counts(model_cfg: Mapping[str, Any], tp: int, precision: RunPrecision) -> tuple[int, int]:
+    """(model-dtype, fp32) parameters of TP rank 0 (``meta_census``)."""
+    census = meta_census(model_cfg, tp, precision)
+    return census.low_params, census.fp32_params
 
 
 def plan_persistent_state(cfg: Mapping[str, Any], world_size: int, tp: int, zero1: int,
                           checkpoint: Any = None, device_type: str = "cpu",
-                          flash_installed: bool | None = None) -> StatePlan:
+                          flash_installed: bool | None = None, precision: RunPrecision | None = None) -> StatePlan:
     """Persistent bytes of TP rank 0 (the largest: it also holds its share of replicated norms), and the
     activation peak of one micro-batch (``checkpoint``: the config's ``model.checkpoint`` by default).
     On ``device_type`` "cuda" also SDPA's extra tensors (``flash_installed``: whether flash_attn runs
-    there; None: whether it is installed here) and the communicator and workspace allowance."""
+    there; None: whether it is installed here) and the communicator and workspace allowance.
+    ``precision``: the run's (a launched Job's); None resolves the config's."""
     _, dp, zero1 = parallel_sizes(world_size, tp, zero1)
+    precision = precision or RunPrecision.from_config(cfg)
     model_cfg = dict(cfg["model"])
-    low, fp32 = param_counts(model_cfg, tp)
-    hzo = cfg.get("hybrid_zero_optimizer") or {}
-    policy = {k: hzo[k] for k in ("master_dtype", "master_compensation", "optimizer_state_dtype") if hzo.get(k)}
-    precision = resolve_precision(model_cfg.get("dtype", "bf16"))
-    per_param = closed_form_bytes(precision, zero1, low, fp32, hzo.get("reduce_dtype", "fp32"), policy)
+    census = meta_census(model_cfg, tp, precision)
+    low, fp32 = census.low_params, census.fp32_params
+    per_param = closed_form_bytes(precision, zero1, low, fp32)
     checkpoint = model_cfg.get("checkpoint", False) if checkpoint is None else checkpoint
     data, mode = cfg.get("data") or {}, ((cfg.get("parallel") or {}).get("tensor") or {}).get("mode", "mtp")
     act = 0.0
-    if checkpoint in (False, True, "selective") and not (model_cfg.get("fp8") or {}).get("enabled") and data:
+    if checkpoint in (False, True, "selective") and not precision.fp8.enabled and data:
         act = activation_bytes(model_cfg, data["micro_bsz"], data["seq_len"], tp, mode, checkpoint,
                                precision.dtype)["peak"]
     attention = 0.0
     if device_type == "cuda" and data:
         flash = flash_attn_available() if flash_installed is None else flash_installed
-        attention = sum(sdpa_extra_bytes({"model": model_cfg, "data": data}, tp, checkpoint, flash).values())
+        attention = sum(sdpa_extra_bytes({"model": model_cfg, "data": data}, tp, checkpoint, flash,
+                                         list(census.attention_dtypes)).values())
     runtime = sum(runtime_allowance(world_size, tp, dp, zero1, device_type).values())
     comms = communicators(world_size, tp, dp, zero1) if device_type == "cuda" else 0
     return StatePlan(tp, zero1, low + fp32, per_param["total"] * (low + fp32), act, checkpoint, attention, runtime,
@@ -131,7 +154,8 @@ def available_bytes(device: torch.device) -> tuple[float, str]:
     return avail / local, f"available host memory / {local} local rank(s)"
 
 
-def _layouts_that_fit(cfg: Mapping[str, Any], world_size: int, limit: float, device_type: str) -> list[StatePlan]:
+def _layouts_that_fit(cfg: Mapping[str, Any], world_size: int, limit: float, device_type: str,
+                      precision: RunPrecision) -> list[StatePlan]:
     fits = []
     for tp in (t for t in range(1, world_size + 1) if world_size % t == 0):
         try:
@@ -141,23 +165,26 @@ def _layouts_that_fit(cfg: Mapping[str, Any], world_size: int, limit: float, dev
         dp = world_size // tp
         for zero1 in sorted({1, dp}):
             for checkpoint in ((False, "selective", True) if cfg["model"].get("checkpoint") is False else (None,)):
-                plan = plan_persistent_state(cfg, world_size, tp, zero1, checkpoint, device_type)
+                plan = plan_persistent_state(cfg, world_size, tp, zero1, checkpoint, device_type,
+                                             precision=precision)
                 if plan.need <= limit:
                     fits.append(plan)
                     break  # the least recomputation that fits
     return fits
 
 
-def check_memory(cfg: Mapping[str, Any], world_size: int, tp: int, zero1: int, device: torch.device) -> str | None:
+def check_memory(cfg: Mapping[str, Any], job: Job) -> str | None:
     """None when this rank's planned need fits in ``(1 - memory.headroom)`` of its available memory, else the
     message to stop with (same on all ranks: the verdict is agreed over the default group, on the device its
-    backend serves)."""
-    plan = plan_persistent_state(cfg, world_size, tp, zero1, device_type=device.type)
+    backend serves). The layout, device and precision are the launched ``job``'s."""
+    lay, device = job.layout, job.device
+    plan = plan_persistent_state(cfg, lay.world_size, lay.tp_size, lay.zero1_size, device_type=device.type,
+                                 precision=job.precision)
     avail, where = available_bytes(device)
     headroom = headroom_of(cfg)
     limit = avail * (1 - headroom)
     too_big = plan.need > limit
-    options = _layouts_that_fit(cfg, world_size, limit, device.type) if too_big else []  # before agreeing
+    options = _layouts_that_fit(cfg, lay.world_size, limit, device.type, job.precision) if too_big else []
     if dist.is_initialized():  # every rank stops together, or none does
         too_big = bool(reduce_scalars([int(too_big)], None, op=dist.ReduceOp.MAX, dtype=torch.int32)[0])
     if not too_big:

@@ -22,17 +22,15 @@ kernel's shape function and it opens no communicator. The plan shows both beside
 
 from __future__ import annotations
 
-import fnmatch
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from tessera.config.precision import resolve_precision
 from tessera.model.args import ModelArgs
 
 __all__ = ["NCCL_COMMUNICATOR_BYTES", "MATMUL_WORKSPACE_BYTES", "MATMUL_STREAMS", "communicators",
-           "runtime_allowance", "attention_dtypes", "sdpa_extra_bytes"]
+           "runtime_allowance", "sdpa_extra_bytes"]
 
 MIB, GIB = 2**20, 2**30
 
@@ -71,28 +69,16 @@ def runtime_allowance(world: int, tp: int, dp: int, zero1: int, device_type: str
             "cublas": float(MATMUL_STREAMS * MATMUL_WORKSPACE_BYTES)}
 
 
-def attention_dtypes(model_cfg: Mapping[str, Any]) -> list[torch.dtype]:
-    """The dtype of q/k/v in each layer's attention: fp32 where ``model.fp32_modules`` marks the attention
-    module or a module around it (``layers``, ``layers.<i>``, ``layers.<i>.attention``), else the model's."""
-    a = ModelArgs.from_config(model_cfg)
-    model_dtype = resolve_precision(model_cfg.get("dtype", "bf16")).dtype
-    patterns = [p for p in (model_cfg.get("fp32_modules") or []) if isinstance(p, str)]
-    out = []
-    for i in range(a.num_layers):
-        names = ("layers", f"layers.{i}", f"layers.{i}.attention")
-        marked = any(fnmatch.fnmatchcase(n, p) for n in names for p in patterns)
-        out.append(torch.float32 if marked else model_dtype)
-    return out
-
-
 def _uses_flash(dtype: torch.dtype, use_flash_attn: bool, flash_installed: bool) -> bool:
     return use_flash_attn and flash_installed and dtype in (torch.float16, torch.bfloat16)
 
 
-def sdpa_extra_bytes(cfg: Mapping[str, Any], tp: int, checkpoint: Any, flash_installed: bool) -> dict[str, float]:
+def sdpa_extra_bytes(cfg: Mapping[str, Any], tp: int, checkpoint: Any, flash_installed: bool,
+                     attention_dtypes: list[torch.dtype]) -> dict[str, float]:
     """Bytes SDPA adds on CUDA at one micro-batch's activation peak (see the module doc): ``mask`` (the
     boolean mask once, plus the additive copies kept) and ``gqa`` (the expanded K/V kept); zero where
-    every layer runs flash_attn. ``cfg`` holds the ``model`` and ``data`` sections."""
+    every layer runs flash_attn. ``cfg`` holds the ``model`` and ``data`` sections; ``attention_dtypes``
+    the dtype of q/k/v in each layer (``memory_check.meta_census``: fp32 where a mark covers the attention)."""
     model_cfg, data = cfg["model"], cfg["data"]
     a = ModelArgs.from_config(model_cfg)
     b, s = int(data["micro_bsz"]), int(data["seq_len"])
@@ -101,7 +87,7 @@ def sdpa_extra_bytes(cfg: Mapping[str, Any], tp: int, checkpoint: Any, flash_ins
     groups = a.num_attention_heads // a.num_kv_attention_heads
     q_heads = a.num_attention_heads // tp
     masks, copies = [], []
-    for dtype in attention_dtypes(model_cfg):
+    for dtype in attention_dtypes:
         if _uses_flash(dtype, bool(model_cfg.get("use_flash_attn", True)), flash_installed):
             masks.append(0)
             copies.append(0)

@@ -17,10 +17,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tessera.config.precision import resolve_precision
+from tessera.core.naive_amp import NaiveAMPModel, fp32_module_names, unwrap_model
+from tessera.core.precision import RunPrecision
 from tessera.optim.hybrid_zero import HybridZeroOptimizer
 from tessera.optim.params import build_param_groups
-from tessera.train.naive_amp import NaiveAMPModel, fp32_module_names, unwrap_model
 
 __all__ = ["ModuleRow", "PrecisionReport", "closed_form_bytes", "precision_report", "POLICIES", "policy_table"]
 
@@ -84,22 +84,17 @@ class PrecisionReport:
         return "\n".join(lines)
 
 
-def closed_form_bytes(
-    dtype: Any, zero1_size: int, low_params: int, fp32_params: int, reduce_dtype: str = "fp32",
-    policy: dict[str, str] | None = None,
-) -> dict[str, float]:
-    """Bytes per parameter by role for ``low_params`` model-dtype and ``fp32_params`` fp32 parameters,
-    under the optimizer ``policy`` (``master_dtype``, ``master_compensation``, ``optimizer_state_dtype``)."""
-    p = resolve_precision(dtype)
-    policy = policy or {}
-    d = zero1_size
-    low_w = torch.finfo(p.dtype).bits // 8 if p.is_low_precision else 4
-    low_g = low_w if (p.is_low_precision and reduce_dtype == "model") else 4
-    bf16_masters = policy.get("master_dtype", "fp32") == "bf16"
+def closed_form_bytes(precision: RunPrecision, zero1_size: int, low_params: int, fp32_params: int) -> dict[str, float]:
+    """Bytes per parameter by role for ``low_params`` model-dtype and ``fp32_params`` fp32 parameters, under
+    the run's optimizer dtypes (masters, moments, gradient reduction, compensation)."""
+    p, opt, d = precision.model, precision.optimizer, zero1_size
+    low_w = p.dtype.itemsize if p.is_low_precision else 4
+    low_g = opt.reduce.itemsize if p.is_low_precision else 4
+    bf16_masters = opt.master == torch.bfloat16
     # fp32 parameters are their own masters; bf16 masters share the bf16 weights' storage
     low_m = 4 / d if p.is_low_precision and not bf16_masters else 0.0
-    comp = 2 / d if bf16_masters and policy.get("master_compensation") == "kahan" else 0.0
-    moments = 4 if policy.get("optimizer_state_dtype", "fp32") == "bf16" else 8
+    comp = 2 / d if bf16_masters and opt.compensation == "kahan" else 0.0
+    moments = 2 * opt.state.itemsize  # Adam's two moments
     per = {
         "weights": low_w * low_params + 4 * fp32_params,
         "main_grads": low_g * low_params + 4 * fp32_params,
@@ -160,14 +155,15 @@ def _build_and_measure(
     params = list(amp.parameters())
     low = sum(p.numel() for p in params if p.dtype != torch.float32)
     fp32 = sum(p.numel() for p in params if p.dtype == torch.float32)
-    precision = resolve_precision(dtype)
+    run = RunPrecision.from_config({"model": {"dtype": dtype},
+                                    "hybrid_zero_optimizer": {**(policy or {}), "reduce_dtype": reduce_dtype}})
     d = opt.zero1_size
     return PrecisionReport(
-        precision="tf32" if precision.tf32 else precision.name, zero1_size=d, reduce_dtype=reduce_dtype,
+        precision=run.name, zero1_size=d, reduce_dtype=reduce_dtype,
         num_params=n, fp32_params=fp32, rows=_rows(amp), measured=measured,
-        closed_form=closed_form_bytes(precision, d, low, fp32, reduce_dtype, policy),
-        closed_form_uniform=closed_form_bytes(precision, d, low + fp32, 0, reduce_dtype, policy)
-        if precision.is_low_precision else closed_form_bytes(precision, d, 0, low + fp32, reduce_dtype, policy),
+        closed_form=closed_form_bytes(run, d, low, fp32),
+        closed_form_uniform=closed_form_bytes(run, d, low + fp32, 0)
+        if run.model.is_low_precision else closed_form_bytes(run, d, 0, low + fp32),
     )
 
 

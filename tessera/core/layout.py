@@ -4,9 +4,10 @@ world = tp x dp. TP groups are contiguous ranks ({0,1},{2,3},... for tp=2) so th
 under torchrun/slurm; DP groups are strided (rank r has tp_rank = r % tp and dp_rank = r // tp); ZERO1
 groups split every DP group into consecutive chunks of ``zero1`` ranks.
 
-``Layout`` is one rank's place in that grid. The process groups (``ParallelContext``), the checkpoint
-code (which shard a rank writes and reads; meta.json's ``layout``) and the plan (which rank's memory it
-traces) all take it; ``group_layout`` lists the groups of every mode for a world size.
+``Layout`` is one rank's place in that grid, held by the run description (``tessera.core.job.Job``).
+The process groups, the checkpoint code (which shard a rank writes and reads; meta.json's ``layout``)
+and the plan (which rank's memory it traces) all take it; ``group_layout`` lists the groups of every
+mode for a world size.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ class Layout:
     """One rank's place in the TP x DP grid, explicit so code that takes it needs no globals.
 
     The defaults are a plain single process. ``Layout.of(world, tp, zero1, rank)`` derives it from the
-    sizes; ``Layout.from_gpc()`` reads it from the initialized parallel context.
+    sizes; a launched job's is ``gpc.job.layout``.
     """
 
     global_rank: int = 0
@@ -51,15 +52,22 @@ class Layout:
             raise ValueError(f"rank {rank} is outside a world of {world_size} ranks")
         return cls(rank, world_size, rank % tp, tp, rank // tp, dp, zero1)
 
-    @classmethod
-    def from_gpc(cls) -> Layout:
-        """This process's layout, read from ``gpc`` (a single process when no group is initialized)."""
-        from tessera.dist.context import gpc
+    def size(self, mode: ParallelMode) -> int:
+        """The number of ranks in this rank's group of ``mode``."""
+        return {ParallelMode.GLOBAL: self.world_size, ParallelMode.TENSOR: self.tp_size,
+                ParallelMode.DATA: self.dp_size, ParallelMode.ZERO1: self.zero1_size}[mode]
 
-        return cls(gpc.get_global_rank(), gpc.get_world_size(ParallelMode.GLOBAL),
-                   gpc.get_local_rank(ParallelMode.TENSOR), gpc.get_world_size(ParallelMode.TENSOR),
-                   gpc.get_local_rank(ParallelMode.DATA), gpc.get_world_size(ParallelMode.DATA),
-                   gpc.get_world_size(ParallelMode.ZERO1))
+    def ranks(self, mode: ParallelMode) -> list[int]:
+        """The global ranks of this rank's group of ``mode``, in group order."""
+        if mode is ParallelMode.GLOBAL:
+            return list(range(self.world_size))
+        if mode is ParallelMode.TENSOR:
+            return list(range(self.dp_rank * self.tp_size, (self.dp_rank + 1) * self.tp_size))
+        data = list(range(self.tp_rank, self.world_size, self.tp_size))
+        if mode is ParallelMode.DATA:
+            return data
+        start = self.dp_rank // self.zero1_size * self.zero1_size
+        return data[start : start + self.zero1_size]
 
     def groups(self) -> dict[ParallelMode, list[list[int]]]:
         """Every group of every mode, as lists of global ranks."""

@@ -1,7 +1,8 @@
 """Parallel context: process groups per parallel mode and RNG streams (``gpc``); launching is in ``launch``.
 
-The groups are those of the rank layout (``tessera.dist.layout``: contiguous TP, strided DP, ZERO1 in
-consecutive chunks of each DP group).
+The groups are those of the rank layout (``tessera.core.layout``: contiguous TP, strided DP, ZERO1 in
+consecutive chunks of each DP group); once launched, ``gpc.job`` is the run description
+(``tessera.core.job``) and every group getter reads it.
 
 RNG contract:
 - the global seed seeds Python's ``random`` and NumPy identically on every rank;
@@ -28,7 +29,8 @@ import torch
 import torch.distributed as dist
 
 from tessera.config import Config
-from tessera.dist.layout import ParallelMode, group_layout
+from tessera.core.job import Job, JobGroups
+from tessera.core.layout import ParallelMode, group_layout
 from tessera.parallel.comm import use_fast_collectives
 from tessera.parallel.defaults import LaunchDefaults, register_launch_defaults
 from tessera.parallel.seeds import derive_seed
@@ -40,47 +42,43 @@ logger = logging.getLogger("tessera")
 
 
 class ParallelContext:
-    """Process groups, ranks and RNG streams of this process (``gpc`` is the process-wide instance)."""
+    """This process's launched job (``job``, the run description) and its RNG streams; ``gpc`` is the
+    process-wide instance. The group getters are InternEvo's, read from ``job``."""
 
     def __init__(self) -> None:
         self.config: Config | None = None
-        self._groups: dict[ParallelMode, dist.ProcessGroup | None] = {}
-        self._ranks: dict[ParallelMode, list[int]] = {}
+        self.job: Job | None = None  # set by launch: the one description of this run
         self._global_rank = 0
         self._local_rank = 0  # rank within the node (CUDA device index)
         self.seed_value: int | None = None
         self._rng_states: dict[ParallelMode, dict[str, torch.Tensor]] = {}
         self._current_rng_mode = ParallelMode.DATA
-        self.device = torch.device("cpu")
         self.tensor_group_nodes: list[Any] = []
         self.shm_collectives: ShmCollectives | None = None  # the TP group's ShmCollectives route, if used
 
-    # ------------------------------------------------------------------ getters
+    # ------------------------------------------------------------------ getters (InternEvo's names)
     def is_initialized(self, mode: ParallelMode) -> bool:
-        return mode in self._ranks
+        return self.job is not None
 
     def is_using_parallel_mode(self, mode: ParallelMode) -> bool:
-        return self.is_initialized(mode) and len(self._ranks[mode]) > 1
+        return self.get_world_size(mode) > 1
 
     def get_group(self, mode: ParallelMode) -> dist.ProcessGroup | None:
-        """The process group of ``mode`` (None when not initialized: a plain single process)."""
-        return self._groups.get(mode)
+        """The process group of ``mode`` (None when nothing is launched: a plain single process)."""
+        return self.job.groups.of(mode) if self.job is not None else None
 
     def get_ranks_in_group(self, mode: ParallelMode) -> list[int]:
-        return list(self._ranks.get(mode, [self._global_rank]))
+        return self.job.ranks(mode) if self.job is not None else [self._global_rank]
 
     def get_world_size(self, mode: ParallelMode) -> int:
-        return len(self._ranks[mode]) if mode in self._ranks else 1
+        return self.job.layout.size(mode) if self.job is not None else 1
 
     def get_local_rank(self, mode: ParallelMode) -> int:
         """This process's index inside its group of ``mode``."""
-        return self._ranks[mode].index(self._global_rank) if mode in self._ranks else 0
+        return self.get_ranks_in_group(mode).index(self._global_rank) if self.job is not None else 0
 
     def get_global_rank(self) -> int:
         return self._global_rank
-
-    def is_rank_for_log(self) -> bool:
-        return self._global_rank == 0
 
     @property
     def local_rank(self) -> int:
@@ -88,8 +86,9 @@ class ParallelContext:
         return self._local_rank
 
     @property
-    def tensor_parallel_size(self) -> int:
-        return self.get_world_size(ParallelMode.TENSOR)
+    def device(self) -> torch.device:
+        """The launched job's device (the CPU when nothing is launched)."""
+        return self.job.device if self.job is not None else torch.device("cpu")
 
     @property
     def data_parallel_size(self) -> int:
@@ -98,10 +97,12 @@ class ParallelContext:
     # ------------------------------------------------------------------ setup
     def init_global_dist(
         self, rank: int, world_size: int, backend: str, init_method: Any, local_rank: int, timeout_s: float
-    ) -> None:
+    ) -> torch.device:
+        """Join the default group; returns this rank's device (its CUDA device under NCCL, else the CPU)."""
+        device = torch.device("cpu")
         if torch.cuda.is_available() and backend == "nccl":
             torch.cuda.set_device(local_rank % torch.cuda.device_count())
-            self.device = torch.device("cuda", torch.cuda.current_device())
+            device = torch.device("cuda", torch.cuda.current_device())
         if not dist.is_initialized():
             # init_method: a URL, or a Store already connected (see _torchrun_store)
             where = {"store": init_method} if isinstance(init_method, dist.Store) else {"init_method": init_method}
@@ -110,18 +111,22 @@ class ParallelContext:
             )
         self._global_rank = rank
         self._local_rank = local_rank
+        return device
 
-    def init_parallel_groups(self, tp: int, zero1: int, timeout_s: float | None = None) -> None:
-        """Create every group of every mode; all ranks must call this with the same arguments."""
+    @staticmethod
+    def new_groups(tp: int, zero1: int, timeout_s: float | None = None) -> JobGroups:
+        """Create every group of every mode and return this rank's; all ranks must call this alike."""
         world = dist.get_world_size()
         rank = dist.get_rank()
         kwargs: dict[str, Any] = {"timeout": timedelta(seconds=timeout_s)} if timeout_s else {}
+        mine: dict[ParallelMode, dist.ProcessGroup | None] = {}
         for mode, groups in group_layout(world, tp, zero1).items():
             for ranks in groups:
                 group = dist.group.WORLD if mode is ParallelMode.GLOBAL else dist.new_group(ranks, **kwargs)
                 if rank in ranks:
-                    self._groups[mode] = group
-                    self._ranks[mode] = ranks
+                    mine[mode] = group
+        return JobGroups(tp=mine[ParallelMode.TENSOR], dp=mine[ParallelMode.DATA], zero1=mine[ParallelMode.ZERO1],
+                         world=mine[ParallelMode.GLOBAL])
 
     def set_seed(self, seed: int) -> None:
         """Seed Python/NumPy globally and build the DATA (ambient) and TENSOR torch streams."""
@@ -206,13 +211,11 @@ gpc = ParallelContext()
 
 def _launch_defaults() -> LaunchDefaults:
     """What ``tessera.model.build_model`` takes when the caller passes no group, seed or device."""
-    ready = gpc.is_initialized(ParallelMode.TENSOR)
-    return LaunchDefaults(
-        tp_group=gpc.get_group(ParallelMode.TENSOR) if ready else None,
-        seed=gpc.seed_value,
-        device=gpc.device if ready else None,
-        tensor_rng=(lambda: gpc.seed(ParallelMode.TENSOR)) if ready else None,
-    )
+    job = gpc.job
+    if job is None:
+        return LaunchDefaults(seed=gpc.seed_value)
+    return LaunchDefaults(tp_group=job.groups.tp, seed=gpc.seed_value, device=job.device,
+                          tensor_rng=lambda: gpc.seed(ParallelMode.TENSOR), tensor_mode=job.tensor_mode)
 
 
 register_launch_defaults(_launch_defaults)

@@ -1,0 +1,40 @@
+"""The tokenizer a checkpoint was trained with: recorded by an import, the run's byte corpus, or the tokenizer
+stored in the run's token folders (``tools/generate.py`` and the Hugging Face export ask for it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from tessera.data.errors import DataError
+from tessera.data.token_file import find_shards
+from tessera.data.tokenizer import ByteTokenizer, HFTokenizer, build_tokenizer, load_tokenizer
+
+__all__ = ["tokenizer_for_checkpoint"]
+
+
+def tokenizer_for_checkpoint(path: str, meta: Mapping[str, Any], override: str | None = None
+                             ) -> tuple[ByteTokenizer | HFTokenizer | None, str]:
+    """``(tokenizer or None, where it came from / why there is none)`` for checkpoint folder ``path``
+    whose meta.json is ``meta``. ``override``: ``"byte"`` or a ``tokenizer.json`` path, used as is."""
+    if override:
+        return build_tokenizer(override), f"--tokenizer {override}"
+    if isinstance(meta.get("tokenizer"), dict):  # recorded by tools/import_hf.py, file inside the step folder
+        return load_tokenizer({"tokenizer": meta["tokenizer"]}, path), f"{path}/meta.json"
+    data = (meta.get("config") or {}).get("data") or {}
+    kind = data.get("type")
+    if kind == "stdlib":
+        return ByteTokenizer(), "data.type='stdlib' (byte tokenizer)"
+    if kind == "tokens":
+        folder = data.get("train_folder")
+        try:
+            shard = find_shards(folder)[0]  # type: ignore[arg-type]  # None: the TypeError is reported below
+            with open(os.path.join(shard, "meta.json"), encoding="utf-8") as f:
+                return load_tokenizer(json.load(f), shard), f"data.train_folder={folder}"
+        except (DataError, OSError, ValueError, TypeError) as e:
+            return None, (f"the run's data.train_folder={folder!r} is not readable from here ({e}); "
+                          "pass --tokenizer byte|PATH/tokenizer.json")
+    return None, f"data.type={kind!r} has no tokenizer; pass --tokenizer byte|PATH/tokenizer.json"
