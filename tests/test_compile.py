@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from harness.distributed import run_distributed
 from tessera.config import Config, ConfigError
+from tessera.core.job import Job
 from tessera.core.naive_amp import NaiveAMPModel, enable_fp8_linears
 from tessera.model.args import ModelArgs
 from tessera.model.compile import compile_blocks, compiled_blocks
@@ -295,7 +296,7 @@ def test_build_training_stack_compiles_the_blocks_and_a_dry_run_does_not():
 
     cfg = Config.from_file(os.path.join(ROOT, "configs", "tiny.py"),
                            ["model.compile.enabled=True", "model.compile.backend='aot_eager'"])
-    stack = build_training_stack(cfg, device="cpu", sync_buffer=False)
+    stack = build_training_stack(cfg, Job.of(cfg), sync_buffer=False)
     assert compiled_blocks(stack.inner_model) == cfg.model.num_layers > 0
     trace = dry_run(cfg, 2)  # meta parameters: eager blocks, one full step
     assert trace is not None

@@ -43,14 +43,14 @@ def combos(world):
 
 def _groups_worker(rank, world):
     """Build every layout; read each group's membership by a real all_gather over that group."""
-    from tessera.core.context import ParallelMode, gpc, launch_from_torch
+    from tessera.core.context import Job, Layout, ParallelMode, gpc, launch_from_torch
 
     results = {}
     for i, (tp, zero1) in enumerate(combos(world)):
         if i == 0:
             launch_from_torch(cfg_dict(tp, zero1), seed=7)
-        else:
-            gpc.init_parallel_groups(tp, zero1)
+        else:  # the same job relaid: new groups, and the run description that holds them
+            gpc.job = Job.of(cfg_dict(tp, zero1), gpc.new_groups(tp, zero1), layout=Layout.of(world, tp, zero1, rank))
         seen = {}
         for mode in ParallelMode:
             group = gpc.get_group(mode)

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tessera.config import Config
+from tessera.core.job import Job
 from tessera.data import build_data
 from tessera.model import build_model
 from tessera.train.builder import build_training_stack
@@ -67,7 +68,7 @@ def test_memory_check_bounds_the_real_peak():
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)
-    stack = build_training_stack(cfg, seed=0, device=device, sync_buffer=False)
+    stack = build_training_stack(cfg, Job.of(cfg, seed=0, device=device), sync_buffer=False)
     data = build_data(cfg.data, vocab_size=cfg.model.vocab_size, max_seq_len=cfg.model.max_position_embeddings)
     for _ in range(2):  # the first step creates the optimizer states; the second is the steady state
         stack.trainer.train_step(data.train.next_step_batches())

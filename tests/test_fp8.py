@@ -125,13 +125,14 @@ def _model_cfg(tp, recipe, mode="mtp", dtype="torch.bfloat16"):
 def _model_step(cfg, group, force_recipe=None):
     """One forward/backward; ``force_recipe`` turns fp8 on by hand in an fp32 model (where fp32 partial
     sums make TP=N and TP=1 feed the fp8 casts the same values, so their agreement can be checked tightly)."""
-    from tessera.core.naive_amp import naive_amp_from_config, unwrap_model
+    from tessera.core.naive_amp import naive_amp_for, unwrap_model
+    from tessera.core.precision import RunPrecision
     from tessera.model import build_model
     from tessera.parallel import vocab_parallel_cross_entropy
     from tessera.parallel.comm import gather_tensor
 
-    model = naive_amp_from_config(build_model(cfg.model, tp_group=group, seed=5, tensor_mode=cfg.parallel.tensor.mode),
-                                  cfg.model, sync_buffer=False)
+    model = naive_amp_for(build_model(cfg.model, tp_group=group, seed=5, tensor_mode=cfg.parallel.tensor.mode),
+                          RunPrecision.from_config(cfg), sync_buffer=False)
     inner = unwrap_model(model)
     if force_recipe:
         for name, m in inner.named_modules():
@@ -204,6 +205,7 @@ def test_fp8_config_needs_a_bf16_model():
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_fp8_training_resumes_bitwise_across_a_checkpoint(tmp_path, recipe):
     from tessera.checkpoint import Layout, TrainState, load_checkpoint, save_checkpoint
+    from tessera.core.job import Job
     from tessera.core.naive_amp import unwrap_model
     from tessera.parallel import vocab_parallel_cross_entropy
     from tessera.train.builder import build_training_stack
@@ -211,7 +213,7 @@ def test_fp8_training_resumes_bitwise_across_a_checkpoint(tmp_path, recipe):
     cfg = _model_cfg(1, recipe)
 
     def make():
-        stack = build_training_stack(cfg, seed=5, sync_buffer=False)
+        stack = build_training_stack(cfg, Job.of(cfg, seed=5), sync_buffer=False)
         return stack.model, stack.optimizer
 
     def steps(model, opt, seeds):

@@ -87,7 +87,8 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _tp2_worker(rank: int, world: int, step: str, ids: torch.Tensor) -> dict:
     """At TP=2 on the checkpoint imported at TP=2: fp32 logits (gathered), then 3 bf16 msp training steps."""
-    from tessera.train.builder import Groups, build_training_stack
+    from tessera.core.job import Job, JobGroups
+    from tessera.train.builder import build_training_stack
 
     meta = read_meta(step)
     model_cfg = {**meta["config"]["model"], "dtype": "torch.float32", "parallel_output": False,
@@ -106,8 +107,8 @@ def _tp2_worker(rank: int, world: int, step: str, ids: torch.Tensor) -> dict:
         "parallel": {"tensor": {"size": 2, "mode": "msp"}}, "data": {"type": "synthetic", "seq_len": SEQ},
         "adam": {"lr": 1e-3}, "lr_scheduler": {"warmup_ratio": 0.0}})
     singles = [dist.new_group([r]) for r in range(world)]
-    stack = build_training_stack(train_cfg, Groups(tp=group, dp=singles[rank], zero1=singles[rank], world=group),
-                                 seed=0, sync_buffer=False,
+    job = Job.of(train_cfg, JobGroups(tp=group, dp=singles[rank], zero1=singles[rank], world=group), seed=0)
+    stack = build_training_stack(train_cfg, job, sync_buffer=False,
                                  before_cast=lambda m: load_checkpoint(step, TrainState(m), layout=layout,
                                                                        load_optimizer=False))
     losses, before = [], {n: p.detach().float().clone() for n, p in stack.inner_model.named_parameters()}

@@ -26,11 +26,12 @@ from torch.overrides import TorchFunctionMode
 from harness.fake_cuda import fake_cuda_mode
 from tessera.checkpoint import Layout, TrainState, host_copy, load_checkpoint, save_checkpoint, tree
 from tessera.config import Config
+from tessera.core.job import Job
 from tessera.model import attention, build_model, flash_probe
 from tessera.model.attention import check_cu_seqlens
 from tessera.train import batch as batch_mod
 from tessera.train.batch import to_device
-from tessera.train.builder import Groups, build_training_stack
+from tessera.train.builder import build_training_stack
 
 CUDA = torch.device("cuda")
 MODEL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_kv_attention_heads=2, vocab_size=256,
@@ -129,7 +130,7 @@ def test_packed_batch_reaches_cuda_attention_without_a_read_back(flash_standin):
     cfg = _cfg(dtype="torch.bfloat16", use_flash_attn=True)
     host = _packed_batch([5, 3, 8, 8], rows=3, seq=8)
     with fake_cuda_mode():
-        stack = build_training_stack(cfg, Groups(), device=CUDA)
+        stack = build_training_stack(cfg, Job.of(cfg, device=CUDA))
         with _NoDeviceReads():
             moved = to_device(host, CUDA)
             stack.trainer.model.eval()
@@ -162,7 +163,7 @@ def test_a_malformed_batch_is_refused_before_the_copy(monkeypatch):
 
 
 def test_the_trainer_names_the_malformed_micro_batch():
-    trainer = build_training_stack(_cfg(), Groups(), device="cpu").trainer
+    trainer = build_training_stack(_cfg(), Job.of(_cfg())).trainer
     good = _packed_batch([8, 8], rows=2, seq=8)
     bad = {**good, "cu_seqlens": torch.tensor([0, 6, 16], dtype=torch.int32)}
     with pytest.raises(ValueError, match=r"^micro-batch 1: every row boundary must be a document boundary: row 1"):

@@ -11,6 +11,8 @@ import torch
 
 from harness.distributed import run_torchrun
 from tessera.config import Config, ConfigError
+from tessera.core.job import Job
+from tessera.core.layout import Layout
 from tessera.plan import make_plan
 from tessera.train import memory_check
 from tessera.train.builder import build_training_stack
@@ -20,11 +22,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "tiny.py")
 
 
+def _check(cfg, world, tp, zero1, device):
+    """``check_memory`` for rank 0 of a job of ``world`` ranks at this TP / ZeRO-1 layout on ``device``."""
+    return check_memory(cfg, Job.of(cfg, layout=Layout.of(world, tp, zero1), device=device))
+
+
 @pytest.mark.parametrize("dtype,marks", [("bf16", {"use_fp32_norm": True}), ("fp16", {"fp32_modules": ["output"]}),
                                          ("fp32", {})])
 def test_plan_equals_the_bytes_a_real_optimizer_holds(dtype, marks):
     cfg = Config.from_file(TINY, [f"model.dtype={dtype}"] + [f"model.{k}={v!r}" for k, v in marks.items()])
-    stack = build_training_stack(cfg, seed=0, sync_buffer=False)
+    stack = build_training_stack(cfg, Job.of(cfg, seed=0), sync_buffer=False)
     model, opt = stack.model, stack.optimizer
     ids = torch.randint(0, cfg.model.vocab_size, (2, 16))
     opt.backward(model(ids).float().logsumexp(-1).mean())
@@ -42,13 +49,13 @@ def test_refusal_names_need_available_and_layouts_that_fit(monkeypatch):
     need = plan.need
     assert plan.activation_bytes > 0 and need == plan.bytes_per_rank + plan.activation_bytes
     monkeypatch.setattr(memory_check, "available_bytes", lambda device: (need * 0.6, "test"))
-    message = check_memory(cfg, 4, 1, 1, torch.device("cpu"))
+    message = _check(cfg, 4, 1, 1, torch.device("cpu"))
     assert message is not None and f"training needs {need / 2**30:.1f} GiB per rank" in message
     # TP=2 halves the weights; ZeRO over 4 ranks quarters masters and states: both fit in 60 %
     assert "parallel.tensor.size=2 parallel.zero1.size=2" in message
     assert "parallel.tensor.size=1 parallel.zero1.size=4" in message
     monkeypatch.setattr(memory_check, "available_bytes", lambda device: (need * 1.01, "test"))
-    assert check_memory(cfg, 4, 1, 1, torch.device("cpu")) is None
+    assert _check(cfg, 4, 1, 1, torch.device("cpu")) is None
 
 
 def _available(monkeypatch, free: float) -> None:
@@ -62,10 +69,10 @@ def test_default_headroom_refuses_a_run_at_95_percent_of_free_memory(monkeypatch
     assert cfg.memory.headroom == 0.1 and make_plan(cfg, 1, trace=False).headroom == 0.1  # one default for both
     need = plan_persistent_state(cfg, 1, 1, 1).need
     _available(monkeypatch, need / 0.95)
-    message = check_memory(cfg, 1, 1, 1, torch.device("cpu"))
+    message = _check(cfg, 1, 1, 1, torch.device("cpu"))
     assert message is not None and "memory.headroom=0.1" in message
     assert f"only {need / 0.95 * 0.9 / 2**30:.1f} GiB may be planned" in message
-    assert check_memory(Config.from_file(TINY, ["model.dtype=bf16", "memory.headroom=0.04"]), 1, 1, 1,
+    assert _check(Config.from_file(TINY, ["model.dtype=bf16", "memory.headroom=0.04"]), 1, 1, 1,
                         torch.device("cpu")) is None
 
 
@@ -88,10 +95,10 @@ def test_cuda_check_counts_communicators_and_workspaces(monkeypatch):
     # refused on CUDA when the state fits but the allowance does not
     cuda = plan_persistent_state(cfg, 8, 2, 4, device_type="cuda", flash_installed=True)
     _available(monkeypatch, cuda.need - 1)
-    message = check_memory(cfg, 8, 2, 4, torch.device("cuda"))
+    message = _check(cfg, 8, 2, 4, torch.device("cuda"))
     assert message is not None and "allowed for 4 NCCL communicator(s) and cuBLAS workspaces" in message
     _available(monkeypatch, cuda.need)
-    assert check_memory(cfg, 8, 2, 4, torch.device("cuda")) is None
+    assert _check(cfg, 8, 2, 4, torch.device("cuda")) is None
 
 
 def test_train_py_refuses_7b_on_every_rank_before_allocating(tmp_path):

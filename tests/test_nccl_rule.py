@@ -25,8 +25,9 @@ from harness.fake_cuda import fake_cuda_mode
 from tessera.checkpoint import Layout, find_resumable_checkpoint
 from tessera.checkpoint.training import _all_agree
 from tessera.config import Config
+from tessera.core.job import Job, JobGroups
 from tessera.parallel.comm import collective_device, reduce_scalars
-from tessera.train.builder import Groups, build_training_stack
+from tessera.train.builder import build_training_stack
 from tessera.train.stop import StopRequest
 
 CUDA = torch.device("cuda")
@@ -94,7 +95,7 @@ def test_optimizer_step_and_validation_on_a_cuda_only_group(cuda_only_job, dtype
                             "hybrid_zero_optimizer": CFG["hybrid_zero_optimizer"], "data": {"type": "synthetic"}})
     batch = _batch()  # on the host, with values: its boundaries are checked there, before the copy
     with fake_cuda_mode():
-        stack = build_training_stack(cfg, Groups(tp=tp, dp=dp, zero1=dp, world=dist.group.WORLD), device=CUDA)
+        stack = build_training_stack(cfg, Job.of(cfg, JobGroups(tp=tp, dp=dp, zero1=dp, world=dist.group.WORLD), device=CUDA))
         model, optimizer, trainer = stack.model, stack.optimizer, stack.trainer
         success, _ = optimizer.step()
         assert success and optimizer.num_steps == 1
@@ -112,7 +113,8 @@ def test_memory_check_agreement_on_a_cuda_only_group(cuda_only_job, monkeypatch)
     cfg = Config.from_dict({"model": MODEL, "parallel": {"tensor": {"size": 2}},
                             "data": {"type": "synthetic", "seq_len": 16, "micro_bsz": 1, "total_steps": 1}})
     with fake_cuda_mode():
-        assert memory_check.check_memory(cfg, 4, 2, 2, CUDA) is None
+        job = Job.of(cfg, layout=Layout.of(4, 2, 2, dist.get_rank()), device=CUDA)
+        assert memory_check.check_memory(cfg, job) is None
 
 
 def test_precision_telemetry_on_a_cuda_only_group(cuda_only_job):
@@ -123,7 +125,7 @@ def test_precision_telemetry_on_a_cuda_only_group(cuda_only_job):
                             "adam": CFG["adam"], "hybrid_zero_optimizer": CFG["hybrid_zero_optimizer"],
                             "data": {"type": "synthetic"}, "metrics": {"precision_every": 1}})
     with fake_cuda_mode():
-        stack = build_training_stack(cfg, Groups(tp=tp, dp=dp, zero1=dp, world=dist.group.WORLD), device=CUDA)
+        stack = build_training_stack(cfg, Job.of(cfg, JobGroups(tp=tp, dp=dp, zero1=dp, world=dist.group.WORLD), device=CUDA))
         telemetry = stack.trainer.telemetry
         telemetry.begin()
         with torch.no_grad():  # the output hooks fire (no autograd on fake CUDA tensors, see above)

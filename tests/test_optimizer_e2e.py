@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from tessera.config import Config
+from tessera.core.job import Job
 from tessera.train.builder import build_training_stack
 
 VOCAB, SEQ, STEPS = 64, 32, 200
@@ -36,7 +37,7 @@ def _train(dtype: str):
         lr_scheduler=dict(warmup_ratio=0.0, eta_min=1e-2),  # a constant learning rate: no scheduler is stepped
         hybrid_zero_optimizer=dict(clip_grad_norm=1.0),
     ))
-    stack = build_training_stack(cfg, seed=0, sync_buffer=False)
+    stack = build_training_stack(cfg, Job.of(cfg, seed=0), sync_buffer=False)
     model, opt = stack.model, stack.optimizer
     data = _markov(STEPS * 4, seed=1)
     for step in range(STEPS):

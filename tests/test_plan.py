@@ -38,7 +38,8 @@ def _real_step_worker(rank: int, world: int, overrides: list[str], save_dir: str
     cfg = _tiny(*overrides, "dist.cpu_shm_allreduce='off'")  # its shared-memory buffers are a CPU-only path
     launch(cfg, rank=rank, world_size=world, init_method=None, backend="gloo")
     try:
-        return trace_iteration(cfg, cfg.seed, save_dir=save_dir)
+        assert gpc.job is not None
+        return trace_iteration(cfg, gpc.job, save_dir=save_dir)
     finally:
         gpc.destroy()
 

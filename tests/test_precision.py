@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from tessera.config import ConfigError
-from tessera.config.precision import VALID_NAMES, apply_precision, parse_dtype
+from tessera.config.precision import VALID_NAMES, parse_dtype
+from tessera.core.precision import apply_precision
 
 # storage dtype and TF32 state from DESIGN.md's precision table, written out independently here
 TABLE = {

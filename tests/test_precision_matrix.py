@@ -1,6 +1,6 @@
 """Precision-config matrix: dtype x fp32 marks x tied embeddings x TP, on CPU with gloo.
 
-Every cell goes through the real training path: ``build_model`` -> ``naive_amp_from_config`` ->
+Every cell goes through the real training path: ``build_model`` -> ``naive_amp_for`` ->
 ``build_optimizer`` -> ``Trainer.train_step`` with explicit TP/DP groups, then a checkpoint
 save/resume and greedy generation with and without the KV cache. A cell either trains or is one of the
 combinations declared invalid (a low-precision dtype with tied embeddings and an fp32 mark covering
@@ -154,10 +154,11 @@ def _config(dtype: str, marks: str, tied: bool, tp: int, parallel_output: bool =
 
 def _build(cfg, job: _Job, seed: int):
     """train.py's stack: fp32 TP-sharded model -> precision wrapper -> ZeRO optimizer -> Trainer."""
-    from tessera.train.builder import Groups, build_training_stack
+    from tessera.core.job import Job, JobGroups
+    from tessera.train.builder import build_training_stack
 
-    groups = Groups(tp=job.tp_group, dp=job.dp_group, zero1=job.dp_group, world=job.world_group)
-    stack = build_training_stack(cfg, groups, seed=seed, device="cpu")
+    groups = JobGroups(tp=job.tp_group, dp=job.dp_group, zero1=job.dp_group, world=job.world_group)
+    stack = build_training_stack(cfg, Job.of(cfg, groups, seed=seed))
     return stack.model, stack.optimizer, stack.trainer
 
 
@@ -213,8 +214,8 @@ def _run_cell(job: _Job, dtype: str, marks: str, tied: bool, folder: str) -> dic
     """Train one cell, checkpoint and resume it, generate from it; return what was observed."""
     from tessera.checkpoint import Progress, TrainState, load_checkpoint, save_checkpoint
     from tessera.config import ConfigError
-    from tessera.config.precision import apply_precision
     from tessera.core.naive_amp import unwrap_model
+    from tessera.core.precision import apply_precision
 
     cfg = _config(dtype, marks, tied, job.tp_size)
     apply_precision(cfg.model.dtype)  # what launch_from_torch does (TF32 switches: CUDA only)

@@ -11,11 +11,12 @@ import torch
 from torch import nn
 
 from tessera.config import Config
+from tessera.core.job import Job
 from tessera.core.naive_amp import NaiveAMPModel
 from tessera.optim.hybrid_zero import HybridZeroOptimizer
 from tessera.optim.lowp_adamw import adamw_step
 from tessera.parallel.layers import ColumnParallelLinear
-from tessera.train.builder import Groups, build_training_stack
+from tessera.train.builder import build_training_stack
 from tessera.train.precision_telemetry import MEASURES, PrecisionTelemetry, group_name
 
 POLICIES = {
@@ -306,7 +307,7 @@ def _batches(step):
 
 
 def _train(cfg, steps, seed=3):
-    stack = build_training_stack(cfg, Groups(), seed=seed, device="cpu", sync_buffer=False)
+    stack = build_training_stack(cfg, Job.of(cfg, seed=seed), sync_buffer=False)
     results = [stack.trainer.train_step(_batches(s), step=s) for s in range(1, steps + 1)]
     return stack, results
 
@@ -329,7 +330,7 @@ def test_measuring_changes_nothing_in_training(policy):
 def test_nothing_installed_when_off_and_hooks_only_during_a_measured_step():
     off, _ = _train(_tiny(0), 1)
     assert off.trainer.telemetry is None
-    on = build_training_stack(_tiny(2), Groups(), seed=3, device="cpu", sync_buffer=False)
+    on = build_training_stack(_tiny(2), Job.of(_tiny(2), seed=3), sync_buffer=False)
     base = _hooks(on.model)
     assert base == _hooks(off.model)  # NaiveAMPModel's fp32-island hooks only
     seen = []
@@ -354,7 +355,7 @@ def test_rows_by_layer_and_kind_aggregate_the_module_rows():
         _, results = _train(_tiny(1, **{"metrics.precision_group": group_by}), 2)
         recs[group_by] = results[-1].precision
     mod = recs["module"]
-    model = build_training_stack(_tiny(0), Groups(), device="cpu").inner_model
+    model = build_training_stack(_tiny(0), Job.of(_tiny(0))).inner_model
     for name, module in model.named_modules():
         params = list(module.parameters(recurse=False))
         if params:

@@ -42,21 +42,22 @@ def _full_grad(name: str, shape: torch.Size) -> torch.Tensor:
 
 def _measure(rank: int, world: int, variant: str, layout: str) -> dict:
     from tessera.config import Config
+    from tessera.core.job import Job, JobGroups
     from tessera.parallel.attrs import partition_dim
-    from tessera.train.builder import Groups, build_training_stack
+    from tessera.train.builder import build_training_stack
 
     whole = dist.group.WORLD
     singles = [dist.new_group([r]) for r in range(world)]  # every rank creates every group
     one = singles[rank]
-    groups = {"tp2": Groups(tp=whole, dp=one, zero1=one, world=whole),
-              "dp2_zero2": Groups(tp=one, dp=whole, zero1=whole, world=whole),
-              "dp2_zero1": Groups(tp=one, dp=whole, zero1=one, world=whole),
-              "tp1": Groups(tp=one, dp=one, zero1=one, world=one)}[layout]
+    groups = {"tp2": JobGroups(tp=whole, dp=one, zero1=one, world=whole),
+              "dp2_zero2": JobGroups(tp=one, dp=whole, zero1=whole, world=whole),
+              "dp2_zero1": JobGroups(tp=one, dp=whole, zero1=one, world=whole),
+              "tp1": JobGroups(tp=one, dp=one, zero1=one, world=one)}[layout]
     tp = 2 if layout == "tp2" else 1
     cfg = Config.from_file(TINY, [*VARIANTS[variant], "model.dtype='bf16'", f"parallel.tensor.size={tp}",
                                   "data.seq_len=32", "hybrid_zero_optimizer.clip_grad_norm=0.0",
                                   "metrics.precision_every=1"])
-    stack = build_training_stack(cfg, groups, seed=5, device="cpu", sync_buffer=False)
+    stack = build_training_stack(cfg, Job.of(cfg, groups, seed=5), sync_buffer=False)
     tel, opt = stack.trainer.telemetry, stack.optimizer
     ids = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(9))
     if layout.startswith("dp2"):

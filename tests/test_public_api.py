@@ -1,14 +1,16 @@
-"""DESIGN.md's public API block, run as written: every contract path imports, and each name is the
-object of the module where the code lives (the ``tessera.core`` paths re-export, they define nothing)."""
-
-import importlib
+"""DESIGN.md's public API block, run as written: every contract path imports, and each name is the object the
+code defines (``tessera.core`` holds the run description, the parallel context, launch and precision itself;
+``tessera.core.optimizer`` names the optimizer, which sits above ``core``, lazily)."""
 
 
 def test_the_design_import_block_runs_and_names_the_real_objects():
     import tessera.config
     import tessera.config.precision
+    import tessera.core.context
+    import tessera.core.grad_scaler
     import tessera.core.naive_amp
-    import tessera.dist
+    import tessera.core.parallel_context
+    import tessera.optim.hybrid_zero
     from tessera.core.config import Config, ConfigError
     from tessera.core.context import ParallelMode, gpc, launch_from_slurm, launch_from_torch
     from tessera.core.grad_scaler import DynamicGradScaler
@@ -24,25 +26,37 @@ def test_the_design_import_block_runs_and_names_the_real_objects():
     )
 
     assert (Config, ConfigError) == (tessera.config.Config, tessera.config.ConfigError)
-    assert (gpc, ParallelMode, launch_from_torch, launch_from_slurm) == (
-        tessera.dist.gpc, tessera.dist.ParallelMode, tessera.core.context.launch_from_torch, tessera.core.context.launch_from_slurm)
-    assert parse_dtype is tessera.config.precision.parse_dtype
-    assert (NaiveAMPModel, set_fp32_attr_to_module, module_has_fp32_attr) == (
-        tessera.core.naive_amp.NaiveAMPModel, tessera.core.naive_amp.set_fp32_attr_to_module,
-        tessera.core.naive_amp.module_has_fp32_attr)
-    assert all(callable(x) for x in (DynamicGradScaler, HybridZeroOptimizer, RMSNorm, build_model, ColumnParallelLinear,
-                                     RowParallelLinear, VocabParallelEmbedding, vocab_parallel_cross_entropy))
+    assert gpc is tessera.core.parallel_context.gpc
+    assert ParallelMode is tessera.core.layout.ParallelMode
+    assert launch_from_torch.__module__ == launch_from_slurm.__module__ == "tessera.core.context"
+    assert parse_dtype is tessera.config.precision.parse_dtype  # the one dtype parser
+    assert NaiveAMPModel.__module__ == "tessera.core.naive_amp"
+    assert set_fp32_attr_to_module.__module__ == module_has_fp32_attr.__module__ == "tessera.core.naive_amp"
+    assert DynamicGradScaler.__module__ == "tessera.core.grad_scaler"
+    assert HybridZeroOptimizer is tessera.optim.hybrid_zero.HybridZeroOptimizer
+    assert all(callable(x) for x in (RMSNorm, build_model, ColumnParallelLinear, RowParallelLinear,
+                                     VocabParallelEmbedding, vocab_parallel_cross_entropy))
     assert {"GLOBAL", "DATA", "TENSOR", "ZERO1"} <= set(ParallelMode.__members__)
 
 
-def test_the_re_export_modules_export_exactly_the_contract_names():
-    contract = {
-        "config": {"Config", "ConfigError"},
-        "context": {"gpc", "ParallelMode", "launch_from_torch", "launch_from_slurm"},
-        "precision": {"parse_dtype"},
-        "naive_amp": {"NaiveAMPModel", "set_fp32_attr_to_module", "module_has_fp32_attr"},
-    }
-    for name, names in contract.items():
-        module = importlib.import_module(f"tessera.core.{name}")
-        assert module.__name__ == f"tessera.core.{name}"  # a module of its own, not an alias of another
-        assert set(module.__all__) == names, name
+def test_gpc_reads_the_launched_job():
+    """``gpc`` answers InternEvo's getters from the run description that launch built (a single process here)."""
+    from tessera.core.context import ParallelMode, gpc, launch_from_torch
+
+    job_model = {"num_layers": 1, "hidden_size": 8, "num_attention_heads": 2, "vocab_size": 16}
+    launch_from_torch({"model": {**job_model, "dtype": "bf16"},
+                       "parallel": {"tensor": {"size": 1, "mode": "msp"}},
+                       "data": {"type": "synthetic", "seq_len": 8}}, seed=3)
+    try:
+        job = gpc.job
+        assert job is not None and job.seed == 3 and job.tensor_mode == "msp"
+        assert job.precision.dtype is __import__("torch").bfloat16
+        assert gpc.get_world_size(ParallelMode.TENSOR) == job.layout.tp_size == 1
+        assert gpc.get_group(ParallelMode.DATA) is job.groups.dp
+        from tessera.model import build_model
+
+        # DESIGN.md: build_model's defaults are the launched job's, its tensor mode included
+        assert build_model(dict(job_model)).tensor_mode == "msp"
+    finally:
+        gpc.destroy()
+    assert gpc.job is None

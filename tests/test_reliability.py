@@ -483,13 +483,14 @@ def test_loading_never_unpickles(tmp_path, monkeypatch, ref):
     import io
 
     from tessera.config import Config
+    from tessera.core.job import Job
     from tessera.train.builder import build_training_stack
 
     def forbidden(*a, **k):
         raise AssertionError("a checkpoint load unpickled something")
 
     cfg = Config.from_file(TINY, [o for o in COMMON if not o.startswith("parallel.")])
-    stack = build_training_stack(cfg)
+    stack = build_training_stack(cfg, Job.of(cfg))
     model, opt = stack.model, stack.optimizer
     path = os.path.join(ref["ckpt"], f"step_{N}")
     assert sorted(os.listdir(path)) == ["meta.json", "model_tp0.safetensors", "model_tp1.safetensors",

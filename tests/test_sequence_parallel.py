@@ -81,7 +81,8 @@ def _forward_backward(model, group, overrides: dict, seed: int = 0):
 
 def _compare_modes(group, singles, overrides: dict, optimizer_steps: int = 3) -> None:
     """msp against mtp on ``group``: init, logits, loss, grads; then weights after optimizer steps."""
-    from tessera.train.builder import Groups, build_training_stack
+    from tessera.core.job import Job, JobGroups
+    from tessera.train.builder import build_training_stack
 
     tp = dist.get_world_size(group)
     cfg = {mode: _cfg(tp, mode, **overrides) for mode in ("mtp", "msp")}
@@ -109,9 +110,9 @@ def _compare_modes(group, singles, overrides: dict, optimizer_steps: int = 3) ->
     if not optimizer_steps:
         return
     rank = dist.get_rank()
-    groups = Groups(tp=group, dp=singles[rank], zero1=singles[rank], world=dist.group.WORLD)
+    groups = JobGroups(tp=group, dp=singles[rank], zero1=singles[rank], world=dist.group.WORLD)
     for mode in models:  # the same seed: the same initial weights as the models above
-        stack = build_training_stack(cfg[mode], groups, seed=77, sync_buffer=False)
+        stack = build_training_stack(cfg[mode], Job.of(cfg[mode], groups, seed=77), sync_buffer=False)
         models[mode], amp, opt = stack.inner_model, stack.model, stack.optimizer
         for step in range(optimizer_steps):
             ids, target, cu = _batch(10 + step)
@@ -124,14 +125,15 @@ def _compare_modes(group, singles, overrides: dict, optimizer_steps: int = 3) ->
 
 def _bf16_smoke(group, features: dict | None = None) -> None:
     """bf16 with fp32 norms and head (NaiveAMPModel): msp close to mtp, norm weights fp32 and in sync."""
-    from tessera.core.naive_amp import naive_amp_from_config
+    from tessera.core.naive_amp import naive_amp_for
+    from tessera.core.precision import RunPrecision
 
     out = {}
     for mode in ("mtp", "msp"):
         cfg = _cfg(dist.get_world_size(group), mode, dtype="torch.bfloat16", fp32_modules=["*norm*", "output"],
                    **(features or {}))
-        model = naive_amp_from_config(build_model(cfg.model, tp_group=group, seed=5, tensor_mode=mode), cfg.model,
-                                      sync_buffer=False)
+        model = naive_amp_for(build_model(cfg.model, tp_group=group, seed=5, tensor_mode=mode),
+                              RunPrecision.from_config(cfg), sync_buffer=False)
         ids, target, cu = _batch(2)
         logits = model(ids, cu_seqlens=cu)
         loss = _loss(logits, target, group, True)
