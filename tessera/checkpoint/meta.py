@@ -59,7 +59,7 @@ def file_entry(path: str) -> dict[str, Any]:
 def new_meta(*, step: int, layout: Mapping[str, Any], has_optimizer: bool, trainer_state: Mapping[str, Any],
              config: Mapping[str, Any] | None, files: Mapping[str, Any], **extra: Any) -> dict[str, Any]:
     """A meta.json dict. ``layout``: ``tp_size``, ``dp_size``, ``zero1_size`` (and ``world_size``, default
-    tp x dp), e.g. ``dataclasses.asdict(layout)`` of a ``tessera.dist.Layout``; its per-rank fields are
+    tp x dp), e.g. ``dataclasses.asdict(layout)`` of a ``tessera.core.layout.Layout``; its per-rank fields are
     recorded as None."""
     tp, dp = int(layout["tp_size"]), int(layout["dp_size"])
     return {

@@ -255,7 +255,7 @@ def build_model(
 ) -> Transformer:
     """Build the decoder from the config's ``model`` section, fp32, sharded over ``tp_group``.
 
-    Defaults come from the launched job (``tessera.parallel.defaults``, filled by ``tessera.dist``):
+    Defaults come from the launched job (``tessera.parallel.defaults``, filled from the launched ``gpc.job``):
     ``tp_group`` = its TENSOR group, ``seed`` = its seed (else 1024), ``device`` = its device (else
     the CPU), ``tensor_rng`` = its TENSOR RNG stream, ``tensor_mode`` = its ``parallel.tensor.mode``
     (else "mtp"; "msp" is sequence parallelism, see ``Transformer``). Pass

@@ -9,11 +9,11 @@
     clipping.py       overflow agreement, the global gradient norm, the clipping factor
     master_policy.py  the model precision and the master / moment dtype policy (MasterPolicy)
     lowp_adamw.py     AdamW arithmetic in fp32 on bf16 masters / moments (Kahan, stochastic rounding)
-    grad_scaler.py    loss scalers (DynamicGradScaler for fp16, constant otherwise)
     skips.py          step counts, recent loss scales, TooManySkippedSteps
     state_format.py   the two state-dict formats and ShardSource (what checkpoints read)
 
-A layer between ``dist`` and ``train``: it imports parallel, model, config, data and dist only. The
-documented paths ``tessera.core.optimizer`` and ``tessera.core.grad_scaler`` re-export from here;
-``tessera.train.builder`` builds one from a config, as part of the training stack.
+A layer between ``core`` and ``train``: it takes the run description (``tessera.core.job.Job``) for its
+groups, precision and seed, and the loss scalers from ``tessera.core.grad_scaler``. The documented path
+``tessera.core.optimizer.HybridZeroOptimizer`` names the class here; ``tessera.train.builder`` builds one
+from a config, as part of the training stack.
 """

@@ -1,10 +1,11 @@
 """Where a leaf finds the process's launch defaults without importing the launcher.
 
 ``build_model(model_cfg)`` is documented to default to the launched job's tensor-parallel group, seed,
-device, TENSOR RNG stream and tensor mode. ``tessera.dist`` registers a provider of those here when it
-is imported; ``tessera.model`` asks for them only when the caller passed none. So the imports still run one way
-(``dist`` -> ``parallel`` <- ``model``) and a plain single process (nothing registered, or nothing
-launched) gets no TP, seed 1024 and the CPU.
+device, TENSOR RNG stream and tensor mode. ``tessera.core.parallel_context`` registers a provider of
+those here when it is imported, read from the launched run description (``gpc.job``); ``tessera.model``
+asks for them only when the caller passed none. So the imports still run one way (``core`` ->
+``parallel`` <- ``model``) and a plain single process (nothing registered, or nothing launched) gets
+no TP, seed 1024 and the CPU.
 """
 
 from __future__ import annotations

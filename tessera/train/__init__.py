@@ -1,2 +1,2 @@
-"""Training: the precision wrapper, the one builder of the training stack (``builder``; the optimizer
-itself lives in ``tessera.optim``), the LR schedule, the step, metrics, stop requests, the memory check."""
+"""Training: the one builder of the training stack (``builder``: decoder, ``tessera.core``'s precision
+wrapper, ``tessera.optim``'s optimizer), the LR schedule, the step, metrics, stop requests, the memory check."""

@@ -25,7 +25,7 @@ from tessera.optim.params import build_param_groups
 __all__ = ["ModuleRow", "PrecisionReport", "closed_form_bytes", "precision_report", "POLICIES", "policy_table"]
 
 ROLES = ("weights", "main_grads", "masters", "compensation", "optimizer_states")
-# the optimizer precision policies of issue 17 (hybrid_zero_optimizer keys), as the report names them
+# the optimizer precision policies (hybrid_zero_optimizer keys), as the report names them
 POLICIES: dict[str, dict[str, str]] = {
     "fp32 masters (default)": {},
     "bf16 masters": {"master_dtype": "bf16"},
