@@ -333,9 +333,9 @@ def test_tessera_configs_are_untouched():
         Config.from_dict(raw)
 
 
-def test_readme_table_lists_every_key():
-    readme = open(os.path.join(ROOT, "README.md")).read()
-    assert markdown_table() in readme
+def test_the_docs_table_lists_every_key():
+    page = open(os.path.join(ROOT, "docs", "internevo.md")).read()
+    assert markdown_table() in page
 
 
 def test_train_py_trains_a_shrunk_internevo_config(tmp_path):

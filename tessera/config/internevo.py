@@ -7,7 +7,7 @@ any other. Every refusal of a file is collected and raised in one ``ConfigError`
 published InternEvo config is fixed in one edit, not one per run. Keys InternEvo does not define are left
 to tessera's validation (an unknown key gets the closest valid name, as always).
 
-What each key gets is the table ``tessera.config.internevo_keys.KEYS`` (the README's "InternEvo configs"
+What each key gets is the table ``tessera.config.internevo_keys.KEYS`` (docs/internevo.md's key
 table is that table). A file is read as an InternEvo config when it defines a top-level name only
 InternEvo has (``model_type``, ``beta2_scheduler``, ``monitor``, ``use_fp32_norm``, ...): then tessera's
 own keys are read with InternEvo's meaning too (``parallel.tensor=2``, ``local:`` paths, ``data.type=

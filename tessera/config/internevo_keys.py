@@ -1,6 +1,6 @@
 """The kinds of entry of the InternEvo key table (``internevo_table.KEYS``) and the handlers of its custom keys.
 
-Each entry's ``does`` is its row of the README's "InternEvo configs" table; ``handle`` does it. The kinds:
+Each entry's ``does`` is its row of docs/internevo.md's key table; ``handle`` does it. The kinds:
 
     same       tessera's key of the same name and meaning (in an InternEvo file, InternEvo's values that
                tessera lacks are refused here, e.g. ``parallel.pipeline.size=2``)
@@ -51,7 +51,7 @@ Handler = Callable[[Translating, str, Any], None]
 
 @dataclass(frozen=True)
 class Entry:
-    does: str  # what tessera does with the key: the README table's text
+    does: str  # what tessera does with the key: docs/internevo.md's table text
     handle: Handler
     kind: str = "custom"  # same | renamed | no-op | ignored | rule | custom
 

@@ -199,7 +199,7 @@ SECTIONS: frozenset[str] = frozenset(".".join(p.split(".")[:i]) for p in KEYS fo
 
 
 def markdown_table() -> str:
-    """The README's table: one row per key, as ``| `key` | kind | what tessera does |``."""
+    """docs/internevo.md's table: one row per key, as ``| `key` | kind | what tessera does |``."""
     rows = ["| InternEvo key | kind | what tessera does |", "|---|---|---|"]
     rows += [f"| `{path}` | {entry.kind} | {entry.does} |" for path, entry in KEYS.items()]
     return "\n".join(rows)

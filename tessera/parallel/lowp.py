@@ -2,7 +2,7 @@
 
 What a bf16 GEMM means on a GPU tensor core: bf16 operands, exact products, fp32 accumulation, the
 result rounded to bf16. On a CPU without avx512_bf16/AMX, torch's bf16 kernels are reference loops,
-far slower than its fp32 GEMMs (BENCHMARKS.md and the README's "CPU kernels" section have the figures).
+far slower than its fp32 GEMMs (BENCHMARKS.md and docs/cpu-kernels.md have the figures).
 Upcasting the bf16 operands to fp32 and running the fp32 GEMM computes the same thing -- products of
 bf16 values are exact in fp32, accumulation is fp32, the output is rounded to bf16 -- so we do that,
 keeping bf16 tensors as the saved activations. The choice is made once per process per dtype (on first
