@@ -135,13 +135,14 @@ def probe(monkeypatch):
 
 @pytest.mark.parametrize("error", BROKEN)
 def test_a_broken_flash_attn_falls_back_to_sdpa_with_one_line(probe, error, tmp_path, monkeypatch, caplog):
-    """The package is found on the path (find_spec would say 'installed') but its import fails: SDPA runs,
-    one log line says why, and the import is tried once however many calls follow."""
+    """The package is found on the path (find_spec would say 'installed') but its import fails: SDPA runs
+    (one document a row; packed rows take torch's varlen kernel, tests/test_torch_varlen.py), one log line
+    says why, and the import is tried once however many calls follow."""
     package = tmp_path / "flash_attn"
     package.mkdir()
     (package / "__init__.py").write_text(f"open({str(tmp_path / 'imports')!r}, 'a').write('x')\n{BROKEN[error]}\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    plan = plan_attention(torch.tensor([0, 3, 8, 16], dtype=torch.int32), 2, 8, use_flash_attn=True)
+    plan = plan_attention(None, 2, 8, use_flash_attn=True)
     with caplog.at_level(logging.INFO, logger="tessera"), fake_cuda_mode():
         for _ in range(3):
             attend(*_qkv(torch.bfloat16, CUDA), plan, 0.0)

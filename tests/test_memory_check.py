@@ -137,9 +137,28 @@ def _sdpa_cfg(*overrides: str) -> Config:
     (["model.use_flash_attn=True", "model.fp32_modules=['layers.1.attention']"], False, True,
      3 * 60 * 60 + 3 * 60 * 64 * 4 + 2 * 3 * 60 * 2 * 16 * 4),
 ])
-def test_cuda_check_counts_sdpa_masks_and_gqa_copies(overrides, checkpoint, flash, expected):
+def test_cuda_check_counts_sdpa_masks_and_gqa_copies(overrides, checkpoint, flash, expected, monkeypatch):
+    from tessera.train import memory_extras
+
+    monkeypatch.setattr(memory_extras, "torch_varlen", lambda: (None, "an older torch"))  # SDPA for packed rows
     cfg = _sdpa_cfg(*overrides, f"model.checkpoint={checkpoint!r}")
     plan = plan_persistent_state(cfg, 2, 2, 1, device_type="cuda", flash_installed=flash)
     assert plan.attention_bytes == expected
     assert plan.need == plan.bytes_per_rank + plan.activation_bytes + expected + plan.runtime_bytes
     assert plan_persistent_state(cfg, 2, 2, 1, flash_installed=flash).attention_bytes == 0  # CPU: not this path
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    (["model.use_flash_attn=True"], 0),  # packed bf16 rows: torch's varlen kernel, no mask, no K/V copies
+    (["model.use_flash_attn=True", "model.attn_dropout=0.1"],  # no dropout there: SDPA with the mask
+     3 * 60 * 60 + 3 * (3 * 60 * 64 * 2) + 3 * (2 * 3 * 60 * 2 * 16 * 2)),
+    (["model.use_flash_attn=True", "model.fp32_modules=['layers.1.attention']"],  # fp32 q/k/v: SDPA in that layer
+     3 * 60 * 60 + 3 * 60 * 64 * 4 + 2 * 3 * 60 * 2 * 16 * 4),
+])
+def test_cuda_check_counts_nothing_where_torch_varlen_runs(overrides, expected):
+    from tessera.model.torch_varlen import torch_varlen
+
+    if torch_varlen()[0] is None:
+        pytest.skip("this torch has no varlen attention")
+    plan = plan_persistent_state(_sdpa_cfg(*overrides), 2, 2, 1, device_type="cuda", flash_installed=False)
+    assert plan.attention_bytes == expected

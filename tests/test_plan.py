@@ -173,11 +173,20 @@ def test_a_cpu_tensor_collective_anywhere_fails_the_dry_run(monkeypatch, module)
         dry_run(_tiny("parallel.tensor.size=2"), 4)
 
 
-def test_plan_counts_sdpa_masks_gqa_copies_and_the_runtime_allowance():
-    """A GPU without flash_attn runs packed rows through SDPA: the plan counts its masks and expanded K/V
-    in both columns (derived here from the dims: 3 layers, 3 rows of 60 tokens, 2 query heads of 16 per
-    TP rank over 1 KV head, bf16), and both columns carry 1 GiB per NCCL communicator (world and TP
-    group here) and 64 MiB of cuBLAS workspaces."""
+def test_plan_counts_sdpa_masks_gqa_copies_and_the_runtime_allowance(monkeypatch):
+    """A GPU without flash_attn, under a torch without its own varlen kernel, runs packed rows through SDPA:
+    the plan counts its masks and expanded K/V in both columns (derived here from the dims: 3 layers, 3 rows
+    of 60 tokens, 2 query heads of 16 per TP rank over 1 KV head, bf16), and both columns carry 1 GiB per
+    NCCL communicator (world and TP group here) and 64 MiB of cuBLAS workspaces. With torch's varlen kernel
+    the SDPA columns are empty as with flash_attn."""
+    from tessera.train import memory_extras
+
+    with_varlen = make_plan(_tiny("model.use_flash_attn=True", "model.dtype='torch.bfloat16'", "model.num_layers=3",
+                                  "data.seq_len=60", "data.micro_bsz=3", "parallel.tensor.size=2"), 2, flash_attn=False,
+                            trace=False)
+    if memory_extras.torch_varlen()[0] is not None:
+        assert (with_varlen.closed_form["sdpa_mask"], with_varlen.closed_form["gqa_kv"]) == (0, 0)
+    monkeypatch.setattr(memory_extras, "torch_varlen", lambda: (None, "an older torch"))
     cfg = _tiny("model.use_flash_attn=True", "model.dtype='torch.bfloat16'", "model.num_layers=3",
                 "data.seq_len=60", "data.micro_bsz=3", "parallel.tensor.size=2")
     sdpa, flash = make_plan(cfg, 2, flash_attn=False), make_plan(cfg, 2, flash_attn=True)

@@ -49,6 +49,7 @@ from tessera.model.documents import (
 from tessera.model.norm import RMSNorm
 from tessera.model.recompute import keep_gemm_outputs
 from tessera.model.rotary import apply_rotary
+from tessera.model.torch_varlen import torch_varlen
 from tessera.parallel import lowp
 from tessera.parallel.comm import group_size
 from tessera.parallel.layers import ColumnParallelLinear, RowParallelLinear, column_parallel_linears, divide
@@ -71,19 +72,31 @@ def _log_once(message: str) -> None:
         logger.info(message)
 
 
-def select_backend(device: torch.device, dtype: torch.dtype, use_flash_attn: bool,
-                   head_dim: int | None = None) -> tuple[str, str]:
-    """``("flash_attn", "")`` or ``("sdpa", why flash_attn was not used)``; ``head_dim`` None skips its check."""
+def select_backend(device: torch.device, dtype: torch.dtype, use_flash_attn: bool, head_dim: int | None = None,
+                   *, packed: bool = False, dropout_p: float = 0.0) -> tuple[str, str]:
+    """``("flash_attn", "")``, ``("torch_varlen", why flash_attn was not used)`` or ``("sdpa", why neither was)``.
+
+    flash_attn when it runs here; else, for packed rows on CUDA in fp16/bf16 without dropout, torch's own
+    varlen kernel (``tessera.model.torch_varlen``); else SDPA (``is_causal`` for one document a row, which
+    takes its flash kernel on CUDA; a block-diagonal mask for packed rows). ``head_dim`` None skips its check.
+    """
     if not use_flash_attn:
-        why = "disabled by model.use_flash_attn=False"
-    elif device.type != "cuda":
-        why = f"the device is {device.type}, not cuda"
-    elif dtype not in (torch.float16, torch.bfloat16):
-        why = f"q/k/v are {dtype}, flash_attn needs float16/bfloat16"
-    else:
-        why = flash_probe.flash_attn_unusable(device, head_dim)
-        if not why:
-            return "flash_attn", ""
+        return "sdpa", "disabled by model.use_flash_attn=False"
+    if device.type != "cuda":
+        return "sdpa", f"the device is {device.type}, not cuda"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return "sdpa", f"q/k/v are {dtype}, flash_attn needs float16/bfloat16"
+    why = flash_probe.flash_attn_unusable(device, head_dim)
+    if not why:
+        return "flash_attn", ""
+    if packed:
+        kernel, why_not = torch_varlen()
+        if kernel is None:
+            why = f"{why}; {why_not}"
+        elif dropout_p > 0:
+            why = f"{why}; torch's varlen attention has no dropout (model.attn_drop_rate={dropout_p})"
+        else:
+            return "torch_varlen", why
     return "sdpa", why
 
 
@@ -113,7 +126,17 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPla
 
     The backend is picked here, from the tensors passed, and logged once per distinct choice.
     """
-    backend, why = select_backend(q.device, q.dtype, plan.use_flash_attn, q.shape[-1])
+    backend, why = select_backend(q.device, q.dtype, plan.use_flash_attn, q.shape[-1], packed=plan.packed,
+                                  dropout_p=dropout_p)
+    if backend == "torch_varlen":
+        kernel = torch_varlen()[0]
+        assert kernel is not None
+        _log_once(f"attention backend: torch varlen_attn (FlashAttention-2 in torch {torch.__version__}, causal by "
+                  f"{kernel.convention}) for packed rows, SDPA is_causal for one document a row; flash_attn not "
+                  f"used: {why}")
+        cu, max_seqlen = plan.varlen(q.device)
+        q_, k_, v_ = (rearrange(t, "b s h d -> (b s) h d") for t in (q, k, v))
+        return rearrange(kernel.call(q_, k_, v_, cu, max_seqlen), "(b s) h d -> b s h d", b=q.shape[0])
     if backend == "flash_attn":
         kernels, version = flash_probe.load_flash_attn()
         assert kernels is not None

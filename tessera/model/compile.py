@@ -116,16 +116,18 @@ class _CompiledForward:
 
 def _prepare_plan(ctx: ForwardContext, x: torch.Tensor) -> None:
     """Build what packed rows need now, outside the compiled block: the CPU kernel's document buckets (read
-    from the host boundaries, which Dynamo cannot trace) or the SDPA mask (the plan builds it lazily on
-    first use, and Dynamo cannot trace that assignment inside a checkpointed region, where it would leave
-    the first block of every forward eager)."""
+    from the host boundaries, which Dynamo cannot trace), the SDPA mask or the varlen boundaries (the plan
+    builds them lazily on first use, and Dynamo cannot trace that assignment inside a checkpointed region,
+    where it would leave the first block of every forward eager)."""
     plan = ctx.plan
     if not plan.packed:
         return
     if x.device.type == "cpu":
         plan.document_buckets()
-    elif select_backend(x.device, x.dtype, plan.use_flash_attn)[0] == "sdpa":
+    elif select_backend(x.device, x.dtype, plan.use_flash_attn, packed=True)[0] == "sdpa":
         plan.mask(x.device)
+    else:  # flash_attn or torch's varlen kernel: the int32 boundaries on the device
+        plan.varlen(x.device)
 
 
 def _block_forward(layer: DecoderLayer, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:

@@ -3,7 +3,9 @@
 The memory check (``tessera.train.memory_check``) and the planner (``tools/plan.py``) both add these:
 
 1. **SDPA's extra tensors.** Without flash_attn (not installed, ``model.use_flash_attn=False``, or q/k/v
-   in fp32), attention runs through ``torch.nn.functional.scaled_dot_product_attention``
+   in fp32) and, for packed rows, without torch's own varlen kernel (``tessera.model.torch_varlen``: torch
+   >= 2.10, fp16/bf16, no attention dropout), attention runs through
+   ``torch.nn.functional.scaled_dot_product_attention``
    (``tessera.model.attention``). Packed rows (several documents per row: ``data.pack_sample_into_one``
    False) pass it a ``[B, 1, S, S]`` boolean mask, built once per forward. On CUDA, SDPA converts it into
    an additive mask in q's dtype on every call (its last dimension padded to a multiple of 8 for the
@@ -28,6 +30,7 @@ from typing import Any
 import torch
 
 from tessera.model.args import ModelArgs
+from tessera.model.torch_varlen import torch_varlen
 
 __all__ = ["NCCL_COMMUNICATOR_BYTES", "MATMUL_WORKSPACE_BYTES", "MATMUL_STREAMS", "communicators",
            "runtime_allowance", "sdpa_extra_bytes"]
@@ -73,6 +76,13 @@ def _uses_flash(dtype: torch.dtype, use_flash_attn: bool, flash_installed: bool)
     return use_flash_attn and flash_installed and dtype in (torch.float16, torch.bfloat16)
 
 
+def _uses_torch_varlen(dtype: torch.dtype, model_cfg: Mapping[str, Any], packed: bool) -> bool:
+    """Packed rows in fp16/bf16 without attention dropout run torch's varlen kernel where this torch has one
+    (``tessera.model.attention.select_backend``): no mask, no K/V expansion."""
+    return (packed and bool(model_cfg.get("use_flash_attn", True)) and dtype in (torch.float16, torch.bfloat16)
+            and not float(model_cfg.get("attn_dropout", 0.0) or 0.0) and torch_varlen()[0] is not None)
+
+
 def sdpa_extra_bytes(cfg: Mapping[str, Any], tp: int, checkpoint: Any, flash_installed: bool,
                      attention_dtypes: list[torch.dtype]) -> dict[str, float]:
     """Bytes SDPA adds on CUDA at one micro-batch's activation peak (see the module doc): ``mask`` (the
@@ -88,7 +98,8 @@ def sdpa_extra_bytes(cfg: Mapping[str, Any], tp: int, checkpoint: Any, flash_ins
     q_heads = a.num_attention_heads // tp
     masks, copies = [], []
     for dtype in attention_dtypes:
-        if _uses_flash(dtype, bool(model_cfg.get("use_flash_attn", True)), flash_installed):
+        if (_uses_flash(dtype, bool(model_cfg.get("use_flash_attn", True)), flash_installed)
+                or _uses_torch_varlen(dtype, model_cfg, packed)):
             masks.append(0)
             copies.append(0)
             continue
