@@ -286,8 +286,8 @@ def plan_notes(cfg: Config, lay: Layout, flash_installed: bool, extras: dict[str
                else "fp32 q/k/v, which flash_attn refuses")
         attention = f"attention through SDPA ({why}): its packed-row masks and expanded GQA K/V are counted"
     else:
-        attention = ("attention: nothing beyond the traced tensors (flash_attn, torch's varlen kernel for packed rows, or "
-                     "SDPA without mask or K/V expansion)")
+        attention = ("attention: nothing beyond the traced tensors (flash_attn, torch's varlen kernel for packed "
+                     "rows, or SDPA without mask or K/V expansion)")
     n = communicators(lay.world_size, lay.tp_size, lay.dp_size, lay.zero1_size)
     return [attention, f"allowance: {n} NCCL communicator(s) x {NCCL_COMMUNICATOR_BYTES / GIB:g} GiB and cuBLAS "
             f"workspaces ({MATMUL_STREAMS} stream x {MATMUL_WORKSPACE_BYTES / 2**20:g} MiB); see "
