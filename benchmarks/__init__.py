@@ -1,12 +1,11 @@
 """Every measurement of tessera, outside the installed package: ``python -m benchmarks`` from the
 repository root.
 
-``benchmarks.cli`` holds the command line (``python -m benchmarks --help`` lists the measurements),
-``benchmarks.runner`` the measurements of BENCHMARKS.md sections 1-6, ``benchmarks.report`` their
-markdown, ``benchmarks.plain`` the plain-PyTorch reference step, ``benchmarks.dp`` section 7,
-``benchmarks.precision_study`` section 8 and ``benchmarks.activations`` section 9's table. Memory and
-communication are counted with the plan's own tracker and collective counter (``tessera.plan.tracker``).
-The measurement functions run in spawned worker processes (``harness.distributed``), which import
-them by module path: spawned children start with the parent's ``sys.path``, where ``python -m`` put
-the repository root.
+``benchmarks.harness`` is the one harness: interleaved rounds, paired ratios, the machine, the report
+(JSON, markdown, a marked section of BENCHMARKS.md). ``benchmarks.cli`` maps each command to its module
+(``python -m benchmarks --help`` lists them); each module measures one thing through the harness and
+renders its section. Memory and communication are counted with the plan's own tracker and collective
+counter (``tessera.plan.tracker``). Measurements that need several processes run in spawned workers
+(``harness.distributed``), which import them by module path: spawned children start with the parent's
+``sys.path``, where ``python -m`` put the repository root.
 """

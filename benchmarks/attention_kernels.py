@@ -2,11 +2,11 @@
 
     python -m benchmarks attention-kernels                      # every shape, bf16 and fp32, 1 thread
     python -m benchmarks attention-kernels --only demo --rounds 20
-    python -m benchmarks attention-kernels --only s256 --packed --dtype bf16
+    python -m benchmarks attention-kernels --only s256 --packed --dtype bf16 --out ''
 
 For each shape (batch, query / KV heads, sequence, head dim) and dtype, every candidate runs forward and
-backward on the same q/k/v, interleaved round by round (A B C A B C ...: shared machines drift); the
-table gives the fastest round of each (the least disturbed), the bytes autograd keeps for backward
+backward on the same q/k/v in interleaved rounds (``benchmarks.harness``); the table gives the fastest
+round of each (the least disturbed), the bytes autograd keeps for backward
 (distinct storages, q/k/v included), and, where the sequence allows an fp64 reference, the relative
 error (Frobenius) of the output and of dq against ``softmax(QK^T/sqrt(d) + mask) V`` in fp64.
 
@@ -23,20 +23,21 @@ document mask, skipping the keys before each query block's earliest document).
 
 from __future__ import annotations
 
-import argparse
 import math
-import platform
-import shlex
 import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from benchmarks import harness
 from tessera.model import cpu_attention
 from tessera.model.rotary import document_ids
+
+TITLE = "## 16. CPU attention kernels"
 
 Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -206,68 +207,62 @@ def _saved_bytes(fn: Kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) 
     return out, sum(storages.values())
 
 
-def measure(shape: Shape, dtype: torch.dtype, packed: bool, rounds: int, log: Callable[[str], None],
-            mean_doc: float | None = None) -> None:
+def measure(shape: Shape, dtype: torch.dtype, packed: bool, rounds: int, mean_doc: float | None = None
+            ) -> dict[str, Any]:
+    """Every candidate's fastest forward and backward, kept bytes and errors against the fp64 reference."""
     torch.manual_seed(0)
     b, s, d = shape.batch, shape.seqlen, shape.head_dim
     q = torch.randn(b, s, shape.heads, d).to(dtype)
-    k = torch.randn(b, s, shape.kv_heads, d).to(dtype)
-    v = torch.randn(b, s, shape.kv_heads, d).to(dtype)
+    k, v = (torch.randn(b, s, shape.kv_heads, d).to(dtype) for _ in range(2))
     go = torch.randn(b, s, shape.heads, d).to(dtype)
     mean = mean_doc if mean_doc is not None else s / 4
     cu = packed_cu_seqlens(b, s, mean) if packed else None
-    kernels = candidates(shape, dtype, cu)
     ref = ref_dq = None
     if s <= REFERENCE_MAX_SEQ:
         q64 = q.double().requires_grad_()
         ref = reference(q64, k, v, cu)
         (ref_dq,) = torch.autograd.grad(ref, q64, go.double())
         ref = ref.detach()
-    fwd = {n: math.inf for n in kernels}
-    bwd = {n: math.inf for n in kernels}
-    saved: dict[str, int] = {}
-    err: dict[str, tuple[float, float]] = {}
-    for r in range(rounds + 1):  # round 0 warms up
-        for name, fn in kernels.items():
-            qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
-            t0 = time.perf_counter()
-            out, nbytes = _saved_bytes(fn, qq, kk, vv)
-            t1 = time.perf_counter()
-            out.backward(go)
-            t2 = time.perf_counter()
-            if r == 0:
-                saved[name] = nbytes
-                if ref is not None and ref_dq is not None:
-                    err[name] = (float((out.detach().double() - ref).norm() / ref.norm()),
-                                 float((qq.grad.double() - ref_dq).norm() / ref_dq.norm()))
-            else:
-                fwd[name], bwd[name] = min(fwd[name], t1 - t0), min(bwd[name], t2 - t1)
+
+    def step(fn: Kernel) -> dict[str, Any]:
+        qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+        t0 = time.perf_counter()
+        out, nbytes = _saved_bytes(fn, qq, kk, vv)
+        t1 = time.perf_counter()
+        out.backward(go)
+        row: dict[str, Any] = {"fwd": t1 - t0, "bwd": time.perf_counter() - t1, "saved": nbytes}
+        if ref is not None and ref_dq is not None and qq.grad is not None:
+            row["err"] = [float((out.detach().double() - ref).norm() / ref.norm()),
+                          float((qq.grad.double() - ref_dq).norm() / ref_dq.norm())]
+        return row
+
+    kernels = candidates(shape, dtype, cu)
+    timed = harness.interleave([harness.Variant(n, lambda fn=fn: step(fn)) for n, fn in kernels.items()], rounds,
+                               quiet=True)
     layout = f"packed, {cu.numel() - 1} documents (mean length {mean:g})" if cu is not None else "one document per row"
-    log(f"\n{shape.name}: B={b} H={shape.heads}/{shape.kv_heads} S={s} d={d} {str(dtype)[6:]}, {layout}")
-    log("| kernel | forward ms | backward ms | total ms | kept for backward MiB | rel. error out | rel. error dq |")
-    log("|---|---:|---:|---:|---:|---:|---:|")
-    for name in kernels:
-        e = err.get(name)
-        errs = f"{e[0]:.1e} | {e[1]:.1e}" if e else "- | -"
-        log(f"| {name} | {fwd[name] * 1e3:.1f} | {bwd[name] * 1e3:.1f} | {(fwd[name] + bwd[name]) * 1e3:.1f} | "
-            f"{saved[name] / 2**20:.1f} | {errs} |")
+    return {"title": f"{shape.name}: B={b} H={shape.heads}/{shape.kv_heads} S={s} d={d} {str(dtype)[6:]}, {layout}",
+            "kernels": {n: {"fwd": min(r["fwd"] for r in t.values), "bwd": min(r["bwd"] for r in t.values),
+                            "saved": t.warmup[0]["saved"], "err": t.warmup[0].get("err")} for n, t in timed.items()}}
 
 
-def _cpu() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return platform.processor() or "unknown CPU"
-    name = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), "unknown CPU")
-    flags = next((ln.split(":", 1)[1].split() for ln in lines if ln.startswith("flags")), [])
-    wanted = [f for f in flags if f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_fp16")]
-    return f"{name} ({' '.join(wanted) or 'no AVX2'})"
+def markdown(res: dict[str, Any]) -> list[str]:
+    lines = [f"Reproduce: {harness.provenance(res)}. {res['threads']} thread(s); per kernel the fastest of "
+             f"{res['rounds']} interleaved rounds (forward, backward), the bytes autograd keeps for backward, and the "
+             "relative error against an fp64 reference where the sequence allows one."]
+    for table in res["tables"]:
+        lines += ["", table["title"], "",
+                  "| kernel | forward ms | backward ms | total ms | kept for backward MiB | rel. error out | "
+                  "rel. error dq |", "|---|---:|---:|---:|---:|---:|---:|"]
+        for name, r in table["kernels"].items():
+            errs = f"{r['err'][0]:.1e} | {r['err'][1]:.1e}" if r["err"] else "- | -"
+            ms = [r["fwd"] * 1e3, r["bwd"] * 1e3, (r["fwd"] + r["bwd"]) * 1e3]
+            lines.append(f"| {name} | " + " | ".join(f"{x:.1f}" for x in ms) + f" | {r['saved'] / 2**20:.1f} | "
+                         f"{errs} |")
+    return lines
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "python -m benchmarks attention-kernels") -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    ap = harness.parser(prog, __doc__)
     ap.add_argument("--only", nargs="*", choices=[s.name for s in SHAPES], default=None, help="shapes to measure")
     ap.add_argument("--dtype", nargs="*", choices=["bf16", "fp32"], default=["bf16", "fp32"])
     layout = ap.add_mutually_exclusive_group()
@@ -277,19 +272,16 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m benchmarks at
     ap.add_argument("--rounds", type=int, default=3, help="timed rounds (after one warm-up)")
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    print(f"command: {' '.join([prog, *(shlex.quote(a) for a in argv)])}")
-    print(f"machine: {_cpu()}, {args.threads} thread(s), torch {torch.__version__}")
-    dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32}
-    for shape in SHAPES:
-        if args.only is not None and shape.name not in args.only:
-            continue
-        for dt in args.dtype:
-            for packed in (False, True):
-                if (packed and args.causal) or (not packed and args.packed):
-                    continue
-                measure(shape, dtypes[dt], packed, args.rounds, print, args.mean_doc)
-    return 0
+
+    def run() -> dict[str, Any]:
+        torch.set_num_threads(args.threads)
+        dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32}
+        tables = [measure(shape, dtypes[dt], packed, args.rounds, args.mean_doc)
+                  for shape in SHAPES if args.only is None or shape.name in args.only for dt in args.dtype
+                  for packed in (False, True) if not (packed and args.causal) and not (not packed and args.packed)]
+        return {"threads": args.threads, "rounds": args.rounds, "tables": tables}
+
+    return harness.publish(args, argv, prog, "attention-kernels", TITLE, run, markdown)
 
 
 if __name__ == "__main__":

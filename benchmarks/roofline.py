@@ -17,32 +17,27 @@ process before each layout's workers start and after the last, the best kept.
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
-import datetime
 import json
 import os
 import pickle
-import queue
-import shlex
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, TextIO
+from typing import Any
 
+from benchmarks import harness
 from tessera.cli_args import positive_int
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_WORKER = os.path.join(_ROOT, "benchmarks", "roofline_worker.py")
+_WORKER = os.path.join(harness.ROOT, "benchmarks", "roofline_worker.py")
 _REPLY = "@@roofline "  # roofline_worker.REPLY (not imported: the parent need not load the worker's torch code)
 _RUN_WORKER = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
 
-# issue 30's workload: the demo's recipe at hidden 512, 4 layers, 8 heads, 8 rows x 256 tokens, 1 micro-batch
+# the workload: the demo's recipe at hidden 512, 4 layers, 8 heads, 8 rows x 256 tokens, 1 micro-batch
 WORKLOAD = ("model.hidden_size=512", "model.num_layers=4", "model.num_attention_heads=8",
             "model.num_kv_attention_heads=8", "data.seq_len=256", "data.micro_bsz=8", "data.micro_num=1",
             "data.type='synthetic'", "data.pack_sample_into_one=True", "model.init_std=0.02")
@@ -73,56 +68,38 @@ PLANS = {"full": Plan(), "quick": Plan(warmup=1, rounds=3, recorded_steps=1, rep
                                        peak_seconds=0.3, extra=("data.micro_bsz=2",))}
 
 
-def _log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
 # ---------------------------------------------------------------------------------------- workers
 class WorkerGroup:
-    """The ``world`` worker processes of one checkout for one layout (one per TP rank)."""
+    """The ``world`` worker processes of one checkout for one layout (one per TP rank): commands as JSON
+    lines on their stdin, replies on stdout lines starting with ``_REPLY``, stderr in a log file."""
 
     def __init__(self, side: str, checkout: str, world: int, start: dict[str, Any], threads: int, tmpdir: str):
         self.side, self.checkout = side, checkout
         self.procs: list[subprocess.Popen[str]] = []
         self.logs: list[str] = []
-        self.lines: list[queue.Queue[str | None]] = []
-        init_file = os.path.join(tmpdir, f"{side}_store")
         env = {**os.environ, "PYTHONPATH": checkout, "OMP_NUM_THREADS": str(threads)}
         for rank in range(world):
-            path = os.path.join(tmpdir, f"{side}_rank{rank}.pkl")
+            path, log = (os.path.join(tmpdir, f"{side}_rank{rank}.{ext}") for ext in ("pkl", "log"))
             with open(path, "wb") as f:
-                pickle.dump({**start, "rank": rank, "world": world, "init_file": init_file, "threads": threads}, f)
-            log = os.path.join(tmpdir, f"{side}_rank{rank}.log")
-            self.logs.append(log)
+                pickle.dump({**start, "rank": rank, "world": world, "threads": threads,
+                             "init_file": os.path.join(tmpdir, f"{side}_store")}, f)
             with open(log, "w") as err:
-                proc = subprocess.Popen([sys.executable, "-c", _RUN_WORKER, _WORKER, path], cwd=checkout, env=env,
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True)
-            lines: queue.Queue[str | None] = queue.Queue()
-            threading.Thread(target=self._read, args=(proc.stdout, lines), daemon=True).start()
-            self.procs.append(proc)
-            self.lines.append(lines)
+                self.procs.append(subprocess.Popen([sys.executable, "-c", _RUN_WORKER, _WORKER, path], cwd=checkout,
+                                                   env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
+                                                   text=True))
+            self.logs.append(log)
 
-    @staticmethod
-    def _read(stream: TextIO | None, lines: queue.Queue[str | None]) -> None:
-        assert stream is not None
-        for line in stream:
-            if line.startswith(_REPLY):
-                lines.put(line[len(_REPLY):])
-        lines.put(None)  # the process closed its stdout (exited)
-
-    def replies(self, timeout: float = 1800.0) -> list[dict[str, Any]]:
+    def replies(self) -> list[dict[str, Any]]:
         """One reply per rank; a rank's error or death raises with its traceback / log tail."""
         out = []
-        for rank, lines in enumerate(self.lines):
-            try:
-                line = lines.get(timeout=timeout)
-            except queue.Empty:
-                raise RuntimeError(f"{self.side} rank {rank} ({self.checkout}): no reply in {timeout:.0f}s") from None
+        for rank, proc in enumerate(self.procs):
+            assert proc.stdout is not None
+            line = next((ln for ln in proc.stdout if ln.startswith(_REPLY)), None)  # other output is a library's
             if line is None:
                 with open(self.logs[rank]) as f:
-                    tail = f.read()[-4000:]
-                raise RuntimeError(f"{self.side} rank {rank} ({self.checkout}) exited; its stderr ends:\n{tail}")
-            reply = json.loads(line)
+                    raise RuntimeError(f"{self.side} rank {rank} ({self.checkout}) exited; its stderr ends:\n"
+                                       f"{f.read()[-4000:]}")
+            reply = json.loads(line[len(_REPLY):])
             if "error" in reply:
                 raise RuntimeError(f"{self.side} rank {rank} ({self.checkout}) failed:\n{reply['error']}")
             out.append(reply)
@@ -137,16 +114,12 @@ class WorkerGroup:
 
     def close(self) -> None:
         for proc in self.procs:
-            if proc.poll() is None and proc.stdin is not None:
-                try:
+            try:
+                if proc.poll() is None and proc.stdin is not None:
                     proc.stdin.write(json.dumps({"cmd": "exit"}) + "\n")
                     proc.stdin.close()
-                except OSError:
-                    pass
-        for proc in self.procs:
-            try:
                 proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
+            except (OSError, subprocess.TimeoutExpired):
                 proc.kill()
                 proc.wait()
 
@@ -161,20 +134,17 @@ def variant_overrides(layout: str, dtype: str, plan: Plan, extra: Sequence[str])
     return [*over, *extra]
 
 
-def policy_overrides(policy: str) -> list[str]:
-    """The ``hybrid_zero_optimizer`` overrides of one optimizer precision policy (``precision_report.POLICIES``)."""
-    from tessera.train.precision_report import POLICIES
-
-    return [f"hybrid_zero_optimizer.{k}='{v}'" for k, v in POLICIES[policy].items()]
-
-
 def variants(layout: str, dtypes: Sequence[str], plan: Plan, extra: Sequence[str],
              policies: Sequence[str] = ()) -> dict[str, tuple[str, list[str]]]:
-    """Variant name -> (dtype, overrides): one per dtype, or one per dtype and optimizer policy."""
+    """Variant name -> (dtype, overrides): one per dtype, or one per dtype and optimizer precision policy
+    (``precision_report.POLICIES``: its ``hybrid_zero_optimizer`` keys)."""
+    from tessera.train.precision_report import POLICIES
+
     if not policies:
         return {d: (d, variant_overrides(layout, d, plan, extra)) for d in dtypes}
-    return {f"{d} {p}": (d, variant_overrides(layout, d, plan, [*policy_overrides(p), *extra]))
-            for d in dtypes for p in policies}
+    return {f"{d} {p}": (d, variant_overrides(layout, d, plan, [
+        *(f"hybrid_zero_optimizer.{k}='{v}'" for k, v in POLICIES[p].items()), *extra]))
+        for d in dtypes for p in policies}
 
 
 def _peak_size(plan: Plan, device: str) -> int:
@@ -183,32 +153,19 @@ def _peak_size(plan: Plan, device: str) -> int:
 
 def _peaks(dtypes: Sequence[str], threads: int, plan: Plan, device: str, clock: str) -> dict[str, float]:
     """Best TFLOP/s of one square matmul per dtype through the model's kernel choice
-    (``tessera.parallel.lowp.linear``), timed with the workers' clock."""
+    (``metrics.measure_matmul_tflops``), timed with the workers' clock."""
     import torch
 
     from benchmarks.roofline_worker import CLOCKS
     from tessera.config.precision import apply_precision
-    from tessera.parallel.lowp import linear
+    from tessera.train.metrics import measure_matmul_tflops
 
     torch.set_num_threads(threads)
-    dev, size, now = torch.device(device), _peak_size(plan, device), CLOCKS[clock]
-    g = torch.Generator(device=dev).manual_seed(0)
     out = {}
     for d in dtypes:
         apply_precision(DTYPES[d])  # fp32 means fp32, not TF32, on a GPU
-        dt = torch.bfloat16 if d == "bf16" else torch.float32
-        a, b = (torch.randn(size, size, device=dev, generator=g).to(dt) for _ in range(2))
-        linear(a, b)
-        best, deadline = 0.0, time.perf_counter() + plan.peak_seconds
-        while time.perf_counter() < deadline:
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
-            t0 = now()
-            linear(a, b)
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
-            best = max(best, 2 * size**3 / max(now() - t0, 1e-9) / 1e12)
-        out[d] = best
+        out[d] = measure_matmul_tflops(torch.bfloat16 if d == "bf16" else torch.float32, torch.device(device),
+                                       _peak_size(plan, device), plan.peak_seconds, iterations=1, timer=CLOCKS[clock])
     return out
 
 
@@ -230,46 +187,30 @@ def _summary(steps: list[list[dict[str, Any]]], dec: dict[str, Any]) -> dict[str
             "first_loss": steps[0][0]["loss"] if steps else None}
 
 
-def paired(a: list[float], b: list[float]) -> dict[str, float]:
-    """Median, min and max over rounds of ``a[i] / b[i]`` (times taken in the same round)."""
-    ratios = [x / y for x, y in zip(a, b)]
-    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "n": len(ratios)}
-
-
 def measure_layout(layout: str, sides: dict[str, str], named: dict[str, list[str]], raw: dict[str, Any], source: str,
                    plan: Plan, threads: int, device: str, clock: str, tmpdir: str) -> dict[str, Any]:
     """Build every side's stacks for ``layout`` (one per variant of ``named``: name -> overrides), interleave
-    their steps, decompose each; per side and variant."""
-    world = LAYOUTS[layout][0]
-    dtypes = list(named)
+    their steps (each round: one step command per side and variant), decompose each; per side and variant."""
     start = {"raw": raw, "source": source, "device": device, "clock": clock, "variants": named}
     groups: dict[str, WorkerGroup] = {}
     try:
         for side, checkout in sides.items():
-            groups[side] = WorkerGroup(f"{layout}_{side}", checkout, world, start, threads, tmpdir)
+            groups[side] = WorkerGroup(f"{layout}_{side}", checkout, LAYOUTS[layout][0], start, threads, tmpdir)
         info = {side: g.replies()[0] for side, g in groups.items()}
         for side, i in info.items():
-            _log(f"  {layout} {side}: tessera from {i['tessera']}, stacks through {i['stacks'][dtypes[0]]['api']}")
-        variants = [(side, d) for d in dtypes for side in sides]
-        steps: dict[tuple[str, str], list[list[dict[str, Any]]]] = {v: [] for v in variants}
-        first_loss = {}
-        for side, d in variants:
-            for _ in range(plan.warmup):
-                r = groups[side].send(cmd="step", variant=d)
-                first_loss.setdefault((side, d), r[0]["loss"])
-        for r in range(plan.rounds):
-            k = r % len(variants)
-            for side, d in variants[k:] + variants[:k]:
-                steps[(side, d)].append(groups[side].send(cmd="step", variant=d))
-            _log(f"  {layout} round {r + 1}: " + ", ".join(
-                f"{side} {d} {steps[(side, d)][-1][0]['step_s'] * 1e3:.0f} ms" for side, d in variants))
+            harness.log(f"  {layout} {side}: tessera from {i['tessera']}")
+        pairs = [(side, d) for d in named for side in sides]
+        steps = [harness.Variant(f"{side} {d}", lambda g=groups[side], d=d: g.send(cmd="step", variant=d))
+                 for side, d in pairs]
+        timed = harness.interleave(steps, plan.rounds, warmup=plan.warmup)
         out: dict[str, Any] = {}
-        for side, d in variants:
+        for side, d in pairs:
             dec = groups[side].send(cmd="decompose", variant=d, recorded_steps=plan.recorded_steps,
                                     replays=plan.replays)
-            summary = _summary(steps[(side, d)], dec[0])
-            summary.update(first_loss=first_loss.get((side, d)), tokens=info[side]["stacks"][d]["tokens"],
-                           api=info[side]["stacks"][d]["api"], decomposition=dec, steps=steps[(side, d)])
+            series = timed[f"{side} {d}"]
+            summary = _summary(series.values, dec[0])
+            summary.update(first_loss=series.warmup[0][0]["loss"] if series.warmup else None,
+                           tokens=info[side]["stacks"][d]["tokens"], decomposition=dec, steps=series.values)
             out.setdefault(side, {})[d] = summary
         return out
     finally:
@@ -277,46 +218,28 @@ def measure_layout(layout: str, sides: dict[str, str], named: dict[str, list[str
             g.close()
 
 
-def _git(cwd: str, *args: str) -> str:
-    try:
-        return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return ""
-
-
-def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
+def run(args: argparse.Namespace) -> dict[str, Any]:
     """Measure every layout; a JSON-able dict (``to_markdown`` renders it)."""
-    from benchmarks.runner import machine_info
-    from tessera.config import Config, apply_overrides, load_python_file
+    from tessera.config import load_python_file
     from tessera.model.flops import flops_per_token
 
     plan = PLANS["quick" if args.quick else "full"]
     if args.rounds is not None:
         plan = dataclasses.replace(plan, rounds=args.rounds)
-    source = args.config if os.path.isabs(args.config) else os.path.join(_ROOT, args.config)
+    source = harness.config_path(args.config)
     raw = load_python_file(source)  # read once: every worker measures the same file contents
-    sides = {"ours": _ROOT}
-    if args.against:
-        sides["against"] = os.path.abspath(args.against)
+    sides = {"ours": harness.ROOT, **({"against": os.path.abspath(args.against)} if args.against else {})}
     result: dict[str, Any] = {
-        "command": command, "quick": args.quick, "plan": plan.__dict__, "threads": args.threads, "clock": args.clock,
-        "device": args.device, "peak_size": _peak_size(plan, args.device),
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "machine": machine_info(), "config": args.config, "overrides": list(args.overrides),
-        "commits": {side: (_git(path, "rev-parse", "--short", "HEAD") or "unknown")
-                    + (" (modified)" if _git(path, "status", "--porcelain", "--untracked-files=no") else "")
-                    for side, path in sides.items()},
-        "against_path": sides.get("against"), "loadavg": [os.getloadavg()], "layouts": {},
-        "policies": list(args.policies),
-    }
-    _log(f"roofline: {result['machine']['cpu']}, {args.threads} thread(s), commits {result['commits']}")
+        "quick": args.quick, "plan": plan.__dict__, "threads": args.threads, "clock": args.clock, "device": args.device,
+        "peak_size": _peak_size(plan, args.device), "config": args.config, "overrides": list(args.overrides),
+        "commits": {side: harness.commit(path) for side, path in sides.items()}, "against_path": sides.get("against"),
+        "loadavg": [harness.loadavg()], "layouts": {}, "policies": list(args.policies)}
+    harness.log(f"roofline: {args.threads} thread(s), commits {result['commits']}")
     fpt = {}  # model FLOPs per token from this checkout's closed form; building the configs checks the overrides
     named = {layout: variants(layout, args.dtypes, plan, args.overrides, args.policies) for layout in args.layouts}
     for layout in args.layouts:
         for name, (_, overrides) in named[layout].items():
-            cfg_raw = copy.deepcopy(raw)
-            apply_overrides(cfg_raw, overrides, source=source)
-            cfg = Config.from_dict(cfg_raw, source=source)
+            cfg = harness.load_config(source, overrides)
             fpt[(layout, name)] = flops_per_token(cfg.model, cfg.data.seq_len)
     peaks = []
     with tempfile.TemporaryDirectory(prefix="roofline_") as tmpdir:
@@ -329,20 +252,18 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
                 for name, (d, _) in named[layout].items():
                     res[side][name].update(flops_per_token=fpt[(layout, name)], dtype=d)
             result["layouts"][layout] = res
-            result["loadavg"].append(os.getloadavg())
-            _log(f"[{time.perf_counter() - t0:.0f}s] {layout} done")
+            result["loadavg"].append(harness.loadavg())
+            harness.log(f"[{time.perf_counter() - t0:.0f}s] {layout} done")
     peaks.append(_peaks(args.dtypes, args.threads, plan, args.device, args.clock))
     result["peaks_tflops"] = {d: max(p[d] for p in peaks) for d in args.dtypes}
     result["peaks_all"] = peaks
     for layout, res in result["layouts"].items():
-        world = LAYOUTS[layout][0]
         for side in res:
             for name, s in res[side].items():
-                job = statistics.median(s["job_times"])
-                s["tflops"] = s["flops_per_token"] * s["tokens"] / job / 1e12
-                s["mfu"] = s["tflops"] / (result["peaks_tflops"][s["dtype"]] * world)
+                s["tflops"] = s["flops_per_token"] * s["tokens"] / statistics.median(s["job_times"]) / 1e12
+                s["mfu"] = s["tflops"] / (result["peaks_tflops"][s["dtype"]] * LAYOUTS[layout][0])
                 if side == "ours" and "against" in res:
-                    s["vs_against"] = paired(s["job_times"], res["against"][name]["job_times"])
+                    s["vs_against"] = harness.paired(s["job_times"], res["against"][name]["job_times"])
     return result
 
 
@@ -359,21 +280,14 @@ def _busy_warning(result: dict[str, Any]) -> list[str]:
 
 def _header(result: dict[str, Any]) -> list[str]:
     """The command, the machine and the method, shared by both sections."""
-    m = result["machine"]
-    flags = ", ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if m["flags"].get(f)) or "none"
-    no_flags = ", ".join(f for f in ("avx2", "avx512_bf16", "amx_bf16") if not m["flags"].get(f))
-    dtypes = list(result["peaks_tflops"])
     against = result["commits"].get("against")
-    lines = [
+    return [
         *(["**A `--quick` run (smaller batch, few rounds): a smoke result, not the figures to quote.**", ""]
           if result["quick"] else []),
-        "```", result["command"], "```", "",
-        f"Measured {result['date']} at commit {result['commits']['ours']}"
-        + (f", against {against} (the checkout at `{result['against_path']}`) in the same run" if against else "")
-        + f"; {m['cpu']} ({m['cores']} cores; flags: {flags}" + (f"; without {no_flags}" if no_flags else "")
-        + f"), torch {m['torch']}, {result['threads']} thread(s) per process, device {result['device']}, "
-          "1-minute load average " + " / ".join(f"{x[0]:.1f}" for x in result["loadavg"])
-        + " (start / after each layout). Times are "
+        f"Reproduce: {harness.provenance(result)}"
+        + (f"; against {against} (the checkout at `{result['against_path']}`) in the same run" if against else "")
+        + f". {result['threads']} thread(s) per process, device {result['device']}, 1-minute load average "
+        + " / ".join(f"{x:.1f}" for x in result["loadavg"]) + " (start / after each layout). Times are "
         + ("CPU seconds of each process, all its threads (`--clock cpu`: descheduling and blocking waits "
            "for the other rank left out). " if result["clock"] == "cpu" else "wall-clock. ")
         + f"Workload: `{result['config']}` with "
@@ -383,17 +297,16 @@ def _header(result: dict[str, Any]) -> list[str]:
         "",
         "Matmul peak (best square matmul through the model's kernel choice, "
         f"{result['peak_size']}^3, measured before each layout and after the last, the best kept): "
-        + ", ".join(f"{d} {result['peaks_tflops'][d]:.3f} TFLOP/s" for d in dtypes) + " per process.",
+        + ", ".join(f"{d} {p:.3f} TFLOP/s" for d, p in result["peaks_tflops"].items()) + " per process.",
         "",
         "How: GEMMs = every matmul operator of one real step (forward, backward, optimizer; recorded by a "
         "TorchDispatchMode) replayed alone in order on fresh tensors of the same shapes, strides and dtypes "
-        "(the fastest of the replays); "
-        "attention = the fused attention operators timed in place during that step; optimizer = "
-        "`optimizer.step()` minus the collectives inside it; collectives = time inside torch.distributed calls; "
-        "other = the step's median minus those (norms, rotary, SwiGLU, casts, copies, Python). TP=2: 2 gloo "
-        "processes, rank 0's decomposition; MFU on the job's step (the slower rank) against 2x the peak.",
+        "(the fastest of the replays); attention = the fused attention operators timed in place during that step; "
+        "optimizer = `optimizer.step()` minus the collectives inside it; collectives = time inside "
+        "torch.distributed calls; other = the step's median minus those (norms, rotary, SwiGLU, casts, copies, "
+        "Python). TP=2: 2 gloo processes, rank 0's decomposition; MFU on the job's step (the slower rank) against "
+        "2x the peak. Variants (checkout x dtype) step in interleaved rounds; step-time ratios are paired per round.",
     ]
-    return lines
 
 
 def to_markdown(result: dict[str, Any]) -> list[str]:
@@ -422,8 +335,7 @@ def to_markdown(result: dict[str, Any]) -> list[str]:
             f"{ours[d]['tflops']:.3f} ({100 * ours[d]['mfu']:.1f}%) | " for d in dtypes) + " |")
         if "against" in res:
             lines.append(f"| step time / {against}'s (paired rounds) | " + " | ".join(
-                f"{ours[d]['vs_against']['median']:.2f}x [{ours[d]['vs_against']['min']:.2f}-"
-                f"{ours[d]['vs_against']['max']:.2f}] | " for d in dtypes) + " |")
+                f"{harness.ratio(ours[d]['vs_against'], bold=False)} | " for d in dtypes) + " |")
             for d in dtypes:
                 a = res["against"][d]
                 lines.append("")
@@ -456,16 +368,14 @@ def policies_markdown(result: dict[str, Any]) -> list[str]:
                    f"{s['step_s'] / s['parts']['gemm']:.2f}x |")
             if "against" in res:
                 a, v = res["against"][name], s["vs_against"]
-                row += (f" {v['median']:.2f}x [{v['min']:.2f}-{v['max']:.2f}] | "
-                        f"{100 * a['parts']['optimizer'] / a['step_s']:.1f}% |")
+                row += f" {harness.ratio(v, bold=False)} | {100 * a['parts']['optimizer'] / a['step_s']:.1f}% |"
             lines.append(row)
     return lines
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "python -m benchmarks roofline") -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = harness.parser(prog, __doc__)
     ap.add_argument("--quick", action="store_true", help="a smaller batch and few rounds (about a minute)")
     ap.add_argument("--against", default=None, metavar="PATH",
                     help="another checkout measured in the same run (e.g. git worktree add /tmp/base fb20d6e)")
@@ -478,11 +388,6 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m benchmarks ro
                     help="cpu: every figure in CPU seconds of its process (for a busy machine; 1 thread per process)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cuda: TP=1 only")
     ap.add_argument("--config", default="configs/demo.py", help="the config the workload overrides")
-    ap.add_argument("--out", default="BENCHMARKS.md",
-                    help="file whose 'roofline' (with --policies: 'roofline-policies') section is replaced "
-                         "('' = none)")
-    ap.add_argument("--json", default=None, help="also write the raw results as JSON here")
-    ap.add_argument("--render", default=None, metavar="JSON", help="write the section from a --json file, no measuring")
     ap.add_argument("--policies", nargs="?", const="all", default=None, metavar="NAMES",
                     help="one variant per optimizer precision policy (comma-separated names of "
                          "tessera.train.precision_report.POLICIES; default all) and write section 13 instead; "
@@ -498,10 +403,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m benchmarks ro
             ap.error(f"--policies: {bad or 'nothing'} not among {list(POLICIES)}")
         args.policies = names
         explicit = {a.split("=")[0] for a in argv}
-        if "--layouts" not in explicit:
-            args.layouts = "tp1"
-        if "--dtypes" not in explicit:
-            args.dtypes = "bf16"
+        args.layouts = args.layouts if "--layouts" in explicit else "tp1"
+        args.dtypes = args.dtypes if "--dtypes" in explicit else "bf16"
     else:
         args.policies = []
     args.dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
@@ -514,33 +417,15 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m benchmarks ro
         ap.error("--device cuda measures TP=1 only (the TP=2 workers use gloo on CPU): pass --layouts tp1")
     if args.against and not os.path.isdir(os.path.join(args.against, "tessera")):
         ap.error(f"--against {args.against}: no tessera/ package there")
-    command = " ".join([prog, *(shlex.quote(a) for a in argv)])
-    from tessera.config import ConfigError
-
+    if args.render:  # the section the saved run belongs to
+        with open(args.render) as f:
+            args.policies = json.load(f).get("policies") or []
+    section, title = (POLICY_SECTION, POLICY_TITLE) if args.policies else (SECTION, TITLE)
     try:
-        if args.render:
-            with open(args.render) as f:
-                result = json.load(f)
-        else:
-            result = run(args, command)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except RuntimeError as e:
+        return harness.publish(args, argv, prog, section, title, lambda: run(args), to_markdown)
+    except RuntimeError as e:  # a worker's failure, with its traceback or log tail
         print(f"error: {e}", file=sys.stderr)
         return 1
-    lines = to_markdown(result)
-    print("\n".join(lines))
-    if args.out:
-        from benchmarks.cli import write_section
-
-        section, title = (POLICY_SECTION, POLICY_TITLE) if result.get("policies") else (SECTION, TITLE)
-        write_section(args.out, section, title, lines)
-        _log(f"wrote the {section} section of {args.out}")
-    if args.json and not args.render:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-    return 0
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -242,21 +242,19 @@ class Stack:
     optimizer: Any
     batches: list[Any]
     cfg: Any
-    api: str
     before: Callable[[], Any]  # untimed, before each step: the precision's process-wide switches
     opt_s: float = 0.0
     opt_comm_s: float = 0.0
-    _in_opt: bool = field(default=False, repr=False)
 
 
 def _build_stack(name: str, raw: dict[str, Any], overrides: list[str], source: str, group: Any,
                  device: torch.device) -> Stack:
-    """The stack through ``tessera.train.builder`` when the checkout has it, else through its
-    ``benchmarks.runner._tessera`` (checkouts before the builder), the tensor mode passed as the launch
-    default those read. The tensor mode the model reports is checked against the config's."""
+    """The stack through the checkout's ``build_training_stack``; the tensor mode the model reports is checked
+    against the config's."""
     from tessera.config import Config, apply_overrides
     from tessera.config.precision import apply_precision
     from tessera.data import build_data
+    from tessera.train.builder import Groups, build_training_stack
 
     raw = copy.deepcopy(raw)
     apply_overrides(raw, overrides, source=source)
@@ -266,23 +264,11 @@ def _build_stack(name: str, raw: dict[str, Any], overrides: list[str], source: s
     batches = data.train.next_step_batches()
     mode = cfg.parallel.tensor.mode
     apply_precision(cfg.model.dtype)
-    try:
-        from tessera.train.builder import Groups, build_training_stack
-    except ImportError:
-        from benchmarks.runner import _tessera  # the measured checkout's runner
-        from tessera.parallel.defaults import LaunchDefaults, register_launch_defaults
-
-        register_launch_defaults(lambda: LaunchDefaults(tensor_mode=mode))
-        groups = {"tp_group": group, "global_group": group} if group is not None else {}
-        trainer, optimizer = _tessera(cfg, batches, device=device, **groups)
-        api = "benchmarks.runner._tessera"
-    else:
-        stack = build_training_stack(cfg, Groups(tp=group, world=group), device=device, sync_buffer=False)
-        trainer, optimizer, api = stack.trainer, stack.optimizer, "tessera.train.builder.build_training_stack"
-    modes = {m.tensor_mode for m in trainer.model.modules() if isinstance(getattr(m, "tensor_mode", None), str)}
+    stack = build_training_stack(cfg, Groups(tp=group, world=group), device=device, sync_buffer=False)
+    modes = {m.tensor_mode for m in stack.trainer.model.modules() if isinstance(getattr(m, "tensor_mode", None), str)}
     if group is not None and modes and modes != {mode}:
         raise RuntimeError(f"{name}: parallel.tensor.mode={mode!r} asked, the model was built with {sorted(modes)}")
-    return Stack(name, trainer, optimizer, batches, cfg, api, lambda: apply_precision(cfg.model.dtype))
+    return Stack(name, stack.trainer, stack.optimizer, batches, cfg, lambda: apply_precision(cfg.model.dtype))
 
 
 def _time_optimizer(stack: Stack, clock: CommClock) -> None:
@@ -331,7 +317,7 @@ class Worker:
 
         return {"tessera": os.path.dirname(os.path.abspath(tessera.__file__)), "threads": torch.get_num_threads(),
                 "torch": torch.__version__,
-                "stacks": {n: {"api": s.api, "tokens": sum(int(b["input_ids"].numel()) for b in s.batches),
+                "stacks": {n: {"tokens": sum(int(b["input_ids"].numel()) for b in s.batches),
                                "params": sum(p.numel() for p in s.trainer.model.parameters())}
                            for n, s in self.stacks.items()}}
 
@@ -369,15 +355,6 @@ class Worker:
         if self.group is not None:
             dist.barrier(self.group)
         passes = replay(gemms, replays, self.sync)
-        ops: dict[str, dict[str, Any]] = {}
-        for c in calls:
-            row = ops.setdefault(f"{c.kind}:{c.name}", {"calls": 0, "in_place_s": 0.0, "flops": 0.0})
-            row["calls"] += 1
-            row["in_place_s"] += c.seconds
-            row["flops"] += c.flops
-        shapes = sorted({f"{c.name} " + " x ".join(
-            f"{list(a.shape)}{str(a.dtype).replace('torch.', ':')}" for a in c.args if isinstance(a, TensorSpec))
-            for c in calls if c.kind in ("gemm", "attention")})
         return {
             "gemm_replay_s": min(passes),
             "gemm_replay_passes": passes,
@@ -387,8 +364,6 @@ class Worker:
             "gemm_flops": sum(c.flops for c in gemms),
             "gemm_calls": len(gemms),
             "attention_calls": sum(1 for c in calls if c.kind == "attention"),
-            "ops": ops,
-            "shapes": shapes,
         }
 
 

@@ -1,7 +1,7 @@
-"""Smoke test of ``python -m benchmarks`` in its tiny mode: every section is written and every number is finite.
+"""The benchmark harness (rounds, paired ratios, sections) and the benchmarks built on it, at tiny sizes.
 
 No timing assertions: the figures depend on the machine and its load; only their presence and
-finiteness (and the memory closed form, which does not depend on timing) are checked.
+finiteness (and what does not depend on timing: the rotation, first-step losses, byte counts) are checked.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import re
 import pytest
 import torch
 
+from benchmarks import harness
 from benchmarks.cli import main as bench_main
-from benchmarks.report import SECTIONS
 from harness.distributed import run_distributed
 
 
@@ -31,79 +31,97 @@ def _numbers(obj):
             yield from _numbers(v)
 
 
-@pytest.mark.slow
-def test_bench_tiny(tmp_path):
-    out, js = tmp_path / "BENCH.md", tmp_path / "bench.json"
-    assert bench_main(["--tiny", "--no-gpu", "--out", str(out), "--json", str(js)]) == 0  # in this process
+def _cells(text: str) -> list[str]:
+    return [c.strip() for line in text.splitlines() if line.startswith("|") for c in line.split("|")]
+
+
+def test_rounds_rotate_and_ratios_pair_within_a_round():
+    order = []
+    variants = [harness.Variant(n, lambda n=n: order.append(n) or len(order)) for n in "ABC"]
+    timed = harness.interleave(variants, 3, warmup=1, quiet=True)
+    assert order == list("ABC") + list("ABC") + list("BCA") + list("CAB")
+    assert timed["A"].warmup == [1] and timed["B"].values == [5, 7, 12]
+    p = harness.paired([2.0, 4.0, 9.0], [1.0, 4.0, 3.0])  # ratios 2, 1, 3: the median of the per-round ratios
+    assert p == {"median": 2.0, "min": 1.0, "max": 3.0, "n": 3}
+    assert harness.ratio(p) == "**2.00x** [1.00-3.00]" and harness.slowest([[1, 5], [2, 3]]) == [2, 5]
+    budget = harness.interleave(variants, 10, warmup=0, min_rounds=2, budget_s=0.0, quiet=True)
+    assert len(budget["A"].wall) == 2  # past min_rounds, rounds stop once the budget is spent
+
+
+def test_a_section_is_replaced_in_place_and_the_rest_kept(tmp_path):
+    out = tmp_path / "B.md"
+    out.write_text("# title\n\nbody\n\n<!-- section:other -->\nkept\n<!-- /section:other -->\n\ntail\n")
+    harness.write_section(str(out), "dp", "## 7. DP", ["first"])  # absent: appended
+    harness.write_section(str(out), "dp", "## 7. DP", ["second"])  # present: replaced where it stands
+    harness.write_section(str(out), "other", "## other", ["new"])
     text = out.read_text()
-    for heading in SECTIONS:
-        assert heading in text, heading
-    assert "python -m benchmarks --tiny" in text  # the exact command
-    assert "not measured: no CUDA device in this run" in text
-    # every cell of every table is free of nan/inf
-    cells = [c.strip() for line in text.splitlines() if line.startswith("|") for c in line.split("|")]
-    assert not [c for c in cells if re.search(r"\b(nan|inf)\b", c, re.I)]
+    assert text.startswith("# title\n\nbody\n\n<!-- section:other -->\n## other\n\nnew\n<!-- /section:other -->\n\ntail")
+    assert text.count("## 7. DP") == 1 and "second" in text and "first" not in text and "kept" not in text
+
+
+def test_overhead_tiny(tmp_path):
+    """``python -m benchmarks --tiny``: sections 1 and 2 in one marked section, every figure finite, the same
+    first-step loss in tessera and plain PyTorch, and ``--render`` writing the same section from the JSON."""
+    out, js = tmp_path / "B.md", tmp_path / "b.json"
+    out.write_text("# intro\n\n<!-- section:dp -->\nkept\n<!-- /section:dp -->\n")
+    assert bench_main(["--tiny", "--out", str(out), "--json", str(js), "--note", "A note."]) == 0
+    text = out.read_text()
+    assert "## 1. Framework overhead" in text and "## 2. Precisions" in text and "kept" in text
+    assert "`python -m benchmarks --tiny --out" in text and "A note." in text
+    assert not [c for c in _cells(text) if re.search(r"\b(nan|inf)\b", c, re.I)]
     res = json.loads(js.read_text())
-    nums = list(_numbers(res))
-    assert nums and all(math.isfinite(x) for x in nums)
-    par = res["parallel"]
-    # TP=2 was measured over both all-reduce routes (gloo and shared memory), side by side
-    from tessera.parallel.shm_comm import shm_unavailable_reason
+    assert all(math.isfinite(x) for x in _numbers(res))
+    main = res["main"]
+    assert main["tessera fp32"]["first_loss"] == pytest.approx(main["plain fp32"]["first_loss"], abs=2e-4)
+    assert len(main["tessera bf16"]["wall"]) == 2 and set(res["skipped"]) == {"bf16", "fp16", "fp32", "tf32"}
+    again = tmp_path / "C.md"
+    assert bench_main(["--render", str(js), "--out", str(again)]) == 0
+    assert again.read_text().strip() == text[text.index("<!-- section:overhead"):].strip()
 
-    if shm_unavailable_reason(2) is None:
-        assert {"tp2", "tp2_shm", "dp2"} <= set(par["median_s"]) and "shm_vs_gloo" in par
-        assert "shared-memory all-reduce (CPU default)" in text
-    else:
-        assert "tp2_shm" not in par["median_s"]
-    # memory is measured from tensors, not timed: it equals the closed form up to the flat buffers' padding
-    for d, row in res["memory_single"].items():
-        assert abs(row["measured"]["total"] - row["closed_form"]["total"]) < 0.01, d
-    for k, row in par["memory"].items():
-        assert abs(row["measured"]["total"] - row["closed_form"]["total"]) < 0.01, k
-    assert res["memory_single"]["bf16"]["closed_form"]["total"] == 18.0
-    assert par["memory"]["bf16_z2"]["closed_form"]["total"] == 12.0
+    from benchmarks.overhead import markdown  # the bf16 verdict says why where the CPU lacks bf16 instructions
 
-    # the bf16 verdict gives the reason that fits the CPU: without bf16 instructions, or with them
-    from benchmarks.report import to_markdown
-
-    peaks = res["single"]["peaks"]
     for has_bf16 in (False, True):
         flags = {**res["machine"]["flags"], "avx512_bf16": has_bf16, "amx_bf16": False}
-        md = to_markdown({**res, "machine": {**res["machine"], "flags": flags}}, res["command"])
-        assert ("this CPU has no bf16/fp16 matrix instructions" in md) is (not has_bf16)
-        assert (f"bf16 matmul peak is {peaks['bf16'] / peaks['fp32']:.2f}x the fp32 one" in md) is has_bf16
-        assert f"without bf16 instructions ({'not' if has_bf16 else 'as'} this one)" in md
+        md = "\n".join(markdown({**res, "machine": {**res["machine"], "flags": flags}}))
+        assert ("This CPU has no bf16 matrix instructions" in md) is (not has_bf16)
 
 
-def test_gpu_section_code_path_on_cpu():
-    """The GPU section's code runs on any device; exercise it on the CPU at tiny dims."""
-    from benchmarks.report import section_gpu
-    from benchmarks.runner import MODES, measure_gpu
-
-    torch.set_num_threads(1)
-    g = measure_gpu(MODES["tiny"], "cpu", log=lambda _: None)
-    assert all(math.isfinite(x) for x in g["tflops"].values())
-    text = "\n".join(section_gpu({"gpu": g}, "cmd"))
-    assert SECTIONS[5] in text and "tessera / plain time ratio" in text and "bf16 speed-up" in text
-    assert not re.search(r"\b(nan|inf)\b", text, re.I)
-
-
-def test_a_section_run_replaces_only_its_section_and_a_full_run_keeps_it(tmp_path):
-    from benchmarks.cli import keep_sections, write_section
-
+def test_attention_kernels_one_shape(tmp_path):
     out = tmp_path / "B.md"
-    out.write_text("# title\n\nbody\n")
-    write_section(str(out), "dp", "## 7. DP", ["first"])
-    write_section(str(out), "dp", "## 7. DP", ["second"])  # replaced, not appended twice
+    assert bench_main(["attention-kernels", "--only", "demo", "--dtype", "fp32", "--causal", "--rounds", "1",
+                       "--out", str(out)]) == 0
     text = out.read_text()
-    assert text.startswith("# title\n\nbody\n") and text.count("## 7. DP") == 1
-    assert "second" in text and "first" not in text
-    full = keep_sections(str(out), "# new full run\n")  # what a full run writes keeps the section
-    assert full.startswith("# new full run\n") and "second" in full and full.count("<!-- section:dp -->") == 1
+    assert "## 16. CPU attention kernels" in text and "| blocked fp32 |" in text
+    errors = [float(c) for line in text.splitlines() if line.startswith("| ") and "e-" in line
+              for c in line.split("|")[-3:-1]]
+    assert errors and max(errors) < 1e-4  # fp32 kernels against the fp64 reference
+
+
+@pytest.mark.slow
+def test_dp_tiny(tmp_path):
+    """``python -m benchmarks dp`` on tiny dims: bytes equal the closed form, overlap on and off agree on the losses."""
+    out, js = tmp_path / "B.md", tmp_path / "dp.json"
+    assert bench_main(["--section", "dp", "--config", "configs/tiny.py", "--rounds", "2", "--micro-bsz", "4",
+                       "--out", str(out), "--json", str(js), "data.seq_len=32"]) == 0
+    res = json.loads(js.read_text())
+    for row in res["traffic"].values():  # the agreements (flags, norms, losses) add a few bytes
+        assert row["total"] == pytest.approx(row["closed_form"], rel=0.01)
+    assert res["same_losses"] and len(res["job_times"]["overlap"]) == 2
+    assert "## 7. Data parallelism" in out.read_text()
+
+
+@pytest.mark.slow
+def test_activations_tiny(tmp_path):
+    out, js = tmp_path / "B.md", tmp_path / "a.json"
+    assert bench_main(["activations", "--layers", "1", "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--vocab",
+                       "128", "--seq", "32", "--rounds", "1", "--out", str(out), "--json", str(js)]) == 0
+    rows = json.loads(js.read_text())["rows"]
+    assert len(rows) == 6 and all(abs(r["peak_bytes"] / r["closed_bytes"] - 1) < 0.15 for r in rows.values())
+    assert "| msp | selective |" in out.read_text()
 
 
 def test_collective_byte_counter_matches_the_ring_closed_form():
-    """The one collective counter (the plan's, which the DP section uses) on real gloo tensors, two ranks:
+    """The one collective counter (the plan's, which the DP benchmark uses) on real gloo tensors, two ranks:
     an all-reduce of n bytes sends n (2 (d-1)/d), a reduce-scatter and an all-gather n/2; a group of one
     rank sends nothing."""
     res = run_distributed(_count_worker, 2)
@@ -113,7 +131,6 @@ def test_collective_byte_counter_matches_the_ring_closed_form():
 
 
 def _count_worker(rank, world):
-    import torch
     import torch.distributed as dist
 
     from tessera.plan.tracker import CollectiveTraffic

@@ -243,17 +243,17 @@ def test_config_accepts_msp_and_selective_and_checks_seq_len():
 
 # ---------------------------------------------------------------------------- activation memory
 def _measure_worker(rank: int, world: int, cases):
-    from benchmarks.activations import measure
+    from benchmarks.activations import case as build
 
-    return [measure(dist.group.WORLD, **case) for case in cases]
+    return [{"peak_bytes": build(dist.group.WORLD, **case)[0]} for case in cases]
 
 
 def test_measured_activation_peak_matches_closed_form():
     model = dict(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=128, mlp_ratio=2.0, multiple_of=16)
-    cases = [dict(model=model, micro_bsz=2, seq_len=64, mode=mode, checkpoint=ck, steps=1)
+    cases = [dict(model=model, micro_bsz=2, seq_len=64, mode=mode, checkpoint=ck)
              for mode in ("mtp", "msp") for ck in (False, "selective", True)]
     cases.append(dict(model={**model, **FAMILY_FEATURES, "head_dim": 24}, micro_bsz=2, seq_len=64, mode="mtp",
-                      checkpoint=False, steps=1))  # q/k norms keep their inputs and statistics
+                      checkpoint=False))  # q/k norms keep their inputs and statistics
     results = run_distributed(_measure_worker, 2, cases)[0]
     for case, r in zip(cases, results):
         closed = activation_bytes(case["model"], case["micro_bsz"], case["seq_len"], 2, case["mode"],

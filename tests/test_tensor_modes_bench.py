@@ -31,18 +31,20 @@ def test_end_to_end_on_the_tiny_config(tmp_path):
 
 def test_each_variant_runs_its_checkout_in_its_mode_in_rotating_order(monkeypatch, tmp_path):
     import benchmarks.tensor_modes as tm
+    from benchmarks import harness
 
     calls = []
 
-    def fake_run(checkout, overrides, config, steps, run_dir):
-        calls.append((checkout, overrides[-1], os.path.basename(run_dir)))
-        return {"step_time": {s: 0.1 for s in range(1, steps + 1)}}
+    def fake_run(checkout, config, overrides, run_dir):
+        calls.append((checkout, overrides[-2], os.path.basename(run_dir)))
+        assert overrides[-1] == "data.total_steps=10" and set(harness.LOOP_ONLY) <= set(overrides)
+        return [{"kind": "train", "step": s, "step_time": 0.1} for s in range(1, 11)]
 
-    monkeypatch.setattr(tm, "run_once", fake_run)
+    monkeypatch.setattr(harness, "train_run", fake_run)
     args = tm.argparse.Namespace(against=str(tmp_path), modes=["mtp", "msp"], steps=10, rounds=2, config="c.py",
                                  overrides=["a.b=1"], workdir=str(tmp_path / "w"))
     res = tm.measure(args)
-    ours, base = tm.ROOT, str(tmp_path)
+    ours, base = harness.ROOT, str(tmp_path)
     assert calls == [
         (ours, "parallel.tensor.mode='mtp'", "ours_mtp_0"), (base, "parallel.tensor.mode='mtp'", "base_mtp_0"),
         (ours, "parallel.tensor.mode='msp'", "ours_msp_0"), (base, "parallel.tensor.mode='msp'", "base_msp_0"),
@@ -53,11 +55,12 @@ def test_each_variant_runs_its_checkout_in_its_mode_in_rotating_order(monkeypatc
 
 
 def test_ratios_are_paired_by_round():
-    res = {"config": "configs/demo.py", "overrides": [], "steps": 300, "rounds": 3, "first": 30, "against": "/b",
+    machine = {"cpu": "cpu", "cores": 2, "flags": {}, "torch": "2", "load": 1.0}
+    res = {"command": "cmd", "date": "today", "commit": "abc", "machine": machine, "config": "configs/demo.py", "overrides": [], "steps": 300, "rounds": 3, "first": 30, "against": "/b",
            "modes": ["mtp", "msp"],
            "median_step": {"ours mtp": [0.10, 0.11, 0.09], "base mtp": [0.10, 0.10, 0.10],
                            "ours msp": [0.09, 0.10, 0.09], "base msp": [0.14, 0.13, 0.15]}}
-    text = "\n".join(markdown(res, "cmd", "machine"))
+    text = "\n".join(markdown(res))
     ours, base = res["median_step"]["ours msp"], res["median_step"]["base msp"]
     ratios = sorted(a / b for a, b in zip(ours, base))
     assert f"| msp | 90.0 / 100.0 / 90.0 | 140.0 / 130.0 / 150.0 | **{statistics.median(ratios):.2f}x** " \

@@ -125,7 +125,7 @@ BAD_FLAGS = [  # (tool, argv, the "argument --flag: value" that stderr must cont
     ("prepare_data.py", ["--input", MISSING, "--output", "out", "--valid-every-nth", "1"],
      "argument --valid-every-nth: 1 "),
     ("benchmarks", ["--threads", "0"], "argument --threads: 0 "),
-    ("benchmarks", ["--only-gpu", "--no-gpu"], "argument --no-gpu: not allowed with argument --only-gpu"),
+    ("benchmarks", ["dp", "--rounds", "0"], "argument --rounds: 0 "),
     ("benchmarks", ["activations", "--tp", "0"], "argument --tp: 0 "),
 ]
 
@@ -174,7 +174,7 @@ def test_flags_the_checkpoint_rules_out_give_an_error_line(capsys, ckpt, tmp_pat
 def test_flags_the_config_rules_out_give_an_error_line(capsys, tmp_path):
     code, _, err = _run(capsys, "model_summary.py", TINY, "--tp", "3")
     assert code == 2 and err.startswith("error: ") and "not divisible by tensor-parallel size 3" in err, err
-    code, _, err = _run(capsys, "benchmarks", "--tiny", "--no-gpu", "--out", str(tmp_path / "b.md"),
+    code, _, err = _run(capsys, "benchmarks", "--tiny", "--out", str(tmp_path / "b.md"),
                         "model.hidden_size=-1")
     assert code == 2 and "error: model.hidden_size: must be > 0, got -1" in err and "Traceback" not in err, err
     assert not (tmp_path / "b.md").exists()
