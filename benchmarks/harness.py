@@ -264,11 +264,12 @@ def batches(cfg: Any, dp_rank: int = 0, dp_size: int = 1) -> list[Any]:
 def build(cfg: Any, device: str = "cpu", **groups: Any) -> Any:
     """train.py's stack (``build_training_stack``) over ``groups`` (``tp``, ``dp``, ``zero1``, ``world``; default
     none), without the buffer sync a benchmark does not need; the precision's process-wide switches set."""
-    from tessera.config.precision import apply_precision
-    from tessera.train.builder import Groups, build_training_stack
+    from tessera.core.job import Job, JobGroups
+    from tessera.train.builder import build_training_stack
 
-    apply_precision(cfg.model.dtype)
-    return build_training_stack(cfg, Groups(**groups), device=device, sync_buffer=False)
+    job = Job.of(cfg, JobGroups(**groups), device=device)
+    job.precision.apply()
+    return build_training_stack(cfg, job, sync_buffer=False)
 
 
 # no checkpoints, no final sample, one validation batch: the training loop is what such a run measures

@@ -87,7 +87,7 @@ def measure(size: Size) -> dict[str, Any]:
     import torch
 
     from benchmarks.plain import PlainDecoder, PlainStep
-    from tessera.config.precision import apply_precision
+    from tessera.core.precision import RunPrecision
     from tessera.model import ModelArgs, build_model, flops_per_token
     from tessera.parallel import lowp
     from tessera.train.metrics import measure_matmul_tflops
@@ -103,8 +103,10 @@ def measure(size: Size) -> dict[str, Any]:
         stack = harness.build(cfg)
         optimizers.setdefault(name, stack.optimizer)
 
+        precision = RunPrecision.from_config(cfg)
+
         def before() -> None:
-            apply_precision(cfg.model.dtype)
+            precision.apply()
             _kernels(kernels)()
 
         return harness.Variant(name, lambda: stack.trainer.train_step(data).loss, before)

@@ -60,6 +60,7 @@ def _slug(name: str) -> str:
 
 def _bytes_per_param(config: str, overrides: list[str]) -> float:
     from tessera.config.checks import parallel_sizes
+    from tessera.core.precision import RunPrecision
     from tessera.model import build_model
     from tessera.train.precision_report import closed_form_bytes
 
@@ -67,9 +68,7 @@ def _bytes_per_param(config: str, overrides: list[str]) -> float:
     tp = cfg.parallel.tensor.size
     _, _, zero1 = parallel_sizes(tp, tp, cfg.parallel.zero1.size)
     n = sum(p.numel() for p in build_model(cfg.model, tp_group=None, device="meta").parameters())
-    keys = {o.split("=", 1)[0].split(".", 1)[1]: o.split("=", 1)[1].strip("'") for o in overrides
-            if o.startswith("hybrid_zero_optimizer.")}
-    return closed_form_bytes(cfg.model.dtype, zero1, n, 0, cfg.hybrid_zero_optimizer.reduce_dtype, keys)["total"]
+    return closed_form_bytes(RunPrecision.from_config(cfg), zero1, n, 0)["total"]  # the overrides are in cfg
 
 
 def picture(name: str, log_dir: str, out: str) -> dict[str, Any]:

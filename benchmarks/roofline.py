@@ -157,13 +157,12 @@ def _peaks(dtypes: Sequence[str], threads: int, plan: Plan, device: str, clock: 
     import torch
 
     from benchmarks.roofline_worker import CLOCKS
-    from tessera.config.precision import apply_precision
     from tessera.train.metrics import measure_matmul_tflops
 
     torch.set_num_threads(threads)
     out = {}
     for d in dtypes:
-        apply_precision(DTYPES[d])  # fp32 means fp32, not TF32, on a GPU
+        _precision_switches(DTYPES[d])  # fp32 means fp32, not TF32, on a GPU
         out[d] = measure_matmul_tflops(torch.bfloat16 if d == "bf16" else torch.float32, torch.device(device),
                                        _peak_size(plan, device), plan.peak_seconds, iterations=1, timer=CLOCKS[clock])
     return out
@@ -430,3 +429,13 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m benchmarks ro
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _precision_switches(dtype: str) -> None:
+    """The process-wide switches of ``dtype`` in this checkout (``tessera.core.precision``; a base checkout
+    from before the run description has them in ``tessera.config.precision``)."""
+    try:
+        from tessera.core.precision import apply_precision
+    except ImportError:
+        from tessera.config.precision import apply_precision  # type: ignore[attr-defined,no-redef]
+    apply_precision(dtype)

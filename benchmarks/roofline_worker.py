@@ -252,9 +252,7 @@ def _build_stack(name: str, raw: dict[str, Any], overrides: list[str], source: s
     """The stack through the checkout's ``build_training_stack``; the tensor mode the model reports is checked
     against the config's."""
     from tessera.config import Config, apply_overrides
-    from tessera.config.precision import apply_precision
     from tessera.data import build_data
-    from tessera.train.builder import Groups, build_training_stack
 
     raw = copy.deepcopy(raw)
     apply_overrides(raw, overrides, source=source)
@@ -263,12 +261,30 @@ def _build_stack(name: str, raw: dict[str, Any], overrides: list[str], source: s
                       dp_rank=0, dp_size=1, seed=cfg.seed)
     batches = data.train.next_step_batches()
     mode = cfg.parallel.tensor.mode
-    apply_precision(cfg.model.dtype)
-    stack = build_training_stack(cfg, Groups(tp=group, world=group), device=device, sync_buffer=False)
+    stack, switches = _checkout_stack(cfg, group, device)
     modes = {m.tensor_mode for m in stack.trainer.model.modules() if isinstance(getattr(m, "tensor_mode", None), str)}
     if group is not None and modes and modes != {mode}:
         raise RuntimeError(f"{name}: parallel.tensor.mode={mode!r} asked, the model was built with {sorted(modes)}")
-    return Stack(name, stack.trainer, stack.optimizer, batches, cfg, lambda: apply_precision(cfg.model.dtype))
+    return Stack(name, stack.trainer, stack.optimizer, batches, cfg, switches)
+
+
+def _checkout_stack(cfg: Any, group: Any, device: torch.device) -> tuple[Any, Callable[[], Any]]:
+    """``build_training_stack`` of the checkout this worker runs in, and its precision switches: through the run
+    description where the checkout has one, else (a base checkout from before it) through its groups."""
+    try:
+        from tessera.core.job import Job, JobGroups
+    except ImportError:
+        from tessera.config.precision import apply_precision  # type: ignore[attr-defined]
+        from tessera.train.builder import Groups, build_training_stack  # type: ignore[attr-defined]
+
+        apply_precision(cfg.model.dtype)
+        stack = build_training_stack(cfg, Groups(tp=group, world=group), device=device, sync_buffer=False)
+        return stack, lambda: apply_precision(cfg.model.dtype)
+    from tessera.train.builder import build_training_stack
+
+    job = Job.of(cfg, JobGroups(tp=group, world=group), device=device)
+    job.precision.apply()
+    return build_training_stack(cfg, job, sync_buffer=False), job.precision.apply
 
 
 def _time_optimizer(stack: Stack, clock: CommClock) -> None:

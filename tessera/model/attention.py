@@ -129,14 +129,14 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPla
     backend, why = select_backend(q.device, q.dtype, plan.use_flash_attn, q.shape[-1], packed=plan.packed,
                                   dropout_p=dropout_p)
     if backend == "torch_varlen":
-        kernel = torch_varlen()[0]
-        assert kernel is not None
+        varlen = torch_varlen()[0]
+        assert varlen is not None
         _log_once(f"attention backend: torch varlen_attn (FlashAttention-2 in torch {torch.__version__}, causal by "
-                  f"{kernel.convention}) for packed rows, SDPA is_causal for one document a row; flash_attn not "
+                  f"{varlen.convention}) for packed rows, SDPA is_causal for one document a row; flash_attn not "
                   f"used: {why}")
         cu, max_seqlen = plan.varlen(q.device)
         q_, k_, v_ = (rearrange(t, "b s h d -> (b s) h d") for t in (q, k, v))
-        return rearrange(kernel.call(q_, k_, v_, cu, max_seqlen), "(b s) h d -> b s h d", b=q.shape[0])
+        return rearrange(varlen.call(q_, k_, v_, cu, max_seqlen), "(b s) h d -> b s h d", b=q.shape[0])
     if backend == "flash_attn":
         kernels, version = flash_probe.load_flash_attn()
         assert kernels is not None
