@@ -4,8 +4,8 @@ Why: tensor parallelism all-reduces activations twice per layer forward and twic
 all-gathers and reduce-scatters them (msp). On CPU the gloo backend hands each collective to worker
 threads and sockets, a fixed cost per call whatever the size that a small model's step pays dozens of
 times (BENCHMARKS.md §15 measures the step with and without it). Ranks on one machine can instead write
-their tensor into a shared segment and each read all slots itself: a little synchronisation plus one copy in and one pass
-over the slots.
+their tensor into a shared segment and each read all slots itself: a little synchronisation plus one copy in
+and one pass over the slots.
 
 Protocol (collective number ``k``, counting from 1; every rank calls the same collectives in the same
 order, as with any process group):
