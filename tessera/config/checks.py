@@ -92,7 +92,7 @@ def check_config(cfg: dict[str, Any], source: str | None = None) -> None:
     if problem:
         raise ConfigError(problem + w)
     met = cfg["metrics"]
-    if met["precision_every"] and met["precision_activations"] and m["compile"]["enabled"]:
+    if met["precision_every"] and met["precision_activations"] and m["compile"]["enabled"] is True:
         raise ConfigError(f"metrics.precision_every={met['precision_every']} with metrics.precision_activations="
                           "True hooks module outputs inside the decoder blocks, which model.compile.enabled=True "
                           "compiles: set metrics.precision_activations=False (gradients and updates only) or "

@@ -206,8 +206,10 @@ SCHEMA = Section(
                                      "faster on some shapes; False: fp32, as the precision table promises"),
                 "compile": Section(
                     {
-                        "enabled": Key(BOOL, False, doc="run each decoder block's forward through torch.compile "
-                                                        "(from its second call on; generation stays eager)"),
+                        "enabled": Key((bool, str), "auto", _one_of(True, False, "auto"),
+                                       doc="run each decoder block's forward through torch.compile (from its second "
+                                           "call on; generation stays eager); 'auto': on for CUDA, off on CPU, "
+                                           "where compiling costs more than it saves in most runs (docs/compile.md)"),
                         "backend": Key(STR, "inductor", _one_of(*COMPILE_BACKENDS),
                                        doc="inductor generates fused kernels (on CPU it needs a C++ compiler); "
                                            "aot_eager / eager only trace (debugging)"),

@@ -9,6 +9,7 @@ is put together anywhere else.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -28,7 +29,9 @@ from tessera.train.lr_scheduler import WarmupCosineLR
 from tessera.train.precision_telemetry import PrecisionTelemetry
 from tessera.train.step import Trainer
 
-__all__ = ["TrainingStack", "build_training_stack", "build_optimizer"]
+__all__ = ["TrainingStack", "build_training_stack", "build_optimizer", "compile_enabled"]
+
+logger = logging.getLogger("tessera")
 
 
 @dataclass
@@ -69,7 +72,7 @@ def build_training_stack(
     if before_cast is not None:
         before_cast(model)
     amp = naive_amp_for(model, job.precision, sync_buffer=sync_buffer, parallel_mode=groups.dp)
-    if cfg.model.compile.enabled:  # a no-op on meta parameters (dry runs)
+    if compile_enabled(cfg, job):  # a no-op on meta parameters (dry runs)
         compile_blocks(model, backend=cfg.model.compile.backend, mode=cfg.model.compile.mode)
     optimizer = build_optimizer(amp, cfg, job)
     scheduler = WarmupCosineLR.from_config(optimizer.param_groups, cfg.adam, cfg.lr_scheduler)
@@ -81,6 +84,31 @@ def build_training_stack(
     trainer = trainer_cls(amp, optimizer, tp_group=groups.tp, dp_group=groups.dp, device=job.device,
                           label_smoothing=cfg.loss.label_smoothing, dp_size=job.layout.dp_size, telemetry=telemetry)
     return TrainingStack(amp, optimizer, scheduler, trainer, job)
+
+
+def compile_enabled(cfg: Config, job: Job) -> bool:
+    """``model.compile.enabled``: True / False as set; ``"auto"`` compiles on CUDA and stays eager on the CPU
+    (where compiling a short run costs more than it saves), and stays eager where the precision telemetry
+    hooks module outputs inside the blocks. The choice is logged once."""
+    setting = cfg.model.compile.enabled
+    if setting != "auto":
+        return bool(setting)
+    hooks = bool(cfg.metrics.precision_every and cfg.metrics.precision_activations)
+    enabled = job.device.type == "cuda" and not hooks
+    why = ("metrics.precision_activations hooks the blocks" if hooks and job.device.type == "cuda"
+           else f"the device is {job.device.type}")
+    _log_once(f"model.compile.enabled='auto': compiled blocks {'on' if enabled else 'off'} ({why}); set it to "
+              f"{not enabled} to override")
+    return enabled
+
+
+_LOGGED: set[str] = set()
+
+
+def _log_once(message: str) -> None:
+    if message not in _LOGGED:
+        _LOGGED.add(message)
+        logger.info(message)
 
 
 def build_optimizer(amp: NaiveAMPModel, cfg: Config, job: Job) -> HybridZeroOptimizer:
