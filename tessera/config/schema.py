@@ -323,7 +323,12 @@ SCHEMA = Section(
                                                  "(inf/NaN); fp16 counts them once the loss scale is at its minimum"),
             }
         ),
-        "loss": Section({"label_smoothing": Key(FLOAT, 0.0, _fraction)}),
+        "loss": Section({
+            "label_smoothing": Key(FLOAT, 0.0, _fraction),
+            "chunk_tokens": Key(INT, 1024, _non_negative,
+                                doc="the head and the loss fused, this many tokens' logits at a time (fp32: chunk x "
+                                    "vocab/tp x 4 bytes), made again in backward; 0: the whole logits, unfused"),
+        }),
         "ckpt": Section(
             {
                 "enable_save_ckpt": Key(BOOL, False),

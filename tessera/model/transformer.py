@@ -38,10 +38,11 @@ from tessera.model.mlp import FeedForward
 from tessera.model.norm import RMSNorm
 from tessera.model.recompute import full_checkpoint, selective_checkpoint
 from tessera.model.rotary import positions_from_cu_seqlens, rotary_cos_sin
-from tessera.parallel.comm import group_size
+from tessera.parallel.comm import copy_to_region, group_size
 from tessera.parallel.defaults import launch_defaults
 from tessera.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-from tessera.parallel.sequence import TENSOR_MODES, sequence_dropout
+from tessera.parallel.loss import LossSpec, linear_cross_entropy, vocab_parallel_cross_entropy
+from tessera.parallel.sequence import TENSOR_MODES, gather_from_sequence_region, sequence_dropout
 
 logger = logging.getLogger("tessera")
 
@@ -189,7 +190,11 @@ class Transformer(nn.Module):
         position_ids: torch.Tensor | None = None,
         cache: KVCacheLike | None = None,
         max_seqlen: int | None = None,
+        labels: torch.Tensor | None = None,
+        loss: LossSpec | None = None,
     ) -> torch.Tensor:
+        """Logits (vocab-sharded with ``parallel_output``), or, given ``labels``, the loss against them
+        (``loss``: its reduction; the head and the loss fused in chunks of tokens, ``head_loss``)."""
         batch, seqlen = input_ids.shape
         past = 0
         if cache is not None:
@@ -226,7 +231,29 @@ class Transformer(nn.Module):
                 h = layer(h, ctx)
         if cache is not None:
             cache.length = past + seqlen
-        return self.output(self.norm(h, sequence_parallel=sp), sequence_parallel=sp)
+        h = self.norm(h, sequence_parallel=sp)
+        if labels is not None:
+            return self.head_loss(h, labels, loss or LossSpec(), sequence_parallel=sp)
+        return self.output(h, sequence_parallel=sp)
+
+    def head_loss(self, h: torch.Tensor, labels: torch.Tensor, spec: LossSpec, *,
+                  sequence_parallel: bool = False) -> torch.Tensor:
+        """The head and the vocab-parallel loss of the final hidden states ``h`` against ``labels``, fused in
+        chunks of ``spec.chunk_tokens`` tokens: the ``[tokens, vocab]`` logits never exist at once. The head
+        computes in its weight's dtype (fp32 when it is fp32-marked), as its module would; with
+        ``parallel_output=False`` the loss is the same, computed on the vocab shards. An fp8 or biased head
+        runs unfused (its module, then ``vocab_parallel_cross_entropy``)."""
+        head, group = self.output, self.process_group
+        if head.fp8_recipe is not None or head.bias is not None:
+            logits = head(h, sequence_parallel=sequence_parallel)
+            return vocab_parallel_cross_entropy(
+                logits, labels, group if self.args.parallel_output else None, ignore_index=spec.ignore_index,
+                label_smoothing=spec.label_smoothing, reduction=spec.reduction)
+        if sequence_parallel and self.tp_size > 1:
+            x = gather_from_sequence_region(h, group)  # the full sequence; backward: reduce-scatter
+        else:
+            x = copy_to_region(h, group)  # replicated; backward: the TP all-reduce of the input gradient
+        return linear_cross_entropy(x.to(head.weight.dtype), head.weight, labels, group, spec)
 
     def sequence_parallel_forward(self, cache: KVCacheLike | None = None) -> bool:
         """Whether a forward now runs sequence-parallel: msp over more than one rank, recording autograd,

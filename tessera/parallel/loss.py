@@ -1,4 +1,5 @@
-"""Cross-entropy on vocab-sharded logits, in fp32 (fp64 for fp64 logits), without gathering the logits.
+"""Cross-entropy on vocab-sharded logits, in fp32 (fp64 for fp64 logits), without gathering the logits, and
+the head's GEMM fused with it in chunks of tokens (``linear_cross_entropy``) so the logits never exist whole.
 
 Each rank holds logits for vocabulary rows ``[rank*V/tp, (rank+1)*V/tp)``. The log-sum-exp needs a
 global max (one MAX all-reduce) and global sums; the target logit lives on exactly one rank. The three
@@ -14,16 +15,104 @@ not checked (that would cost a device sync) and are treated as matching no class
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from tessera.parallel.comm import all_reduce, group_rank, group_size
+from tessera.parallel.lowp import linear_grads, linear_no_autograd
 
-__all__ = ["vocab_parallel_cross_entropy"]
+__all__ = ["LossSpec", "linear_cross_entropy", "vocab_parallel_cross_entropy"]
 
 _REDUCTIONS = ("mean", "sum", "none")
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """How the loss reduces: ``ignore_index``, ``label_smoothing``, ``reduction`` ("mean" over labelled tokens,
+    "sum", "none"), and ``chunk_tokens`` for the fused head and loss (tokens whose logits exist at once)."""
+
+    ignore_index: int = -100
+    label_smoothing: float = 0.0
+    reduction: str = "mean"
+    chunk_tokens: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.reduction not in _REDUCTIONS:
+            raise ValueError(f"reduction={self.reduction!r}: must be one of {list(_REDUCTIONS)}")
+        if not 0.0 <= self.label_smoothing <= 1.0:
+            raise ValueError(f"label_smoothing={self.label_smoothing} must be in [0, 1]")
+        if self.chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens={self.chunk_tokens} must be >= 1")
+
+
+@dataclass
+class _Rows:
+    """One block of rows of the vocab-parallel loss: what the forward found, what the backward needs."""
+
+    loss: torch.Tensor  # per row, fp32 (0 where ignored)
+    lse: torch.Tensor  # log-sum-exp over the whole vocabulary, per row
+    exp: torch.Tensor  # exp(logits - row max) of this rank's shard (the softmax once divided by sum_exp)
+    sum_exp: torch.Tensor
+    local_t: torch.Tensor  # the target's column in this shard (0 where another rank holds it)
+    mine: torch.Tensor  # this rank's shard holds the target
+    valid: torch.Tensor  # not ignore_index
+
+
+def _rows_forward(x: torch.Tensor, t: torch.Tensor, group: Any, start: int, vocab: int, ignore_index: int,
+                  label_smoothing: float) -> _Rows:
+    """Cross-entropy of rows ``x`` (``[n, V/tp]``, fp32 or fp64, a new buffer this may overwrite) against ``t``:
+    one MAX all-reduce, then one SUM all-reduce carrying the exp sums, target logits and (label smoothing)
+    logit sums together."""
+    v_local = x.shape[-1]
+    row_max = x.max(dim=-1).values
+    all_reduce(row_max, group, dist.ReduceOp.MAX)
+    shifted = x.sub_(row_max.unsqueeze(-1))
+    valid = t != ignore_index
+    mine = valid & (t >= start) & (t < start + v_local)
+    local_t = torch.where(mine, t - start, torch.zeros_like(t))
+    picked = shifted.gather(1, local_t.unsqueeze(-1)).squeeze(-1) * mine
+    logit_sum = shifted.sum(-1) if label_smoothing > 0 else None  # before exp_ overwrites shifted
+    exp = shifted.exp_()
+    parts = [exp.sum(-1), picked] + ([logit_sum] if logit_sum is not None else [])
+    stacked = all_reduce(torch.stack(parts, dim=0), group)
+    sum_exp, picked = stacked[0], stacked[1]
+    lse = sum_exp.log()
+    loss = lse - picked
+    if label_smoothing > 0:
+        loss = (1.0 - label_smoothing) * loss + label_smoothing * (lse - stacked[2] / vocab)
+    loss = torch.where(valid, loss, torch.zeros_like(loss))
+    return _Rows(loss, lse + row_max, exp, sum_exp, local_t, mine, valid)
+
+
+def _reduce(loss: torch.Tensor, valid: torch.Tensor, reduction: str, shape: torch.Size) -> tuple[torch.Tensor, Any]:
+    count = valid.sum()
+    if reduction == "mean":
+        return loss.sum() / count.clamp(min=1), count
+    if reduction == "sum":
+        return loss.sum(), count
+    return loss.view(shape), count
+
+
+def _grad_rows(probs: torch.Tensor, local_t: torch.Tensor, mine: torch.Tensor, valid: torch.Tensor,
+               label_smoothing: float, vocab: int, row_scale: torch.Tensor) -> torch.Tensor:
+    """d loss / d logits of a block of rows, in place in ``probs`` (this shard's softmax): minus the smoothed
+    one-hot target, times each row's incoming gradient (``row_scale``, 0 where ignored)."""
+    grad = probs.sub_(label_smoothing / vocab) if label_smoothing > 0 else probs
+    rows = torch.arange(grad.shape[0], device=grad.device)
+    grad[rows, local_t] -= (1.0 - label_smoothing) * mine.to(grad.dtype)
+    return grad.mul_((valid * row_scale).unsqueeze(-1))
+
+
+def _row_scale(grad_out: torch.Tensor, reduction: str, count: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
+    """The incoming gradient of each row's loss (a scalar for "mean" and "sum", one per row for "none")."""
+    if reduction == "mean":
+        return (grad_out.to(dtype) / count.clamp(min=1)).expand(n)
+    if reduction == "sum":
+        return grad_out.to(dtype).expand(n)
+    return grad_out.reshape(-1).to(dtype)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -39,61 +128,93 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     ) -> torch.Tensor:
         tp, rank = group_size(group), group_rank(group)
         v_local = logits.shape[-1]
-        vocab = v_local * tp
-        start = rank * v_local
         compute = torch.promote_types(logits.dtype, torch.float32)  # fp32, or fp64 for fp64 logits
-        x = logits.reshape(-1, v_local).to(compute)
-        t = target.reshape(-1)
-
-        row_max = x.max(dim=-1).values
-        all_reduce(row_max, group, dist.ReduceOp.MAX)
-        shifted = x - row_max.unsqueeze(-1)  # a new buffer: the input is never modified
-
-        valid = t != ignore_index
-        mine = valid & (t >= start) & (t < start + v_local)
-        local_t = torch.where(mine, t - start, torch.zeros_like(t))
-        picked = shifted.gather(1, local_t.unsqueeze(-1)).squeeze(-1) * mine
-
-        logit_sum = shifted.sum(-1) if label_smoothing > 0 else None  # before exp_ overwrites shifted
-        probs = shifted.exp_()
-        parts = [probs.sum(-1), picked] + ([logit_sum] if logit_sum is not None else [])
-        stacked = all_reduce(torch.stack(parts, dim=0), group)
-        sum_exp, picked = stacked[0], stacked[1]
-        lse = sum_exp.log()
-        loss = lse - picked
-        if label_smoothing > 0:
-            loss = (1.0 - label_smoothing) * loss + label_smoothing * (lse - stacked[2] / vocab)
-        loss = torch.where(valid, loss, torch.zeros_like(loss))
-        probs.div_(sum_exp.unsqueeze(-1))  # softmax of this rank's shard, kept for backward
-
-        count = valid.sum()
-        ctx.save_for_backward(probs, local_t, mine, valid, count)
+        x = logits.reshape(-1, v_local).to(compute, copy=True)  # a new buffer: the input is never modified
+        rows = _rows_forward(x, target.reshape(-1), group, rank * v_local, v_local * tp, ignore_index, label_smoothing)
+        probs = rows.exp.div_(rows.sum_exp.unsqueeze(-1))  # softmax of this rank's shard, kept for backward
+        out, count = _reduce(rows.loss, rows.valid, reduction, target.shape)
+        ctx.save_for_backward(probs, rows.local_t, rows.mine, rows.valid, count)
         ctx.label_smoothing = label_smoothing
-        ctx.vocab = vocab
+        ctx.vocab = v_local * tp
         ctx.reduction = reduction
         ctx.logits_shape = logits.shape
         ctx.logits_dtype = logits.dtype
-        if reduction == "mean":
-            return loss.sum() / count.clamp(min=1)
-        if reduction == "sum":
-            return loss.sum()
-        return loss.view(target.shape)
+        return out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         probs, local_t, mine, valid, count = ctx.saved_tensors
-        eps = ctx.label_smoothing
-        grad = probs - eps / ctx.vocab if eps > 0 else probs.clone()
-        rows = torch.arange(grad.shape[0], device=grad.device)
-        grad[rows, local_t] -= (1.0 - eps) * mine.to(grad.dtype)
-        if ctx.reduction == "mean":
-            scale = grad_out.to(grad.dtype) / count.clamp(min=1)
-            grad.mul_(valid.unsqueeze(-1) * scale)
-        elif ctx.reduction == "sum":
-            grad.mul_(valid.unsqueeze(-1) * grad_out.to(grad.dtype))
-        else:
-            grad.mul_((valid * grad_out.reshape(-1).to(grad.dtype)).unsqueeze(-1))
+        scale = _row_scale(grad_out, ctx.reduction, count, probs.shape[0], probs.dtype)
+        grad = _grad_rows(probs.clone(), local_t, mine, valid, ctx.label_smoothing, ctx.vocab, scale)
         return grad.view(ctx.logits_shape).to(ctx.logits_dtype), None, None, None, None, None
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """The head's GEMM and the vocab-parallel loss, ``chunk`` rows at a time: each chunk's logits are made,
+    reduced to per-row losses and log-sum-exps, and freed; the backward makes them again from the saved
+    input and weight and turns them into the input's and the weight's gradients chunk by chunk."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, group: Any,
+                spec: LossSpec) -> torch.Tensor:
+        tp, rank = group_size(group), group_rank(group)
+        v_local = weight.shape[0]
+        start, vocab = rank * v_local, v_local * tp
+        compute = torch.promote_types(x.dtype, torch.float32)
+        loss = torch.empty(x.shape[0], dtype=compute, device=x.device)
+        lse = torch.empty_like(loss)
+        valid = target != spec.ignore_index
+        for a in range(0, x.shape[0], spec.chunk_tokens):
+            b = min(a + spec.chunk_tokens, x.shape[0])
+            logits = linear_no_autograd(x[a:b], weight).to(compute)
+            rows = _rows_forward(logits, target[a:b], group, start, vocab, spec.ignore_index, spec.label_smoothing)
+            loss[a:b], lse[a:b] = rows.loss, rows.lse
+            del logits, rows
+        out, count = _reduce(loss, valid, spec.reduction, target.shape)
+        ctx.save_for_backward(x, weight, target, lse, count)
+        ctx.group, ctx.spec, ctx.start, ctx.vocab = group, spec, start, vocab
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        x, weight, target, lse, count = ctx.saved_tensors
+        spec: LossSpec = ctx.spec
+        needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], False)
+        gx = torch.empty_like(x) if needs[0] else None
+        gw = torch.zeros(weight.shape, dtype=torch.promote_types(weight.dtype, torch.float32),
+                         device=weight.device) if needs[1] else None
+        scale = _row_scale(grad_out, spec.reduction, count, x.shape[0], lse.dtype)
+        v_local = weight.shape[0]
+        for a in range(0, x.shape[0], spec.chunk_tokens):
+            b = min(a + spec.chunk_tokens, x.shape[0])
+            t = target[a:b]
+            valid = t != spec.ignore_index
+            mine = valid & (t >= ctx.start) & (t < ctx.start + v_local)
+            local_t = torch.where(mine, t - ctx.start, torch.zeros_like(t))
+            probs = linear_no_autograd(x[a:b], weight).to(lse.dtype).sub_(lse[a:b].unsqueeze(-1)).exp_()
+            grad = _grad_rows(probs, local_t, mine, valid, spec.label_smoothing, ctx.vocab, scale[a:b])
+            gx_c, gw_c, _ = linear_grads(grad.to(x.dtype), x[a:b], weight, False, needs)
+            if gx is not None and gx_c is not None:
+                gx[a:b] = gx_c
+            if gw is not None and gw_c is not None:
+                gw.add_(gw_c)
+            del probs, grad
+        return gx, None if gw is None else gw.to(weight.dtype), None, None, None
+
+
+def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, process_group: Any = None,
+                         spec: LossSpec | None = None) -> torch.Tensor:
+    """``vocab_parallel_cross_entropy(linear(x, weight), target)`` without the ``[tokens, V/tp]`` logits: ``x``
+    ``[..., h]`` (this rank's full input of the head, replicated over TP), ``weight`` ``[V/tp, h]`` (the head's
+    vocab shard), ``target`` ``[...]``. At most ``spec.chunk_tokens`` rows of fp32 logits exist at once,
+    forward or backward; the backward makes them again (one more head GEMM per step) instead of keeping
+    them. The gradient of ``x`` is this rank's part (the caller's region entry sums it over TP)."""
+    spec = spec or LossSpec()
+    if x.shape[:-1] != target.shape:
+        raise ValueError(f"input shape {tuple(x.shape)} does not match target shape {tuple(target.shape)} "
+                         "(expected input = target shape + [hidden])")
+    out = _LinearCrossEntropy.apply(x.reshape(-1, x.shape[-1]), weight, target.reshape(-1), process_group, spec)
+    return out.view(target.shape) if spec.reduction == "none" else out
 
 
 def vocab_parallel_cross_entropy(

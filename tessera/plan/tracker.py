@@ -48,8 +48,8 @@ def _storage_keys(tree: Any) -> set[int]:
 class LiveBytes(TorchDispatchMode):
     """Bytes of the storages created inside the block that are still alive, and their peak.
 
-    Storages made before the block (or passed in with ``track``) are counted once tracked; ``mark``
-    records the current figure under a name, ``reset_peak`` starts a new phase.
+    Storages made before the block are not counted; ``mark`` records the current figure under a name,
+    ``reset_peak`` starts a new phase.
     """
 
     def __init__(self, device_type: str | None = None) -> None:

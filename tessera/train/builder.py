@@ -82,7 +82,8 @@ def build_training_stack(
         activations=met.precision_activations, tp_group=groups.tp, dp_group=groups.dp, world_group=groups.world,
         device=job.device) if met.precision_every > 0 else None
     trainer = trainer_cls(amp, optimizer, tp_group=groups.tp, dp_group=groups.dp, device=job.device,
-                          label_smoothing=cfg.loss.label_smoothing, dp_size=job.layout.dp_size, telemetry=telemetry)
+                          label_smoothing=cfg.loss.label_smoothing, dp_size=job.layout.dp_size, telemetry=telemetry,
+                          chunk_tokens=cfg.loss.chunk_tokens)
     return TrainingStack(amp, optimizer, scheduler, trainer, job)
 
 

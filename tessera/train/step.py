@@ -17,6 +17,7 @@ import torch.distributed as dist
 from tessera.model.transformer import logits_are_vocab_sharded
 from tessera.parallel import vocab_parallel_cross_entropy
 from tessera.parallel.comm import reduce_scalars, to_host
+from tessera.parallel.loss import LossSpec
 from tessera.train.batch import to_device
 from tessera.train.precision_telemetry import PrecisionTelemetry
 
@@ -47,7 +48,7 @@ class Trainer:
 
     def __init__(self, model: torch.nn.Module, optimizer: Any, *, tp_group: dist.ProcessGroup | None,
                  dp_group: dist.ProcessGroup | None, device: torch.device, label_smoothing: float = 0.0,
-                 dp_size: int = 1, telemetry: PrecisionTelemetry | None = None):
+                 dp_size: int = 1, telemetry: PrecisionTelemetry | None = None, chunk_tokens: int = 1024):
         self.model = model
         self.optimizer = optimizer
         self.tp_group = tp_group
@@ -58,16 +59,25 @@ class Trainer:
         self.label_smoothing = label_smoothing
         self.dp_size = dp_size
         self.telemetry = telemetry  # None unless metrics.precision_every > 0
+        # loss.chunk_tokens: the head and the loss fused in chunks (the model returns the loss); 0, or telemetry
+        # hooking the head's output (which the fused head never produces), keeps the logits whole
+        watching = telemetry is not None and telemetry.watches_activations
+        self.chunk_tokens = 0 if watching else chunk_tokens
 
     def _loss(self, batch: Mapping[str, Any], reduction: str = "mean",
               label_smoothing: float | None = None) -> torch.Tensor:
         # max_seqlen: set on the host with cu_seqlens (tessera.train.batch), so the model never reads it back
         packed = {"max_seqlen": batch["max_seqlen"]} if "max_seqlen" in batch else {}
+        smoothing = self.label_smoothing if label_smoothing is None else label_smoothing
+        if self.chunk_tokens:
+            spec = LossSpec(ignore_index=-100, label_smoothing=smoothing, reduction=reduction,
+                            chunk_tokens=self.chunk_tokens)
+            return self.model(batch["input_ids"], cu_seqlens=batch.get("cu_seqlens"),
+                              position_ids=batch.get("position_ids"), labels=batch["labels"], loss=spec, **packed)
         logits = self.model(batch["input_ids"], cu_seqlens=batch.get("cu_seqlens"),
                             position_ids=batch.get("position_ids"), **packed)
-        return vocab_parallel_cross_entropy(
-            logits, batch["labels"], self.loss_group, ignore_index=-100,
-            label_smoothing=self.label_smoothing if label_smoothing is None else label_smoothing, reduction=reduction)
+        return vocab_parallel_cross_entropy(logits, batch["labels"], self.loss_group, ignore_index=-100,
+                                            label_smoothing=smoothing, reduction=reduction)
 
     def train_step(self, micro_batches: Sequence[Mapping[str, Any]], step: int | None = None) -> StepResult:
         """Accumulate gradients over the micro-batches, then one optimizer step (or a skip).

@@ -1,0 +1,172 @@
+"""The head and the loss fused in chunks of tokens (``linear_cross_entropy``, ``loss.chunk_tokens``).
+
+References: ``F.cross_entropy`` on the full logits ``F.linear(x, W)`` in fp64 (single process, every
+reduction, label smoothing, ignored tokens, chunk sizes that do and do not divide the tokens); the decoder's
+unfused path (logits, then ``vocab_parallel_cross_entropy``) at TP=1/2/4, mtp and msp, ``parallel_output``
+both ways, an fp32-marked head in a bf16 model; and the live bytes of one forward and backward (no
+``[tokens, vocab]`` fp32 tensor exists).
+
+Tolerances: in fp64 the fused and reference losses differ only by summation order over the vocabulary and
+the chunking (a few ulp of fp64, so 1e-12). In fp32 each logit is a dot product of length h = 64 and the
+log-sum-exp a sum of V terms: relative error at most ``(h + V) * 2**-24`` per entry, so the mean loss and
+gradients agree to ``(h + V) * u32`` (about 2e-5 here); across TP sizes the vocabulary sums split
+differently, which stays within the same bound.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from harness.distributed import run_distributed
+from tessera.parallel.loss import LossSpec, linear_cross_entropy
+
+N, H, V = 13, 64, 96  # 13 tokens: chunks of 4 leave a remainder
+U32 = 2.0**-24
+FP32_RTOL = (H + V) * U32
+
+
+def _data(dtype: torch.dtype = torch.float64, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(N, H, generator=g, dtype=torch.float64).to(dtype)
+    w = (torch.randn(V, H, generator=g, dtype=torch.float64) * 0.2).to(dtype)
+    t = torch.randint(0, V, (N,), generator=g)
+    t[[2, 7]] = -100  # ignored
+    return x, w, t
+
+
+def _reference(x, w, t, spec: LossSpec):
+    x = x.detach().double().requires_grad_()
+    w = w.detach().double().requires_grad_()
+    loss = F.cross_entropy(F.linear(x, w), t, ignore_index=-100, label_smoothing=spec.label_smoothing,
+                           reduction=spec.reduction)
+    (loss if spec.reduction != "none" else (loss * torch.arange(N, dtype=loss.dtype)).sum()).backward()
+    return loss.detach(), x.grad, w.grad
+
+
+def _fused(x, w, t, spec: LossSpec, group=None):
+    x = x.detach().clone().requires_grad_()
+    w = w.detach().clone().requires_grad_()
+    loss = linear_cross_entropy(x, w, t, group, spec)
+    (loss if spec.reduction != "none" else (loss * torch.arange(N, dtype=loss.dtype)).sum()).backward()
+    return loss.detach(), x.grad, w.grad
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("chunk", [1, 4, 13, 1000])
+def test_equals_cross_entropy_on_the_full_logits_in_fp64(reduction, smoothing, chunk):
+    x, w, t = _data()
+    spec = LossSpec(label_smoothing=smoothing, reduction=reduction, chunk_tokens=chunk)
+    for got, want in zip(_fused(x, w, t, spec), _reference(x, w, t, spec)):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_fp32_within_the_rounding_bound_and_gradients_of_ignored_rows_are_zero():
+    x, w, t = _data(torch.float32)
+    spec = LossSpec(label_smoothing=0.1, chunk_tokens=4)
+    loss, gx, gw = _fused(x, w, t, spec)
+    ref_loss, ref_gx, ref_gw = _reference(x, w, t, spec)
+    assert loss.dtype == torch.float32 and gx.dtype == gw.dtype == torch.float32
+    for got, want in ((loss, ref_loss), (gx, ref_gx), (gw, ref_gw)):
+        assert float((got.double() - want).norm() / want.norm()) <= FP32_RTOL
+    assert torch.count_nonzero(gx[[2, 7]]) == 0
+
+
+def test_no_whole_logits_tensor_is_ever_alive():
+    """Live CPU bytes during forward and backward: the unfused path holds [N, V] fp32 logits (and their
+    softmax); the fused one holds at most a chunk of them beyond its inputs and gradients."""
+    from tessera.plan.tracker import LiveBytes
+
+    n, h, v = 512, 32, 4096
+    x = torch.randn(n, h, requires_grad=True)
+    w = torch.randn(v, h, requires_grad=True)
+    t = torch.randint(0, v, (n,))
+    whole = n * v * 4
+
+    def peak(fn) -> int:
+        with LiveBytes(device_type="cpu") as live:
+            fn().backward()
+        return live.peak
+
+    unfused = peak(lambda: F.cross_entropy(F.linear(x, w), t))
+    fused = peak(lambda: linear_cross_entropy(x, w, t, None, LossSpec(chunk_tokens=32)))
+    assert unfused >= whole  # the reference does hold them
+    grads = (n * h + v * h) * 4 + v * h * 4  # x's and w's gradients, and the fp32 accumulator of w's
+    assert fused <= grads + 4 * (32 * v * 4) + 8 * n * 4, (fused, whole)
+
+
+def _tp_worker(rank: int, world: int) -> None:
+    """TP=world: vocab shards of the weight; the loss equals TP=1's, x's gradient summed over ranks equals
+    TP=1's, and each rank's weight gradient is its shard of TP=1's."""
+    group = dist.group.WORLD
+    x, w, t = _data(torch.float64, seed=3)
+    for spec in (LossSpec(chunk_tokens=5), LossSpec(label_smoothing=0.2, reduction="sum", chunk_tokens=3)):
+        ref_loss, ref_gx, ref_gw = _fused(x, w, t, spec)
+        shard = w.chunk(world)[rank]
+        loss, gx, gw = _fused(x, shard, t, spec, group)
+        dist.all_reduce(gx, group=group)
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(gx, ref_gx, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(gw, ref_gw.chunk(world)[rank], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_vocab_parallel_matches_one_rank(world):
+    run_distributed(_tp_worker, world)
+
+
+MODEL = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 8, "num_kv_attention_heads": 4,
+         "vocab_size": 96, "mlp_ratio": 2.0}
+BF16_RTOL = 4 * MODEL["num_layers"] * 2.0**-8  # a rounding flip in bf16 per layer the difference passes through
+
+
+def _decoder_worker(rank: int, world: int, mode: str, parallel_output: bool, dtype: str) -> None:
+    """The decoder's fused head and loss (``model(..., labels=...)``) against its logits and
+    ``vocab_parallel_cross_entropy``: the loss and every parameter's gradient, packed rows, chunks of 7."""
+    from tessera.core.naive_amp import NaiveAMPModel
+    from tessera.model import build_model
+    from tessera.parallel import vocab_parallel_cross_entropy
+
+    group = dist.group.WORLD if world > 1 else None
+    g = torch.Generator().manual_seed(11)
+    ids = torch.randint(0, MODEL["vocab_size"], (2, 16), generator=g)
+    labels = torch.randint(0, MODEL["vocab_size"], (2, 16), generator=g)
+    labels[0, :3] = -100
+    cu = torch.tensor([0, 5, 16, 32], dtype=torch.int32)
+    grads, losses = {}, {}
+    for fused in (False, True):
+        model = build_model({**MODEL, "parallel_output": parallel_output}, tp_group=group, seed=5, tensor_mode=mode)
+        if dtype == "bf16":  # fp32 norms and head, as model.fp32_modules=["*norm*", "output"]
+            model = NaiveAMPModel(model, dtype=torch.bfloat16, sync_buffer=False, fp32_modules=["*norm", "output"])
+        if fused:
+            loss = model(ids, cu_seqlens=cu, labels=labels, loss=LossSpec(reduction="sum", chunk_tokens=7))
+        else:
+            logits = model(ids, cu_seqlens=cu)
+            loss = vocab_parallel_cross_entropy(logits, labels, group if parallel_output else None, reduction="sum")
+        loss.backward()
+        losses[fused] = loss.detach().double()
+        grads[fused] = {n: p.grad.double() for n, p in model.named_parameters()}
+    rtol = FP32_RTOL * 8 if dtype == "fp32" else BF16_RTOL  # 8: two layers, forward and backward, tokens
+    assert abs(float(losses[True] - losses[False])) <= rtol * abs(float(losses[False])), losses
+    for name, want in grads[False].items():
+        got = grads[True][name]
+        err = float((got - want).norm() / want.norm().clamp(min=1e-30))
+        assert err <= rtol, f"{name}: relative error {err:.2e} > {rtol:.2e}"
+
+
+@pytest.mark.parametrize("world,mode,parallel_output,dtype", [
+    (1, "mtp", True, "fp32"),
+    (2, "mtp", True, "fp32"),
+    (2, "msp", True, "fp32"),
+    (2, "mtp", False, "fp32"),
+    (4, "msp", False, "fp32"),
+    (2, "msp", True, "bf16"),
+])
+def test_the_decoder_fused_head_loss_matches_its_unfused_path(world, mode, parallel_output, dtype):
+    if world == 1:
+        _decoder_worker(0, 1, mode, parallel_output, dtype)
+    else:
+        run_distributed(_decoder_worker, world, mode, parallel_output, dtype)
