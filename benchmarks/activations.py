@@ -27,16 +27,18 @@ CHECKPOINTS = {"none": False, "selective": "selective", "full": True}
 
 
 def case(group: Any, *, model: dict[str, Any], micro_bsz: int, seq_len: int, mode: str,
-         checkpoint: Any) -> tuple[int, Callable[[], None]]:
+         checkpoint: Any, chunk_tokens: int = 0) -> tuple[int, Callable[[], None]]:
     """One configuration on this rank: its activation peak in bytes (the lowest of three tracked steps: a buffer
     a collective's worker thread lets go of a moment late adds to a step's peak now and then, never subtracts)
-    and its forward+backward as a step function."""
+    and its forward+backward as a step function. ``chunk_tokens``: the head and the loss fused (0: the logits
+    whole, then the loss)."""
     import torch
     import torch.distributed as dist
 
     from tessera.config import Config
     from tessera.model import build_model
     from tessera.parallel import vocab_parallel_cross_entropy
+    from tessera.parallel.loss import LossSpec
     from tessera.plan.tracker import LiveBytes
 
     tp = dist.get_world_size(group)
@@ -50,7 +52,10 @@ def case(group: Any, *, model: dict[str, Any], micro_bsz: int, seq_len: int, mod
     ids, target = (torch.randint(0, cfg.vocab_size, (micro_bsz, seq_len), generator=g) for _ in range(2))
 
     def step() -> None:
-        vocab_parallel_cross_entropy(net(ids), target, group).backward()
+        if chunk_tokens:  # the head and the loss fused (loss.chunk_tokens)
+            net(ids, labels=target, loss=LossSpec(chunk_tokens=chunk_tokens)).backward()
+        else:
+            vocab_parallel_cross_entropy(net(ids), target, group).backward()
 
     step()  # warm-up: lazy initialisations are not activations
     peaks = []

@@ -170,3 +170,28 @@ def test_the_decoder_fused_head_loss_matches_its_unfused_path(world, mode, paral
         _decoder_worker(0, 1, mode, parallel_output, dtype)
     else:
         run_distributed(_decoder_worker, world, mode, parallel_output, dtype)
+
+
+def _peak_worker(rank: int, world: int, cases: list[dict]) -> list[int]:
+    from benchmarks.activations import case as build
+
+    return [build(dist.group.WORLD, **c)[0] for c in cases]
+
+
+def test_the_activation_closed_form_counts_the_fused_head():
+    """Live bytes of one forward and backward at TP=2 against ``activation_bytes(..., chunk_tokens)``, to 10%
+    as the unfused closed form is checked (tests/test_sequence_parallel.py); with a vocabulary of 512 the
+    fused head's peak is below the unfused one's."""
+    from tessera.model.activations import activation_bytes
+
+    model = dict(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=512, mlp_ratio=2.0, multiple_of=16)
+    cases = [dict(model=model, micro_bsz=2, seq_len=64, mode=mode, checkpoint=False, chunk_tokens=chunk)
+             for mode in ("mtp", "msp") for chunk in (0, 16, 128)]
+    measured = run_distributed(_peak_worker, 2, cases)[0]
+    for case, peak in zip(cases, measured):
+        if not case["chunk_tokens"]:
+            continue
+        closed = activation_bytes(model, 2, 64, 2, case["mode"], False, torch.float32, case["chunk_tokens"])["peak"]
+        assert abs(peak - closed) <= 0.10 * closed, (case, peak, closed)
+    by = {(c["mode"], c["chunk_tokens"]): p for c, p in zip(cases, measured)}
+    assert by["mtp", 16] < by["mtp", 0] and by["msp", 16] < by["msp", 0]

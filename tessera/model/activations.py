@@ -22,7 +22,10 @@ Kept per layer (bytes), Megatron-paper style but matched to tessera's layer (``t
 
 Outside the layers: rotary cos/sin at half width (``4 T head_dim``), the final norm (``2E s_r h + 4 s_r``:
 its input and output, its statistics), the loss's fp32 softmax of the vocab shard (``4 T V_t``) and
-small index tensors.
+small index tensors. With the head and the loss fused in chunks of ``c`` tokens (``loss.chunk_tokens``)
+the softmax is not kept: per-token fp32 log-sum-exps and losses are (``8 T``), and under msp the gathered
+head input (``E T h``); the head's backward makes one chunk's logits again (``(4 + 2E) c V_t``, fp32 and
+the model dtype's) beside the input's and the fp32 weight's gradients.
 
 The peak adds the backward's working set to what is kept at the end of the forward, at whichever of
 three points is largest (each counted from the tensors live there): the head's backward (the logits
@@ -49,9 +52,11 @@ def _bytes(dtype: torch.dtype) -> int:
 
 
 def activation_bytes(model_cfg: Any, micro_bsz: int, seq_len: int, tp: int, mode: str, checkpoint: Any,
-                     dtype: torch.dtype = torch.float32) -> dict[str, float]:
+                     dtype: torch.dtype = torch.float32, chunk_tokens: int = 0) -> dict[str, float]:
     """Bytes per TP rank: ``per_layer`` (kept by one layer), ``kept`` (everything kept at the end of the
-    forward, loss included), ``peak`` (kept + the backward's largest working set); see the module doc."""
+    forward, loss included), ``peak`` (kept + the backward's largest working set); see the module doc.
+    ``chunk_tokens``: the head and the loss fused in chunks of that many tokens (``loss.chunk_tokens``;
+    0: the whole logits)."""
     a = ModelArgs.from_config(model_cfg)
     if mode not in TENSOR_MODES:
         raise ValueError(f"mode={mode!r}: must be one of {list(TENSOR_MODES)}")
@@ -74,12 +79,20 @@ def activation_bytes(model_cfg: Any, micro_bsz: int, seq_len: int, tp: int, mode
                  True: e * srh}[checkpoint]
     top_keep = 4 * T * d + (9 * T if t > 1 else 0)  # rotary cos/sin; the embedding's local ids and mask
     final_norm = 2 * e * srh + 4 * sr
-    loss = 4 * T * v_t + 10 * T  # fp32 softmax of the vocab shard; target indices and masks
+    sp = mode == "msp" and t > 1
+    if chunk_tokens:  # fused: per-token log-sum-exps and losses (fp32), targets and masks; msp: the gathered input
+        loss = 18 * T + (e * Th if sp else 0)
+    else:
+        loss = 4 * T * v_t + 10 * T  # fp32 softmax of the vocab shard; target indices and masks
     kept = a.num_layers * per_layer + top_keep + final_norm + loss
 
     # the head's backward: the logits gradient, the input gradient (and under msp the re-gathered input)
     grad_w_head = 4 * v_t * h
-    if mode == "msp" and t > 1:
+    if chunk_tokens:  # fused: the input's and the fp32 weight's gradients, and one chunk's logits made again
+        c = min(chunk_tokens, T)
+        chunk = (4 + (2 * e if e != 4 else 0)) * c * v_t + e * c * h + e * v_t * h
+        head = kept + e * Th + grad_w_head + chunk + (e * srh if sp else 0)
+    elif sp:
         head = kept - loss + e * T * v_t + 2 * e * Th + grad_w_head
     else:
         head = kept - loss + max(e * T * v_t + e * Th + grad_w_head, 2 * e * Th)

@@ -308,13 +308,15 @@ def closed_form_plan(cfg: Config, lay: Layout, shape: StepShape, counts: tuple[i
     mem.update(extras)
     tp = lay.tp_size
     if shape.checkpoint in (False, True, "selective") and not shape.precision.fp8.enabled:
+        chunk = cfg.loss.chunk_tokens
         act = activation_bytes(cfg.model, shape.micro_bsz, shape.seq_len, tp, shape.mode, shape.checkpoint,
-                               shape.precision.dtype)
+                               shape.precision.dtype, chunk)
         v_t = ModelArgs.from_config(cfg.model).vocab_size // tp
         a_h = ModelArgs.from_config(cfg.model).hidden_size
         act_e = shape.precision.dtype.itemsize
         mem["backward_extra"] = act["peak"]
-        mem["loss"] = 4.0 * shape.micro_bsz * shape.seq_len * v_t
+        tokens = shape.micro_bsz * shape.seq_len  # the fp32 logits alive at once: all, or one fused chunk's
+        mem["loss"] = 4.0 * min(tokens, chunk or tokens) * v_t
         # TP collectives work on the [micro_bsz x seq, hidden] activations in the model dtype: mtp's
         # all-reduce in place, msp's gather / reduce-scatter on the full tensor in chunks plus this rank's
         # chunk; the gradient reductions and ZeRO's weight gathers work in place in the persistent buffers

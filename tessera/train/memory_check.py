@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from tessera.config import check_model_sizes, parallel_sizes
-from tessera.config.schema import DEFAULT_MEMORY_HEADROOM
+from tessera.config.schema import DEFAULT_MEMORY_HEADROOM, default_of
 from tessera.core.job import Job
 from tessera.core.naive_amp import fp32_module_names, naive_amp_for
 from tessera.core.precision import RunPrecision
@@ -123,8 +123,9 @@ def plan_persistent_state(cfg: Mapping[str, Any], world_size: int, tp: int, zero
     data, mode = cfg.get("data") or {}, ((cfg.get("parallel") or {}).get("tensor") or {}).get("mode", "mtp")
     act = 0.0
     if checkpoint in (False, True, "selective") and not precision.fp8.enabled and data:
+        chunk = int((cfg.get("loss") or {}).get("chunk_tokens", default_of("loss.chunk_tokens")))
         act = activation_bytes(model_cfg, data["micro_bsz"], data["seq_len"], tp, mode, checkpoint,
-                               precision.dtype)["peak"]
+                               precision.dtype, chunk)["peak"]
     attention = 0.0
     if device_type == "cuda" and data:
         flash = flash_attn_available() if flash_installed is None else flash_installed
