@@ -347,6 +347,16 @@ def test_nothing_installed_when_off_and_hooks_only_during_a_measured_step():
     probe.remove()
 
 
+def test_the_head_output_is_measured_only_when_the_logits_exist():
+    """loss.chunk_tokens > 0 (the default) fuses the head with the loss: its logits never exist whole, so the
+    head's row has no activation measures; with loss.chunk_tokens=0 it has them. Its gradients are measured
+    either way."""
+    fused = _train(_tiny(1), 1)[1][-1].precision["measures"]
+    whole = _train(_tiny(1, **{"loss.chunk_tokens": 0}), 1)[1][-1].precision["measures"]
+    assert "output" not in fused["act_amax_ratio"] and "output" in whole["act_amax_ratio"]
+    assert "output" in fused["grad_amax_ratio"] and "norm" in fused["act_amax_ratio"]
+
+
 def test_rows_by_layer_and_kind_aggregate_the_module_rows():
     """The same step measured per module, per layer and per kind: element counts add up, maxima are the maxima
     of the module rows, fractions are their element-weighted means."""
@@ -365,8 +375,10 @@ def test_rows_by_layer_and_kind_aggregate_the_module_rows():
         for row, n in rec["elements"].items():
             members = [r for r in mod["elements"] if group_name(r, group_by) == row]
             assert members and n == sum(mod["elements"][r] for r in members)
-            for measure in ("grad_amax_ratio", "act_amax_ratio"):
-                assert rec["measures"][measure][row] == max(mod["measures"][measure][r] for r in members)
+            assert rec["measures"]["grad_amax_ratio"][row] == max(mod["measures"]["grad_amax_ratio"][r] for r in members)
+            seen = [r for r in members if r in mod["measures"]["act_amax_ratio"]]  # the fused head has no output
+            if seen:
+                assert rec["measures"]["act_amax_ratio"][row] == max(mod["measures"]["act_amax_ratio"][r] for r in seen)
             zero = sum(mod["measures"]["grad_zero"][r] * mod["elements"][r] for r in members) / n
             assert rec["measures"]["grad_zero"][row] == pytest.approx(zero, abs=1e-12)
     assert set(recs["kind"]["elements"]) == {"embedding", "layers.*.attention_norm", "layers.*.attention.wq",

@@ -117,7 +117,7 @@ def step_flops_per_rank(cfg: Config, lay: Layout, shape: StepShape) -> float:
 _TP_UNITS_PER_LAYER = {("mtp", False): 8, ("mtp", "selective"): 8, ("mtp", True): 10,
                        ("msp", False): 10, ("msp", "selective"): 12, ("msp", True): 13}
 # per micro-batch outside the layers: the embedding's reduction and the head input's gradient (msp:
-# also the head's sequence gather)
+# also the head's sequence gather, and its re-gather in backward unless the head is fused with the loss)
 _TP_UNITS_OUTSIDE = {"mtp": 4, "msp": 5}
 
 
@@ -138,7 +138,9 @@ def comm_closed_form(cfg: Config, lay: Layout, shape: StepShape, low_params: int
     checkpoint = shape.checkpoint if shape.checkpoint in (False, True, "selective") else None
     if t > 1 and checkpoint is not None:
         mode = shape.mode if shape.mode in TENSOR_MODES else "mtp"
-        units = a.num_layers * _TP_UNITS_PER_LAYER[(mode, checkpoint)] + _TP_UNITS_OUTSIDE[mode]
+        # the fused head and loss keep the head's gathered input (msp): no re-gather in its backward
+        outside = _TP_UNITS_OUTSIDE[mode] - (1 if mode == "msp" and cfg.loss.chunk_tokens else 0)
+        units = a.num_layers * _TP_UNITS_PER_LAYER[(mode, checkpoint)] + outside
         out["TENSOR"] = shape.micro_num * units * ring_bytes("all_gather", T * a.hidden_size * e, t)
     low_w = e if model.is_low_precision else 4
     grad_bytes = (shape.precision.optimizer.reduce.itemsize if model.is_low_precision else 4) * low_params \

@@ -143,11 +143,6 @@ class PrecisionTelemetry:
         self._scale = 1.0
         self._skipped_before = 0
 
-    @property
-    def watches_activations(self) -> bool:
-        """Whether module outputs are hooked (``metrics.precision_activations``): the head's included."""
-        return bool(self._modules)
-
     @staticmethod
     def _bucket_segments(b: Bucket, row_of: dict[str, int], replica: bool, tp_rank: int) -> list[_Segment]:
         """The pieces of this rank's shard of ``b`` it counts (none on a DP replica)."""

@@ -59,10 +59,10 @@ class Trainer:
         self.label_smoothing = label_smoothing
         self.dp_size = dp_size
         self.telemetry = telemetry  # None unless metrics.precision_every > 0
-        # loss.chunk_tokens: the head and the loss fused in chunks (the model returns the loss); 0, or telemetry
-        # hooking the head's output (which the fused head never produces), keeps the logits whole
-        watching = telemetry is not None and telemetry.watches_activations
-        self.chunk_tokens = 0 if watching else chunk_tokens
+        # loss.chunk_tokens: the head and the loss fused in chunks (the model returns the loss); 0 keeps the
+        # logits whole. The telemetry does not change the path (measuring changes nothing): under the fused
+        # head it sees no head output to measure
+        self.chunk_tokens = chunk_tokens
 
     def _loss(self, batch: Mapping[str, Any], reduction: str = "mean",
               label_smoothing: float | None = None) -> torch.Tensor:
