@@ -22,6 +22,8 @@ COMMANDS = {
                             "section 14: the demo with metrics.precision_every 0 vs N, paired rounds"),
     "tensor-modes": ("benchmarks.tensor_modes", "section 15: the demo's step in mtp and msp against a base checkout"),
     "attention-kernels": ("benchmarks.attention_kernels", "section 16: CPU attention kernels per shape and dtype"),
+    "gpu-peers": ("benchmarks.gpu_peers", "section 17: tessera against HF LlamaForCausalLM at the same dims, eager "
+                                          "and compiled"),
 }
 
 
