@@ -70,3 +70,12 @@ def test_the_memory_verdict_needs_the_peak_within_the_prediction(ratio, ok):
     tool = _tool()
     need = plan_persistent_state(Config.from_file(TINY), 1, 1, 1, device_type="cuda").need / 2**30
     assert tool.memory_check_vs_peak(TINY, [], need * ratio).ok is ok
+
+
+def test_every_dtype_runs_and_the_long_ones_run_fewer_steps():
+    """bf16, fp16, tf32 and fp32 all train in the report; fp32/tf32 take a third of the steps (at least 6)
+    so the whole report fits its budget on one GPU."""
+    tool = _tool()
+    assert tool.DTYPES == ("bf16", "fp16", "tf32", "fp32")
+    assert [tool.steps_for(d, 20) for d in tool.DTYPES] == [20, 20, 6, 6]
+    assert tool.steps_for("fp32", 30) == 10

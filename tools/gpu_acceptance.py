@@ -7,12 +7,18 @@ Each part runs in its own process, in this order:
 1. the CUDA tests, ``python -m pytest -m cuda`` (skipped on CPU-only machines): flash_attn's varlen kernel
    against SDPA on packed rows (when flash_attn is installed), the memory check's prediction against the
    allocator's peak of a real step, the matmul probe against the datasheet, packed documents on CUDA;
-2. ``train.py`` on this GPU (torchrun, one process, synthetic data) in bf16, then in fp16: it must exit 0,
-   its loss must stay finite and fall, and fp16's loss scaler must not skip half the steps;
+2. ``train.py`` on this GPU (torchrun, one process, synthetic data) in bf16, fp16, tf32 and fp32 (the last
+   two over a third of the steps: an fp32 step is several times a bf16 one): it must exit 0, its loss must
+   stay finite and fall, and fp16's loss scaler must not skip half the steps;
 3. the memory check's prediction for the bf16 run (``tessera.train.memory_check``, with this machine's
    flash_attn) beside the run's real peak (``torch.cuda.max_memory_allocated``, in metrics.jsonl);
 4. the runs' MFU against the device's peak (the table row of its exact name, or the measured probe),
-   and the bf16 matmul probe beside the table row.
+   and the bf16 matmul probe beside the table row;
+5. the peer comparison, ``python -m benchmarks gpu-peers`` (tessera eager and compiled against Hugging Face
+   ``LlamaForCausalLM`` eager and compiled, 3 rounds): its table is printed, and tessera compiled must reach
+   ``--peer-target`` times HF compiled's tokens/s.
+
+The whole report is meant to take under 5 minutes (``--budget``): each part gets what is left of it.
 
 ``key.sub=value`` overrides go to the training runs (and the prediction). The exit status is 0 when
 every check passed, 1 otherwise, 2 without a CUDA device.
@@ -203,13 +209,41 @@ def to_markdown(env: str, checks: list[Check], command: str) -> str:
     return "\n".join(lines)
 
 
+DTYPES = ("bf16", "fp16", "tf32", "fp32")
+
+
+def steps_for(dtype: str, steps: int) -> int:
+    """Steps of a run: ``steps`` in bf16/fp16, a third of them (at least 6) in tf32/fp32, whose steps are longer."""
+    return steps if dtype in ("bf16", "fp16") else max(6, steps // 3)
+
+
+def peers(config: str, overrides: list[str], target: float, out_dir: str, timeout: float) -> Check:
+    """``python -m benchmarks gpu-peers`` (3 rounds): its table, and tessera compiled / HF compiled tokens/s."""
+    name = f"tessera compiled / HF compiled tokens/s >= {target:g}"
+    result = os.path.join(out_dir, "peers.json")
+    rc, out = run([sys.executable, "-m", "benchmarks", "gpu-peers", "--config", config, "--rounds", "3",
+                   "--out", "", "--json", result, *overrides], timeout)
+    if rc != 0 or not os.path.exists(result):
+        return Check(name, False, f"gpu-peers exited {rc}: {out.strip().splitlines()[-1:] or ['no output']}")
+    print("\n".join(line for line in out.splitlines() if line.startswith("|")), flush=True)
+    with open(result) as f:
+        wall = json.load(f)["wall"]
+    ratios = sorted(b / a for a, b in zip(wall["tessera compiled"], wall["hf compiled"]))
+    ratio = statistics.median(ratios)
+    return Check(name, ratio >= target, f"{ratio:.2f}x (paired by round, {ratios[0]:.2f}-{ratios[-1]:.2f})")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=os.path.join(ROOT, "configs", "1B.py"), help="config of the training runs")
     p.add_argument("--steps", type=positive_int, default=20, help="steps of each training run (default 20)")
     p.add_argument("--out", default=None, help="also write the report (markdown) here")
     p.add_argument("--skip-tests", action="store_true", help="leave out pytest -m cuda")
-    p.add_argument("--timeout", type=positive_int, default=1200, help="seconds allowed to each part")
+    p.add_argument("--timeout", type=positive_int, default=1200, help="seconds allowed to each part at most")
+    p.add_argument("--budget", type=positive_int, default=290, help="seconds for the whole report (default 290)")
+    p.add_argument("--skip-peers", action="store_true", help="leave out the peer comparison")
+    p.add_argument("--peer-target", type=float, default=1.25,
+                   help="tessera compiled / HF compiled tokens/s to pass (default 1.25)")
     p.add_argument("overrides", nargs="*", help="key.sub=value pairs for the training runs")
     args = p.parse_intermixed_args(argv)
     import torch
@@ -221,23 +255,33 @@ def main(argv: list[str] | None = None) -> int:
     env = environment()
     print(env, flush=True)
     checks: list[Check] = []
+    deadline = time.monotonic() + args.budget
+
+    def left() -> float:  # a part's time-out: what is left of the budget, at least a minute
+        return max(60.0, min(float(args.timeout), deadline - time.monotonic()))
+
     with tempfile.TemporaryDirectory(prefix="tessera-gpu-acceptance-") as out_dir:
         if not args.skip_tests:
-            checks += cuda_tests(out_dir, args.timeout)
+            checks += cuda_tests(out_dir, left())
             print(f"{checks[0].name}: {checks[0].detail}", flush=True)
         bf16_peak = None
-        for dtype in ("bf16", "fp16"):
-            rc, out, metrics = train_run(args.config, dtype, args.steps, args.overrides, out_dir, args.timeout)
+        for dtype in DTYPES:
+            steps = steps_for(dtype, args.steps)
+            rc, out, metrics = train_run(args.config, dtype, steps, args.overrides, out_dir, left())
             summary = summarize_run(metrics) if rc == 0 and os.path.exists(metrics) else None
-            checks.append(judge_run(f"train.py {dtype}, {args.steps} steps", rc, out, summary, args.steps))
+            checks.append(judge_run(f"train.py {dtype}, {steps} steps", rc, out, summary, steps))
             print(f"{checks[-1].name}: {checks[-1].detail}", flush=True)
             if dtype == "bf16" and summary is not None:
                 bf16_peak = summary["peak_mem_gib"]
-                run_cfg = run_overrides(dtype, args.steps, out_dir, "x") + args.overrides
+                run_cfg = run_overrides(dtype, steps, out_dir, "x") + args.overrides
                 checks.append(memory_check_vs_peak(args.config, run_cfg, bf16_peak))
         if bf16_peak is None:
             checks.append(Check("memory check vs real peak (bf16 run)", False, "the bf16 run did not finish"))
         checks.append(probe_vs_table())
+        if not args.skip_peers:
+            checks.append(peers(args.config, args.overrides, args.peer_target, out_dir, left()))
+            print(f"{checks[-1].name}: {checks[-1].detail}", flush=True)
+    print(f"took {args.budget - (deadline - time.monotonic()):.0f} s of a {args.budget} s budget", flush=True)
     command = "python tools/gpu_acceptance.py " + " ".join(argv if argv is not None else sys.argv[1:])
     report = to_markdown(env, checks, command.strip())
     print(report)
