@@ -14,7 +14,6 @@ import os
 import sys
 import traceback
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
@@ -201,25 +200,21 @@ def weights_only_start(cfg: Config, job: Job, model: torch.nn.Module) -> None:
     logger.info("initialized weights from %s", cfg.ckpt.load_ckpt_folder)
 
 
-@dataclass
 class Run:
     """What the loop works on: the config, the job, the stack, the data, and what a checkpoint holds (one
-    registry: saving and resuming iterate it)."""
+    registry: saving and resuming iterate it). A plain class, not a dataclass: tests load this script from
+    its path without registering it as a module, which a dataclass's annotations need."""
 
-    cfg: Config
-    job: Job
-    stack: TrainingStack
-    data: DataBundle
-    peak: tuple[float, str]  # MFU denominator (TFLOP/s per device) and where it came from
-    last_ckpt: str | None = None
-    metrics: MetricsWriter | None = None
-
-    def __post_init__(self) -> None:
+    def __init__(self, cfg: Config, job: Job, stack: TrainingStack, data: DataBundle, peak: tuple[float, str]) -> None:
+        self.cfg, self.job, self.stack, self.data = cfg, job, stack, data
+        self.peak = peak  # MFU denominator (TFLOP/s per device) and where it came from
+        self.last_ckpt: str | None = None
+        self.metrics: MetricsWriter | None = None
         self.progress = Progress()
-        self.state = TrainState(self.stack.inner_model, self.stack.optimizer, progress=self.progress,
-                                lr_scheduler=self.stack.scheduler, sampler=self.data.train)
+        self.state = TrainState(stack.inner_model, stack.optimizer, progress=self.progress,
+                                lr_scheduler=stack.scheduler, sampler=data.train)
         self.state.register("rng", RngStreams(gpc), per_rank=True)
-        self.flops_per_token = flops_per_token(self.cfg.model, self.cfg.data.seq_len)
+        self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
 
     @property
     def log(self) -> MetricsWriter:
