@@ -18,6 +18,7 @@ import io
 import os
 import re
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -201,6 +202,8 @@ def _train_module():
     """The repository's train.py as a module (a script at the root, not part of the package)."""
     spec = importlib.util.spec_from_file_location("_train_for_env_faults", os.path.join(ROOT, "train.py"))
     module = importlib.util.module_from_spec(spec)
+    # registered before it runs: its dataclasses resolve their (string) annotations through sys.modules
+    sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
 
