@@ -18,8 +18,11 @@ torchrun's ``TORCHELASTIC_RESTART_COUNT`` counts attempts), so a restarted attem
                                         "mid_write" (its model shard written, its optimizer shard not)
                                         or "before_commit" (rank 0: all files + meta.json written,
                                         folder not yet renamed into place)
-  TESSERA_FAULT_READY="STEP:PATH:SECS"  rank 0 creates PATH once STEP is done; from then on every
-                                        step sleeps SECS on every rank (time for a test to signal)
+  TESSERA_FAULT_READY="STEP:PATH"       rank 0 creates PATH once STEP is done; then every rank holds at
+                                        the end of STEP until a stop request has reached it (a signal,
+                                        through train.py's handler, or the --stop-file exists), so the
+                                        run stops after exactly STEP however late the test signals; a
+                                        rank still holding after HOLD_GUARD_S raises (a hang guard)
   TESSERA_FAULT_TRACE=FOLDER            every rank appends one JSON line per step to
                                         FOLDER/trace_rank<R>.jsonl: attempt, step, the global sample
                                         ids it trained on, a digest of its RNG states at step start,
@@ -43,6 +46,7 @@ import torch
 
 from tessera.data.loader import TrainLoader
 from tessera.train.step import Trainer
+from tessera.train.stop import StopRequest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -91,6 +95,7 @@ SAVE = os.environ.get("TESSERA_FAULT_SAVE", "").split(":") if ARMED and os.envir
 READY = os.environ.get("TESSERA_FAULT_READY", "").split(":") if os.environ.get("TESSERA_FAULT_READY") else None
 TRACE = os.environ.get("TESSERA_FAULT_TRACE")
 _trace_file = None
+HOLD_GUARD_S = 300  # TESSERA_FAULT_READY: a test that never sends its stop request fails instead of hanging
 
 
 def _say(msg: str) -> None:
@@ -170,15 +175,41 @@ class FaultTrainer(Trainer):
         step = STEP["n"]
         _trace({"step": step, "samples": STEP["samples"], "rng": STEP["rng"], "success": result.success,
                 "loss": result.loss, "params": _digest(p for p in self.model.parameters())})
-        if READY and step >= int(READY[0]):
-            if RANK == 0 and step == int(READY[0]):
+        if READY and step == int(READY[0]):
+            if RANK == 0:
                 with open(READY[1], "w") as f:
                     f.write(str(step))
-            time.sleep(float(READY[2]))
+            _hold_until_stop_requested(step)
         return result
 
 
 train.build_training_stack = functools.partial(train.build_training_stack, trainer_cls=FaultTrainer)
+
+
+# ---------------------------------------------------------------------------- holding for a stop request
+_STOPS: list[StopRequest] = []  # the StopRequest train.py's loop installed (its handler records signals)
+_orig_install = StopRequest.install
+
+
+def _install(self: StopRequest) -> None:
+    _STOPS.append(self)
+    _orig_install(self)
+
+
+StopRequest.install = _install
+
+
+def _hold_until_stop_requested(step: int) -> None:
+    """Wait until this rank's stop request is pending: the signal handler has run (it sets ``reason``), or the
+    stop file exists. The step boundary that follows agrees on it, so the run stops after ``step``."""
+    stop = _STOPS[-1]
+    deadline = time.monotonic() + HOLD_GUARD_S
+    while stop.reason is None and not (stop.stop_file and os.path.exists(stop.stop_file)):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"fault_train: no stop request reached rank {RANK} within {HOLD_GUARD_S} s "
+                               f"after step {step} (TESSERA_FAULT_READY)")
+        time.sleep(0.01)
+    _say(f"stop request seen after step {step}")
 
 
 # ---------------------------------------------------------------------------- checkpoint saving

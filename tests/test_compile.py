@@ -290,16 +290,32 @@ def test_inductor_without_a_cpp_compiler_fails_in_one_line():
     assert "model.compile.enabled=False" in lines[0] and len(lines[0]) < 600
 
 
-def test_build_training_stack_compiles_the_blocks_and_a_dry_run_does_not():
+def test_build_training_stack_compiles_the_blocks_and_a_dry_run_does_not(monkeypatch):
+    """With model.compile on, a real stack's blocks are compiled; the dry run of the same config (meta
+    parameters, one full step) builds its stack through the same builder, whose compile_blocks sets up no
+    block, and Dynamo captures no frame and compiles no graph while it runs."""
+    from torch._dynamo.utils import counters
+
     from tessera.plan import dry_run
+    from tessera.train import builder
     from tessera.train.builder import build_training_stack
 
     cfg = Config.from_file(os.path.join(ROOT, "configs", "tiny.py"),
                            ["model.compile.enabled=True", "model.compile.backend='aot_eager'"])
     stack = build_training_stack(cfg, Job.of(cfg), sync_buffer=False)
     assert compiled_blocks(stack.inner_model) == cfg.model.num_layers > 0
-    trace = dry_run(cfg, 2)  # meta parameters: eager blocks, one full step
-    assert trace is not None
+    calls = []
+
+    def recording(model, **kw):
+        calls.append((model, compile_blocks(model, **kw)))
+        return calls[-1][1]
+
+    monkeypatch.setattr(builder, "compile_blocks", recording)
+    before = (counters["frames"]["total"], counters["stats"]["unique_graphs"])
+    trace = dry_run(cfg, 2)
+    assert trace.persistent_total > 0 and trace.backward_peak > 0  # the step ran
+    assert [(n, compiled_blocks(model)) for model, n in calls] == [(0, 0)]  # asked once, set up nothing
+    assert (counters["frames"]["total"], counters["stats"]["unique_graphs"]) == before, "the dry run compiled"
 
 
 # ---------------------------------------------------------------------------------------------- TP = 2 (gloo)

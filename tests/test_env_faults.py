@@ -18,7 +18,7 @@ import io
 import os
 import re
 import subprocess
-import time
+import sys
 
 import pytest
 import torch
@@ -43,6 +43,9 @@ from tessera.files import folder_write_problem
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MIB = 2**20
+# a hang guard, not a speed requirement: a job (gloo processes or a torchrun launch) still running after this is
+# hung, and fails; generous, as a loaded 2-core machine can take minutes
+HANG_GUARD_S = 150
 
 
 # ------------------------------------------------------------------------------------------ tmpfs
@@ -102,7 +105,6 @@ def _save_job(rank: int, world: int, folder: str, inject: bool) -> dict:
                     raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
                 return real(tensors, path, metadata=metadata)
             ckpt_tree.save_file = full
-        t0 = time.monotonic()
         try:
             save_checkpoint(folder, step, state, config=None, layout=layout)
             out[step] = None
@@ -110,7 +112,6 @@ def _save_job(rank: int, world: int, folder: str, inject: bool) -> dict:
             out[step] = (str(e), e.every_rank)
         finally:
             ckpt_tree.save_file = real
-        out[f"seconds{step}"] = time.monotonic() - t0
     dist.barrier()
     out["listing"] = sorted(os.listdir(folder))
     _, _, state2 = _build(rank, 5)
@@ -134,7 +135,6 @@ def _check_no_space(outs, folder):
         assert "No space left on device" in message, message
         assert re.search(_SPACE, message), message
         assert message.endswith(f"the last complete checkpoint is {os.path.join(folder, 'step_1')}"), message
-        assert out["seconds2"] < 60
         assert out["listing"] == ["step_1"], out["listing"]  # the partial step_2 removed
         assert out["resumed"] == "step_1"
     assert outs[0][2] == outs[1][2]  # the same line on every rank
@@ -143,7 +143,7 @@ def _check_no_space(outs, folder):
 def test_no_space_injected_into_one_ranks_write(tmp_path):
     """safetensors' ENOSPC on rank 1 only (rank 0 wrote its files): both ranks stop together, nothing hangs."""
     folder = str(tmp_path / "ckpt")
-    outs = run_distributed(_save_job, 2, folder, True, timeout=120)
+    outs = run_distributed(_save_job, 2, folder, True, timeout=HANG_GUARD_S)
     _check_no_space(outs, folder)
     assert "rank 1: " in outs[0][2][0] and "rank 0: " not in outs[0][2][0]
 
@@ -151,7 +151,7 @@ def test_no_space_injected_into_one_ranks_write(tmp_path):
 def test_no_space_on_a_small_tmpfs(tmp_path):
     with small_tmpfs(tmp_path / "small", int(1.5 * MIB)) as mnt:
         folder = os.path.join(mnt, "ckpt")
-        outs = run_distributed(_save_job, 2, folder, False, timeout=120)
+        outs = run_distributed(_save_job, 2, folder, False, timeout=HANG_GUARD_S)
         _check_no_space(outs, folder)
         found = re.search(_SPACE, outs[0][2][0])
         needed, free = int(found.group(1)), int(found.group(2))
@@ -163,7 +163,7 @@ COMMON = ["data.type='synthetic'", "metrics.progress_bar=False", "metrics.tensor
           "data.micro_bsz=1", "parallel.zero1.size=2", "generate.max_new_tokens=0", "lr_scheduler.total_steps=4"]
 
 
-def _train(tmp, *overrides, timeout=150):
+def _train(tmp, *overrides, timeout=HANG_GUARD_S):
     return run_torchrun([os.path.join(ROOT, "train.py"), "--config", os.path.join(ROOT, "configs", "tiny.py"),
                          *COMMON, f"log_folder='{tmp}/logs'", *overrides], nproc_per_node=2, timeout=timeout,
                         cwd=str(tmp))
@@ -202,6 +202,8 @@ def _train_module():
     """The repository's train.py as a module (a script at the root, not part of the package)."""
     spec = importlib.util.spec_from_file_location("_train_for_env_faults", os.path.join(ROOT, "train.py"))
     module = importlib.util.module_from_spec(spec)
+    # registered before it runs: its dataclasses resolve their (string) annotations through sys.modules
+    sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
 
@@ -241,9 +243,8 @@ def test_every_output_folder_is_checked_naming_its_key(tmp_path, key):
 
 
 def test_train_py_reports_an_unwritable_checkpoint_folder_on_every_rank_before_training(tmp_path):
-    t0 = time.monotonic()
     proc = _train(tmp_path, "ckpt.enable_save_ckpt=True", "ckpt.save_ckpt_folder='/proc/x'", "data.total_steps=2")
-    assert proc.returncode not in (0, 124) and time.monotonic() - t0 < 60, (proc.returncode, proc.stderr[-3000:])
+    assert proc.returncode not in (0, 124), (proc.returncode, proc.stderr[-3000:])  # 124: a hang (HANG_GUARD_S)
     for rank in (0, 1):
         assert _error_lines(proc, rank) == [f"[rank {rank}] error: ckpt.save_ckpt_folder=/proc/x: cannot create "
                                             "/proc/x: No such file or directory"], proc.stderr[-3000:]

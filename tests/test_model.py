@@ -12,10 +12,6 @@ import contextlib
 import logging
 import math
 import os
-import resource
-import subprocess
-import sys
-import time
 
 import pytest
 import torch
@@ -23,6 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from harness.distributed import run_distributed
+from harness.peak_rss import run_measured
 from tessera.config import Config
 from tessera.core.context import gpc, launch_from_torch
 from tessera.model import attention as attention_module
@@ -344,20 +341,22 @@ def test_count_parameters_and_flops_match_the_built_model(overrides):
     assert flops_per_token(cfg, seq) == pytest.approx(3 * (2 * linear + attention))
 
 
-def test_model_summary_tool_7b_is_fast_and_allocates_nothing():
-    start = time.monotonic()
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "model_summary.py"),
-                           os.path.join(ROOT, "configs", "7B.py"), "--tp", "8"],
-                          capture_output=True, text=True, timeout=60)
-    elapsed = time.monotonic() - start
-    assert proc.returncode == 0, proc.stderr
+def test_model_summary_tool_7b_allocates_nothing():
+    """tools/model_summary.py builds the 7B on the meta device: in a fresh process of its own (harness.peak_rss),
+    after importing what the tool imports, running it raises that process's peak RSS by next to nothing, where
+    one TP rank's fp32 shard alone would be ~3.4 GiB (and the TP=1 count build ~27 GiB). How long it takes is
+    not asserted (a loaded machine says nothing about the tool): the timeout only catches a hang."""
+    hang_guard_s = 300
+    run = run_measured(os.path.join(ROOT, "tools", "model_summary.py"), [os.path.join(ROOT, "configs", "7B.py"), "--tp",
+                       "8"], preload=("torch", "tessera.config", "tessera.model", "tessera.parallel"),
+                       timeout=hang_guard_s)
+    assert run.returncode == 0, run.stderr
     cfg = Config.from_file(os.path.join(ROOT, "configs", "7B.py"))
-    assert f"{count_parameters(cfg.model):,}" in proc.stdout
-    assert "layers.0.feed_forward.w1.weight" in proc.stdout and "[1376, 4096]" in proc.stdout
-    assert elapsed < 60
-    # fp32 weights of a 7B would be ~29 GB; the child's peak resident memory stays far below
-    peak_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    assert peak_kib < 2 * 1024 * 1024, f"peak RSS of a child process {peak_kib / 1024:.0f} MiB"
+    assert f"{count_parameters(cfg.model):,}" in run.stdout
+    assert "layers.0.feed_forward.w1.weight" in run.stdout and "[1376, 4096]" in run.stdout
+    shard_bytes = 4 * count_parameters(cfg.model) / 8
+    assert run.growth_bytes < 64 * 2**20 < shard_bytes / 50, \
+        f"the tool raised its process's peak RSS by {run.growth_bytes / 2**20:.0f} MiB"
     assert math.isfinite(flops_per_token(cfg.model, 2048))
 
 

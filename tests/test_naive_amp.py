@@ -178,10 +178,28 @@ def test_tp_tags_and_parameter_identity_survive_cast():
     assert partition_dim(amp.model.output.weight) == 0
 
 
-def test_sync_buffer_is_a_no_op_without_distributed():
+def test_sync_buffer_is_a_no_op_without_distributed(monkeypatch):
+    """No process group: sync_buffer=True runs no collective, leaves the buffers as they were and gives the
+    same output as sync_buffer=False on an identical model."""
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+
+    def no_collective(*args, **kwargs):
+        raise AssertionError("sync_buffer ran a collective without a process group")
+
+    monkeypatch.setattr(dist, "all_reduce", no_collective)
     model = TinyLM()
-    amp = NaiveAMPModel(model, dtype="bf16", sync_buffer=True)
-    amp(torch.randint(0, 16, (1, 3)))  # no process group: must simply run
+    with torch.no_grad():
+        model.norm.eps.fill_(0.25)  # a buffer an average could change if it were synced
+    twin = copy.deepcopy(model)
+    synced = NaiveAMPModel(model, dtype="bf16", sync_buffer=True)
+    plain = NaiveAMPModel(twin, dtype="bf16", sync_buffer=False)
+    buffers = {n: b.clone() for n, b in synced.model.named_buffers()}
+    ids = torch.randint(0, 16, (1, 3))
+    out, ref = synced(ids), plain(ids)
+    assert torch.equal(out["logits"], ref["logits"])
+    assert all(torch.equal(b, buffers[n]) for n, b in synced.model.named_buffers()) and buffers
 
 
 # ---------------------------------------------------------------- the decoder's precision corners

@@ -4,8 +4,10 @@ The multi-process tests run ``tests/fault_train.py`` (train.py plus faults chose
 variables) under torchrun on CPU with gloo, TP=2, and compare against one uninterrupted reference run
 of the same configuration: per-step losses bitwise, the global sample ids each step trained on, a
 digest of every rank's RNG states at the start of each step and of its parameters after it. Dropout
-is on, so the losses themselves depend on the restored RNG streams. Every launch is bounded by a
-timeout, so a hang fails the test instead of blocking CI.
+is on, so the losses themselves depend on the restored RNG streams. Every launch is bounded by
+``HANG_GUARD_S``, so a hang fails the test instead of blocking CI; no wall-clock figure decides a verdict
+(on a loaded machine it measures the machine): a stop request is sent once the run reports the step it
+waits at, and the tests check the step the run says it stopped after.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import multiprocessing as mp
 import os
 import pickle
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -48,7 +51,9 @@ COMMON = ["data.type='synthetic'", "metrics.progress_bar=False", "metrics.tensor
           "model.dtype='torch.float32'", "parallel.tensor.size=2", "data.seq_len=32", "data.micro_bsz=2",
           "data.micro_num=2", f"data.total_steps={N}", f"lr_scheduler.total_steps={N}",
           "lr_scheduler.warmup_ratio=0.25", "adam.lr=3e-3", "model.dropout=0.1", "model.attn_dropout=0.1"]
-LAUNCH_TIMEOUT = 120
+# a hang guard, not a speed requirement: a launch (torchrun, 2 ranks, 8 tiny steps) still running after this
+# is hung; generous, as a loaded 2-core machine can take minutes
+HANG_GUARD_S = 300
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -67,20 +72,17 @@ class Run:
         full_env.update(env or {})
         self.cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", *torchrun_args,
                     "--nproc_per_node=2", *args, *overrides]
-        self.t0 = time.monotonic()
         self.proc = subprocess.Popen(self.cmd, cwd=str(tmp_path), env=full_env, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True, start_new_session=True)
         self.stdout = self.stderr = ""
-        self.elapsed = None
 
-    def wait(self, timeout=LAUNCH_TIMEOUT) -> Run:
+    def wait(self, timeout=HANG_GUARD_S) -> Run:
         try:
             self.stdout, self.stderr = self.proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.stdout, self.stderr = self.proc.communicate()
             pytest.fail(f"torchrun did not finish within {timeout}s (a hang):\n{self.stderr[-4000:]}")
-        self.elapsed = time.monotonic() - self.t0
         return self
 
     @property
@@ -105,7 +107,7 @@ class Run:
             return [json.loads(line) for line in f]
 
 
-def launch(tmp_path, name, overrides=(), timeout=LAUNCH_TIMEOUT, **kw) -> Run:
+def launch(tmp_path, name, overrides=(), timeout=HANG_GUARD_S, **kw) -> Run:
     return Run(tmp_path, name, overrides, **kw).wait(timeout)
 
 
@@ -116,7 +118,7 @@ def last_per_step(records):
     return out
 
 
-def wait_for_file(path, run: Run, timeout=90):
+def wait_for_file(path, run: Run, timeout=HANG_GUARD_S):
     deadline = time.monotonic() + timeout
     while not os.path.exists(path):
         if run.proc.poll() is not None:
@@ -545,7 +547,6 @@ def test_nan_loss_in_bf16_skips_on_both_ranks_then_stops_naming_step_and_checkpo
                                    "hybrid_zero_optimizer.max_consecutive_skips=2"], ckpt=ckpt,
                  env={"TESSERA_FAULT_NAN": "1:2,4,5,6"})  # rank 1 only: rank 0's own loss stays finite
     assert run.rc not in (0, 124), run.rc
-    assert run.elapsed < 60
     expected = "stopping at step 6: 3 optimizer steps in a row had inf/NaN gradients"
     reports = [line for line in run.stderr.splitlines() if line.startswith("[rank ") and "] error: " in line]
     assert any(expected in line and f"last good checkpoint: {os.path.join(ckpt, 'step_4')}" in line
@@ -601,10 +602,12 @@ def test_fp16_stop_rule_counts_skips_only_at_the_minimum_scale():
 
 
 # ------------------------------------------------------------------------------------------ no hangs
-def test_a_rank_raising_mid_step_stops_the_job_quickly(tmp_path):
-    run = launch(tmp_path, "raise", env={"TESSERA_FAULT_RAISE": "1:3"}, timeout=90)
+def test_a_rank_raising_mid_step_stops_the_job_without_a_forced_kill(tmp_path):
+    """Rank 1 raises in step 3: the job goes down with its error, and no rank is left hanging for torchrun to
+    SIGKILL after its grace period (how long that takes is the machine's business: the launch's hang guard
+    only catches a job that never ends)."""
+    run = launch(tmp_path, "raise", env={"TESSERA_FAULT_RAISE": "1:3"})
     assert run.rc not in (0, 124), run.rc
-    assert run.elapsed < 30, f"the job took {run.elapsed:.0f}s to go down"
     assert "[rank 1] training failed" in run.stderr and "injected fault: rank 1 raises mid-step 3" in run.stderr
     assert "forcefully exiting" not in run.stderr  # no rank was left hanging for torchrun to SIGKILL
     assert sorted(run.losses()) == [1, 2]
@@ -614,11 +617,12 @@ def test_a_rank_raising_mid_step_stops_the_job_quickly(tmp_path):
 def test_a_hung_rank_is_caught_by_the_collective_timeout(tmp_path, route):
     """Rank 1 stops answering mid-step; rank 0's next collective in the TP group (gloo made by new_group,
     or the shared-memory all-reduce) gives up after dist.timeout_s instead of gloo's default of 30
-    minutes, and the job goes down."""
+    minutes, and the job goes down: the error quotes the configured timeout (a hang until gloo's default would
+    trip the launch's hang guard instead)."""
     timeout_s = 4
     mode = "off" if route == "gloo" else "on"
     run = launch(tmp_path, "hang", [f"dist.timeout_s={timeout_s}", f"dist.cpu_shm_allreduce='{mode}'"],
-                 env={"TESSERA_FAULT_HANG": "1:3"}, timeout=90)
+                 env={"TESSERA_FAULT_HANG": "1:3"})
     assert run.rc not in (0, 124), run.rc
     assert "hanging mid-step 3" in run.stderr
     assert "[rank 0] training failed" in run.stderr, run.stderr[-4000:]
@@ -627,43 +631,53 @@ def test_a_hung_rank_is_caught_by_the_collective_timeout(tmp_path, route):
     else:
         assert f"timed out after {timeout_s} s (dist.timeout_s) waiting for global rank(s) [1]" in run.stderr, \
             run.stderr[-4000:]
-    assert run.elapsed < 45, f"the job took {run.elapsed:.0f}s to go down"
 
 
 # ------------------------------------------------------------------------------------------ stop requests
+def stops_reported(run: Run) -> list[tuple[str, int]]:
+    """(reason, step) of each "stop requested (REASON) after step N" event the run logged."""
+    found = [re.fullmatch(r"stop requested \((.*)\) after step (\d+)", e.get("message", "")) for e in events(run)]
+    return [(m.group(1), int(m.group(2))) for m in found if m]
+
+
 @pytest.mark.slow
 def test_sigterm_and_stop_file_save_and_exit_then_resume(tmp_path, ref):
+    """A stop request saves the step the run reports it stopped after, and a relaunch resumes from there.
+
+    Which step a request lands after is not left to timing: with TESSERA_FAULT_READY the run reports (a file)
+    that step STEP is done and holds there until the request has reached its ranks, so it stops after STEP."""
     ckpt = str(tmp_path / "ckpt")
     every = ["ckpt.checkpoint_every=100"]  # only the stop requests (and the end) save
 
-    # 1. SIGTERM to the torchrun agent once step 3 is done
+    # 1. SIGTERM to the torchrun agent once the run reports step 3 done
     ready = str(tmp_path / "ready_a")
-    a = Run(tmp_path, "a", every, ckpt=ckpt, env={"TESSERA_FAULT_READY": f"3:{ready}:1.0"})
+    a = Run(tmp_path, "a", every, ckpt=ckpt, env={"TESSERA_FAULT_READY": f"3:{ready}"})
     wait_for_file(ready, a)
     a.proc.send_signal(signal.SIGTERM)
-    a.wait(60)
-    stop_a = max(a.losses())
-    assert 3 <= stop_a <= 4, stop_a
-    assert any(e["message"] == f"stop requested (SIGTERM) after step {stop_a}" for e in events(a)), events(a)
-    assert os.path.isdir(os.path.join(ckpt, f"step_{stop_a}"))
+    a.wait()
+    assert stops_reported(a) == [("SIGTERM", 3)], (events(a), a.stderr[-3000:])
+    stop_a = 3
+    assert max(a.losses()) == stop_a  # nothing trained past the reported step
+    assert [os.path.basename(p) for p in list_checkpoints(ckpt)] == [f"step_{stop_a}"]
     # torchrun itself exits 1 when signalled (SignalException); its workers saved and returned cleanly
     for rank in (0, 1):
         assert f"[fault_train rank {rank} attempt 0] main returned 0" in a.stderr, a.stderr[-3000:]
     assert "forcefully exiting" not in a.stderr, a.stderr[-3000:]  # no SIGKILL after torchrun's grace period
     assert "training failed" not in a.stderr and "] error:" not in a.stderr
 
-    # 2. resume, then a stop file once step stop_a + 2 is done
+    # 2. resume, then a stop file once the run reports step stop_a + 2 done
     ready, stop_file = str(tmp_path / "ready_b"), str(tmp_path / "STOP")
     b = Run(tmp_path, "b", every, ckpt=ckpt, extra=["--stop-file", stop_file],
-            env={"TESSERA_FAULT_READY": f"{stop_a + 2}:{ready}:1.0"})
+            env={"TESSERA_FAULT_READY": f"{stop_a + 2}:{ready}"})
     wait_for_file(ready, b)
     open(stop_file, "w").close()
-    b.wait(60)
+    b.wait()
     b.check_ok()
-    stop_b = max(b.losses())
     assert [os.path.basename(p) for p in resumed_from(b)] == [f"step_{stop_a}"]
-    assert stop_a + 2 <= stop_b < N, stop_b
-    assert any(e["message"] == f"stop requested (stop file {stop_file}) after step {stop_b}" for e in events(b))
+    assert stops_reported(b) == [(f"stop file {stop_file}", stop_a + 2)], events(b)
+    stop_b = stop_a + 2
+    assert max(b.losses()) == stop_b
+    assert [os.path.basename(p) for p in list_checkpoints(ckpt)] == [f"step_{stop_a}", f"step_{stop_b}"]
     assert not os.path.exists(stop_file), "an honoured stop file is removed so the next launch trains on"
 
     # 3. resume and finish; every step's final loss equals the uninterrupted run's

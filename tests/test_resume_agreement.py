@@ -8,8 +8,9 @@ agreement the healthy ranks wait in the optimizer's ZeRO all-gather while the da
 fallback agreement: a hang until the collective timeout (30 minutes by default).
 
 Gloo jobs of 2 and 4 ranks (ZeRO over the whole DP group, over halves of it, and off) run through
-``harness.distributed.run_distributed`` bounded by 60 s; two ``train.py`` launches under torchrun
-(DP=2, ZeRO=2) check the whole path a user sees, also within 60 s.
+``harness.distributed.run_distributed``; two ``train.py`` launches under torchrun (DP=2, ZeRO=2) check the
+whole path a user sees. Every job is bounded by ``HANG_GUARD_S`` (a hang fails the test; how fast a resume
+is, is not asserted: on a loaded machine that measures the machine).
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import time
 
 import pytest
 import torch
@@ -37,7 +37,9 @@ from tessera.checkpoint import (
 )
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BOUND_S = 60  # a resume that neither finishes nor stops within this is a hang
+# a hang guard, not a speed requirement: a job (per resume scenario set, or a torchrun launch) neither finished nor
+# stopped after this is hung, as the healthy ranks would be in the ZeRO all-gather without the agreement
+HANG_GUARD_S = 180
 
 
 # ------------------------------------------------------------------------------------------ gloo jobs
@@ -138,7 +140,6 @@ def _case(rank: int, world: int, zero: int, zero_group, folder: str) -> dict:
         dist.barrier()
         records.clear()
         model2, _, state2 = build(7)
-        t0 = time.monotonic()
         try:
             path, _ = find_resumable_checkpoint(
                 copy, layout, load=lambda p, s=state2: load_checkpoint(p, s, layout=layout))
@@ -146,13 +147,12 @@ def _case(rank: int, world: int, zero: int, zero_group, folder: str) -> dict:
             error = None
         except CheckpointError as e:
             result, error = None, str(e)
-        seconds = time.monotonic() - t0
         same = None
         if result:
             step = int(result.split("_")[1])
             same = all(torch.equal(p.detach().float(), q) for p, q in zip(model2.parameters(), saved[step]))
             same = same and torch.equal(state2.per_rank["rng"].state["t"], torch.full((3,), float(rank)))
-        out[name] = {"resumed": result, "error": error, "seconds": seconds, "weights_match": same,
+        out[name] = {"resumed": result, "error": error, "weights_match": same,
                      "warnings": [r.getMessage() for r in records if r.levelno >= logging.WARNING],
                      "damage": {s: os.path.join(copy, f"step_{s}", f) for s, (f, _) in damage.items()}}
     logging.getLogger("tessera").removeHandler(handler)
@@ -179,9 +179,9 @@ def test_one_ranks_bad_file_makes_every_rank_fall_back_or_stop_together(tmp_path
     """A damaged or missing file of the newest step (the last rank's own RNG file, or the optimizer file of
     its ZeRO rank), with ZeRO over all DP ranks, over halves of them and off: every rank resumes from step 1
     with its weights and RNG state, and every rank logs the file and the rank(s) that found it. With the
-    other step unreadable too, every rank raises one error naming both steps and files. Each resume ends
-    within the bound (without the agreement, the ZeRO cases hang until the job is killed)."""
-    outs = run_distributed(_job, world, zeros, str(tmp_path / "ckpt"), timeout=BOUND_S * len(zeros) + 30)
+    other step unreadable too, every rank raises one error naming both steps and files. No resume hangs
+    (without the agreement, the ZeRO cases wait in a collective until the hang guard ends the job)."""
+    outs = run_distributed(_job, world, zeros, str(tmp_path / "ckpt"), timeout=HANG_GUARD_S * len(zeros))
     for rank, by_zero in enumerate(outs):
         for zero, scenarios in by_zero.items():
             for name, seen in scenarios.items():
@@ -189,7 +189,6 @@ def test_one_ranks_bad_file_makes_every_rank_fall_back_or_stop_together(tmp_path
 
 
 def _check(seen: dict, where: tuple, world: int) -> None:
-    assert seen["seconds"] < BOUND_S, (where, seen["seconds"])
     bad = seen["damage"]
     if len(bad) == 2:  # no step readable: one error, naming every step and file
         assert seen["resumed"] is None and seen["error"], (where, seen)
@@ -220,7 +219,7 @@ def test_error_texts_reach_every_rank_grouped_by_text():
     cases = [[None, "b é", None, "b é"],  # non-ASCII survives the byte exchange
              [None, None, "x" * 5000, None],  # cut to tessera.parallel.comm._TEXT_BYTES
              [None] * 4, ["same"] * 4, ["", None, None, None]]
-    outs = run_distributed(_exchange, 4, cases, timeout=BOUND_S)
+    outs = run_distributed(_exchange, 4, cases, timeout=HANG_GUARD_S)
     assert outs == [[["ranks 1,3: b é"], ["rank 2: " + "x" * 2000], [], ["same"],
                      ["rank 0: failed without a message"]]] * 4
 
@@ -273,7 +272,7 @@ COMMON = ["data.type='synthetic'", "metrics.progress_bar=False", "metrics.tensor
           "generate.max_new_tokens=0", "lr_scheduler.total_steps=4"]
 
 
-def _train(tmp, ckpt, steps, timeout):
+def _train(tmp, ckpt, steps, timeout=HANG_GUARD_S):
     return run_torchrun([os.path.join(ROOT, "train.py"), "--config", os.path.join(ROOT, "configs", "tiny.py"),
                          *COMMON, f"log_folder='{tmp}/logs'", f"ckpt.save_ckpt_folder='{ckpt}'",
                          f"data.total_steps={steps}"], nproc_per_node=2, timeout=timeout, cwd=str(tmp))
@@ -283,7 +282,7 @@ def _train(tmp, ckpt, steps, timeout):
 def saved(tmp_path_factory):
     """Checkpoints of steps 1 and 2 of the tiny model at DP=2, ZeRO=2 (one optimizer file per rank)."""
     tmp = tmp_path_factory.mktemp("saved")
-    proc = _train(tmp, str(tmp / "ckpt"), 2, 180)
+    proc = _train(tmp, str(tmp / "ckpt"), 2)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert os.path.isfile(tmp / "ckpt" / "step_2" / "optim_tp0_zero1.safetensors")
     return str(tmp / "ckpt")
@@ -300,10 +299,8 @@ def test_train_py_falls_back_when_rank1s_rng_file_is_damaged(saved, tmp_path):
     ckpt = _copy(saved, tmp_path)
     bad = os.path.join(ckpt, "step_2", "rng_rank1.safetensors")
     _flip(bad)
-    t0 = time.monotonic()
-    proc = _train(tmp_path, ckpt, 3, BOUND_S + 30)
-    elapsed = time.monotonic() - t0
-    assert proc.returncode == 0 and elapsed < BOUND_S, (proc.returncode, elapsed, proc.stderr[-4000:])
+    proc = _train(tmp_path, ckpt, 3)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-4000:])  # 124: a hang (HANG_GUARD_S)
     for rank in (0, 1):
         assert any(f"rank{rank} WARNING" in line and f"rank 1: {bad}" in line and "falling back" in line
                    for line in proc.stderr.splitlines()), proc.stderr[-4000:]
@@ -314,10 +311,8 @@ def test_train_py_stops_with_one_error_line_when_no_step_is_readable_by_rank1(sa
     ckpt = _copy(saved, tmp_path)
     os.remove(os.path.join(ckpt, "step_2", "rng_rank1.safetensors"))
     _flip(os.path.join(ckpt, "step_1", "optim_tp0_zero1.safetensors"))
-    t0 = time.monotonic()
-    proc = _train(tmp_path, ckpt, 3, BOUND_S + 30)
-    elapsed = time.monotonic() - t0
-    assert proc.returncode != 0 and elapsed < BOUND_S, (proc.returncode, elapsed, proc.stderr[-4000:])
+    proc = _train(tmp_path, ckpt, 3)
+    assert proc.returncode not in (0, 124), (proc.returncode, proc.stderr[-4000:])  # 124: a hang (HANG_GUARD_S)
     for rank in (0, 1):
         lines = [line for line in proc.stderr.splitlines() if line.startswith(f"[rank {rank}] error:")]
         assert len(lines) == 1, proc.stderr[-4000:]

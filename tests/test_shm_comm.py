@@ -1,10 +1,12 @@
 """The shared-memory all-reduce and all-gather equal gloo's, chunk large tensors, times out on a missing peer, and is
-what ``launch`` picks for a node-local CPU tensor-parallel group (and where it must not)."""
+what ``launch`` picks for a node-local CPU tensor-parallel group (and where it must not).
+
+No wall-clock figure decides a verdict here: the ranks order themselves with collectives, and the error messages
+say which rule ended a wait; ``HANG_GUARD_S`` only stops a hung job."""
 
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 import torch
@@ -103,41 +105,49 @@ def test_gather_tensor_goes_through_the_route(world):
     run_distributed(_gather_tensor_worker, world)
 
 
+# run_distributed's bound on a whole job: only a hang reaches it (the timeouts under test are 2 s, and 120 s below)
+HANG_GUARD_S = 100
+
+
 def _timeout_worker(rank: int, world: int) -> str:
+    """Rank 1 stays alive but skips the second collective until rank 0 has given up on it (a gloo barrier, not a
+    sleep): rank 0's error can only be the timeout, and names the late rank. How long rank 0 waited is not
+    asserted (on a loaded machine that measures the machine): the message says which rule fired."""
     shm, _ = _segment(world, timeout_s=2.0)
     shm.all_reduce(torch.ones(4))
     if rank == 1:
-        time.sleep(6)  # never joins the second collective in time
-        return "slept"
-    start = time.monotonic()
+        dist.barrier()  # alive and absent until rank 0 has raised
+        return "waited"
     with pytest.raises(RuntimeError) as err:
         shm.all_reduce(torch.ones(4))
-    elapsed = time.monotonic() - start
-    assert 1.5 < elapsed < 5, elapsed
+    dist.barrier()
     msg = str(err.value)
     assert "timed out after 2 s" in msg and "global rank(s) [1]" in msg, msg
+    assert "exited" not in msg, msg  # the peer was alive: the timeout, not the liveness check
     return "raised"
 
 
 def test_missing_peer_times_out_naming_it():
-    assert run_distributed(_timeout_worker, 2, timeout=60) == ["raised", "slept"]
+    assert run_distributed(_timeout_worker, 2, timeout=HANG_GUARD_S) == ["raised", "waited"]
 
 
 def _dead_peer_worker(rank: int, world: int) -> str:
+    """Rank 1 exits while rank 0 waits in a collective whose timeout (120 s) is past the job's hang guard: only
+    the process-table check can end the wait, and its message says so."""
     shm, _ = _segment(world, timeout_s=120.0)
     shm.all_reduce(torch.ones(4))
     if rank == 1:
         return "exiting"  # this process ends while rank 0 waits in the next collective
-    start = time.monotonic()
     with pytest.raises(RuntimeError) as err:
         shm.all_reduce(torch.ones(4))
-    assert time.monotonic() - start < 30  # found out from the process table, not the 120 s timeout
     assert "global rank(s) [1]" in str(err.value) and "exited while rank 0 waited" in str(err.value), err.value
+    assert "timed out" not in str(err.value), err.value
     return "raised"
 
 
 def test_exited_peer_is_an_error_at_once():
-    assert run_distributed(_dead_peer_worker, 2, timeout=100) == ["raised", "exiting"]
+    assert HANG_GUARD_S < 120  # the collective's own timeout must not be what ends the wait
+    assert run_distributed(_dead_peer_worker, 2, timeout=HANG_GUARD_S) == ["raised", "exiting"]
 
 
 def _launch_worker(rank: int, world: int, tp: int, mode: str, env: dict[str, str]) -> tuple[bool, float]:
