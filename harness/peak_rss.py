@@ -4,14 +4,14 @@ A test process must not judge a child's memory from the counters it shares with 
 (the peak over every child reaped so far depends on which tests ran before). ``run_measured`` starts a new
 interpreter that imports ``preload`` (the libraries the script stands on: their size is the baseline, not
 the script's), reads its resident set size then (the baseline), runs the script as ``__main__`` with its
-arguments, and reads its own peak RSS (``resource.getrusage(RUSAGE_SELF)``). The parent gets both numbers
-through a file, so the script's stdout and stderr stay its own.
+arguments, and reads its own peak RSS. The parent gets both numbers through a file, so the script's stdout
+and stderr stay its own.
 
-The baseline is the RSS the script starts from (``/proc/self/statm``), not the peak so far: an import
-that briefly held more than it keeps would hide that much of the script's own use under a peak
-baseline. So ``growth_bytes`` is at least what the script added on top of its imports (a check that a
-script allocates nothing errs on the strict side). Where ``/proc`` is missing the baseline falls back to
-the peak so far.
+Between the imports and the script the peak is reset to the current RSS (Linux's ``/proc/self/clear_refs``;
+the peak is then ``VmHWM``): an import that briefly held more than it keeps (how much depends on the
+environment, e.g. an inductor cache directory set by an earlier test) belongs to neither the baseline nor the
+script. So ``growth_bytes`` is what the script added on top of its imports. Without ``/proc`` the baseline
+falls back to the peak so far (``getrusage``), and a growth can only look larger.
 """
 
 from __future__ import annotations
@@ -33,7 +33,15 @@ _RSS_UNIT = 1 if sys.platform == "darwin" else 1024
 
 
 def own_peak_rss_bytes() -> int:
-    """This process's peak resident set size so far (its own, not its children's)."""
+    """This process's peak resident set size so far (its own, not its children's): ``VmHWM`` of
+    ``/proc/self/status`` (which ``_reset_peak`` can reset), else ``getrusage``'s (which nothing resets)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * _RSS_UNIT
 
 
@@ -85,12 +93,23 @@ def run_measured(script: str, args: Sequence[str] = (), *, preload: Sequence[str
     return ScriptMemory(proc.returncode, proc.stdout, proc.stderr, rss["baseline"], rss["peak"])
 
 
+def _reset_peak() -> None:
+    """Reset this process's peak RSS to its current RSS (Linux: ``/proc/self/clear_refs``, value 5); where that
+    is not possible the peak so far stays, which can only make a growth look larger."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
 _CHILD = "import sys; from harness.peak_rss import _child; sys.exit(_child(*sys.argv[1:4], sys.argv[4:]))"
 
 
 def _child(result: str, preload: str, script: str, args: list[str]) -> int:
     for name in filter(None, preload.split(",")):
         importlib.import_module(name)
+    _reset_peak()  # the imports' own transient peak is not the script's
     baseline = own_rss_bytes()
     sys.argv = [script, *args]
     code: object = 0
