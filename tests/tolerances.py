@@ -1,0 +1,161 @@
+"""Tolerances for tests that compare two computation orders, derived from a rounding-error model.
+
+Many tests compare one computation against another that is the same in exact arithmetic but rounds in
+another order: TP=N against TP=1, msp against mtp, ZeRO against plain AdamW, chunked against full, a
+bf16 model against its fp32 reference. The difference they may show is rounding, and its size follows
+from three things: the unit roundoff ``u`` of the dtype the rounding happens in, the length ``n`` of the
+reductions (sums) involved, and how many chained reductions (layers, forward and backward) and optimizer
+steps carry it. The functions here turn those into a tolerance, so that a test states its bound next to
+its assertion instead of a number read off one CPU.
+
+The model
+---------
+A float operation returns ``(exact)(1 + d)`` with ``|d| <= u`` (2^-24 fp32, 2^-8 bf16, 2^-11 fp16,
+2^-53 fp64). A sum of ``n`` terms, in any order, is then within
+
+* ``gamma_n * sum|terms|`` of the exact sum, ``gamma_n = n*u / (1 - n*u)``, in the worst case
+  (Higham, *Accuracy and Stability of Numerical Algorithms*, 2nd ed., sec. 3.1), and
+* ``lam * sqrt(n) * u`` (to first order) under the probabilistic model of Higham & Mary (2019, *A New
+  Approach to Probabilistic Rounding Error Analysis*, SIAM J. Sci. Comput. 41(5)), which treats the
+  ``d``'s as independent and of zero mean; the bound holds with probability >= 1 - 2 exp(-lam^2 / 2).
+
+**We use the probabilistic form, with lam = 1, applied to norm-wise relative errors**, because
+
+1. the tests compare norm-wise errors ``||a - b|| / ||b||`` over hundreds or thousands of elements (or
+   loss-like averages). A norm is a root-mean-square: it concentrates at the RMS of the element errors,
+   so the question is the RMS, not the worst element. For independent zero-mean ``d`` (variance
+   <= u^2 / 3) the first-order error of a length-n sum has RMS <= u * sqrt(sum_k s_k^2 / 3) over its
+   partial sums ``s_k``; for terms of random sign (randomly initialised models) ``E s_k^2 = (k/n) s_n^2``
+   and that is ``u * sqrt(n / 6) * |s_n|``. ``sqrt(n) * u`` relative to the result leaves a factor ~2.4
+   for cancellation and O(1) gains of the layers the error then passes through;
+2. the worst case is reached only when all ``n`` roundings have the same sign and full size, which no
+   GEMM on real data does; it is ``sqrt(n)`` times looser per reduction, the looseness compounds over
+   layers, and the resulting tolerances (hundreds of times above any measured difference) would let
+   real regressions through;
+3. it assumes nothing about the summation order, so it holds on every CPU kind. Kernels sum in SIMD
+   lanes (AVX2: 8 fp32 lanes, AVX-512: 16), in AMX tiles or pairwise, i.e. in shorter rounding chains
+   than the sequential sum the bound is written for: AVX2, AVX-512 and AMX builds all sit below it, and
+   switching between them (``ATEN_CPU_CAPABILITY=avx2|avx512|default``, ``MKL_ENABLE_INSTRUCTIONS``)
+   only moves the measured error inside it.
+
+Composition. Two orders each carry an independent error of that size: their difference is ``sqrt(2)``
+times one. A compared tensor that comes out of ``depth`` chained reductions (each layer's projections,
+attention and norms, forward then backward) carries one such error from each; independent errors add
+in quadrature, so the bound grows like ``sqrt(depth)``. Once two computations differ at all, every later
+rounding sees different inputs and rounds independently, so all reductions downstream of the first
+difference count, not only those whose order the two computations change. Altogether::
+
+    order_rtol(dtype, n, depth) = sqrt(2 * n * depth) * u       (two orders)
+    precision_rtol(dtype, n, depth) = sqrt(n * depth) * u        (one computation against an exact one)
+
+``n`` is the longest reduction *held in* ``dtype``. A bf16 GEMM accumulates in fp32 on CPU (and in fp32
+on tensor cores): its bf16 error is the one rounding of its output, ``n = 1``, and the fp32 sum inside is
+negligible against it; an all-reduce of bf16 partials over ``tp`` ranks is a bf16 sum, ``n = tp``.
+
+Optimizer steps. The weights after Adam steps inherit the gradient difference through ``adam_rtol``
+(see there): Adam divides by ``sqrt(v) + eps``, which turns the rounding difference of a gradient element
+near zero into a full-size step difference, and that -- not the reductions -- dominates weight
+comparisons after a few steps.
+
+Elementwise checks (``allclose``-style) use ``atol = rtol * scale``: a rounding difference is absolute,
+of the size of the tensor's typical element, not of each element (an element that cancels to near zero
+has the same absolute error as its neighbours); see ``allclose_tols``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+_UNIT_ROUNDOFF = {
+    torch.float64: 2.0**-53,
+    torch.float32: 2.0**-24,
+    torch.bfloat16: 2.0**-8,
+    torch.float16: 2.0**-11,
+    torch.float8_e4m3fn: 2.0**-4,
+    torch.float8_e5m2: 2.0**-3,
+}
+_NAMES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+          "tf32": "tf32"}
+TF32_UNIT_ROUNDOFF = 2.0**-11  # 10 explicit mantissa bits, as fp16; products only, sums stay fp32
+
+# Chained reductions one pre-norm transformer layer puts on a value's path, forward: attention norm,
+# q/k/v projection, scores q.k, softmax sum, probs @ v, wo, ffn norm, w1/w3 projection, w2.
+REDUCTIONS_PER_LAYER = 9
+# and the head: final norm, output projection, cross entropy's log-sum-exp
+REDUCTIONS_HEAD = 3
+
+
+def unit_roundoff(dtype: torch.dtype | str) -> float:
+    """u of ``dtype`` (a torch dtype, ``"torch.bfloat16"`` or a precision name: fp32, tf32, bf16, fp16)."""
+    if isinstance(dtype, str):
+        dtype = _NAMES.get(dtype) or getattr(torch, dtype.removeprefix("torch."))
+    if dtype == "tf32":
+        return TF32_UNIT_ROUNDOFF
+    return _UNIT_ROUNDOFF[dtype]
+
+
+def gamma(n: int, dtype: torch.dtype | str) -> float:
+    """Worst-case relative error bound of a length-n sum, ``n*u / (1 - n*u)`` (for exactness arguments)."""
+    nu = n * unit_roundoff(dtype)
+    assert nu < 1, (n, dtype)
+    return nu / (1 - nu)
+
+
+def transformer_depth(num_layers: int, backward: bool = False) -> int:
+    """Chained reductions from the input to the logits (forward) or to the weight gradients (backward).
+
+    Backward doubles the count: every forward reduction has a backward GEMM or sum mirroring it, and a
+    weight gradient is one more sum, over the tokens, at the end of that path.
+    """
+    forward = REDUCTIONS_PER_LAYER * num_layers + REDUCTIONS_HEAD
+    return 2 * forward if backward else forward
+
+
+def precision_rtol(dtype: torch.dtype | str, n: int = 1, depth: int = 1) -> float:
+    """Norm-wise relative error of one computation in ``dtype`` against an exact (or much finer) one:
+    ``sqrt(n * depth) * u``; ``depth`` chained reductions of length <= ``n`` held in ``dtype``."""
+    return math.sqrt(n * depth) * unit_roundoff(dtype)
+
+
+def order_rtol(dtype: torch.dtype | str, n: int = 1, depth: int = 1) -> float:
+    """Norm-wise relative difference of two evaluation orders of the same computation in ``dtype``:
+    ``sqrt(2 * n * depth) * u`` (two independent errors of ``precision_rtol`` each)."""
+    return math.sqrt(2.0) * precision_rtol(dtype, n, depth)
+
+
+def adam_rtol(grad_rtol: float, *, steps: int, lr: float, eps: float, weight_rms: float, grad_rms: float) -> float:
+    """Norm-wise relative weight difference after ``steps`` Adam(W) steps whose gradients differ by rounding.
+
+    ``grad_rtol``: the norm-wise relative difference of the gradients (``order_rtol``), rounding-like,
+    i.e. an *absolute* difference of about ``grad_rtol * grad_rms`` on every element. Adam's step on an
+    element is ``lr * m / (sqrt(v) + eps)``, about ``lr * g / (|g| + eps)`` in the first steps:
+
+    * an element with ``|g| >> eps`` moves by ~``lr * sign(g)`` whatever its rounding: no amplification;
+    * an element within ``eps`` of zero has slope ``1 / eps``: its rounding difference ``delta`` becomes a
+      step difference of up to ``lr * delta / eps``, i.e. ``grad_rms / eps`` times the relative one.
+
+    If the gradient's elements have a bounded density near zero (about ``1 / grad_rms``, as for a normal
+    distribution, 0.4 / grad_rms), a fraction ~``eps / grad_rms`` of them is in that window; in the norm
+    the update difference is then ``sqrt(eps / grad_rms) * (grad_rms / eps) = sqrt(grad_rms / eps)``
+    times ``grad_rtol``, relative to steps of size ``lr``. Relative to weights of RMS ``weight_rms`` and
+    summed over the steps (each step adds its own; earlier ones persist through the weights and Adam's
+    moments)::
+
+        adam_rtol = steps * (lr / weight_rms) * sqrt(grad_rms / eps) * grad_rtol
+
+    ``grad_rms`` is bounded from the configuration: clipping leaves a parameter's gradient a norm of at
+    most ``clip_grad_norm``, so ``grad_rms <= clip_grad_norm / sqrt(numel)``. The measured weight
+    difference is heavy-tailed (it hinges on whether one element happens to sit within ``eps`` of zero):
+    on the msp-vs-mtp TP=4 test it ranged over 1e-6 .. 1.2e-4 across 20 seeds and CPU capabilities,
+    while its gradients differed by ~3e-7.
+    """
+    return steps * (lr / weight_rms) * math.sqrt(grad_rms / eps) * grad_rtol
+
+
+def allclose_tols(rtol: float, scale: float) -> dict[str, float]:
+    """``rtol``/``atol`` for ``torch.allclose``-style checks from a norm-wise ``rtol``: rounding differences
+    are absolute, of the size of the tensor's typical element (``scale``, e.g. its RMS or max), so
+    ``atol = rtol * scale`` and elements that cancel to near zero are not held to a relative bound."""
+    return {"rtol": rtol, "atol": rtol * scale}
