@@ -52,10 +52,17 @@ difference count, not only those whose order the two computations change. Altoge
 on tensor cores): its bf16 error is the one rounding of its output, ``n = 1``, and the fp32 sum inside is
 negligible against it; an all-reduce of bf16 partials over ``tp`` ranks is a bf16 sum, ``n = tp``.
 
-Optimizer steps. The weights after Adam steps inherit the gradient difference through ``adam_rtol``
-(see there): Adam divides by ``sqrt(v) + eps``, which turns the rounding difference of a gradient element
-near zero into a full-size step difference, and that -- not the reductions -- dominates weight
-comparisons after a few steps.
+Optimizer steps. The weights after Adam steps inherit each step's gradient difference (``adam_rtol``):
+Adam's steps are ~``lr`` per element whatever the gradient's scale, so a weight comparison after ``k``
+steps scales with ``sum(lr) / weight RMS``. Adam divides by ``sqrt(v) + eps``, which turns the rounding
+difference of a gradient element near zero into a full-size step difference (``adam_window_gain``); where
+gradients have elements near ``eps`` that, not the reductions, dominates weight comparisons.
+
+Casts to a coarse format (fp8). Two orders that feed a cast slightly different values (relative ``e``)
+round an element to neighbouring fp8 values whenever it lies within ``e`` of a rounding midpoint, which
+happens with probability ~``e / u_fp8`` per element: rarely (fp32 differences of 1e-7 against
+u = 2^-4 or 2^-3), but over 1e5 cast elements a few times per run, and each such *flip* moves an element
+by a whole fp8 ulp. ``fp8_flip_rtol`` bounds that; no sqrt(n) * u model covers it.
 
 Elementwise checks (``allclose``-style) use ``atol = rtol * scale``: a rounding difference is absolute,
 of the size of the tensor's typical element, not of each element (an element that cancels to near zero
@@ -125,33 +132,66 @@ def order_rtol(dtype: torch.dtype | str, n: int = 1, depth: int = 1) -> float:
     return math.sqrt(2.0) * precision_rtol(dtype, n, depth)
 
 
-def adam_rtol(grad_rtol: float, *, steps: int, lr: float, eps: float, weight_rms: float, grad_rms: float) -> float:
-    """Norm-wise relative weight difference after ``steps`` Adam(W) steps whose gradients differ by rounding.
+def adam_rtol(grad_rtol: float, *, lrs, weight_rms: float, gain: float = 1.0) -> float:
+    """Norm-wise relative weight difference after Adam(W) steps with learning rates ``lrs`` (one per step),
+    when each step's gradients differ by ``grad_rtol`` (norm-wise, rounding-like).
 
-    ``grad_rtol``: the norm-wise relative difference of the gradients (``order_rtol``), rounding-like,
-    i.e. an *absolute* difference of about ``grad_rtol * grad_rms`` on every element. Adam's step on an
-    element is ``lr * m / (sqrt(v) + eps)``, about ``lr * g / (|g| + eps)`` in the first steps:
+    Adam's step on an element is ``lr * m / (sqrt(v) + eps)``: of size ~``lr`` whatever the gradient's
+    scale, and, for elements with ``|g| >> eps``, a relative change of the gradient changes it relatively
+    by no more (``gain = 1``). The weights, of RMS ``weight_rms``, then move apart by at most
+    ``lr / weight_rms * gain * grad_rtol`` per step; the steps add (a difference persists in the weights
+    and in Adam's moments)::
 
-    * an element with ``|g| >> eps`` moves by ~``lr * sign(g)`` whatever its rounding: no amplification;
-    * an element within ``eps`` of zero has slope ``1 / eps``: its rounding difference ``delta`` becomes a
-      step difference of up to ``lr * delta / eps``, i.e. ``grad_rms / eps`` times the relative one.
+        adam_rtol = sum(lrs) / weight_rms * gain * grad_rtol
 
-    If the gradient's elements have a bounded density near zero (about ``1 / grad_rms``, as for a normal
-    distribution, 0.4 / grad_rms), a fraction ~``eps / grad_rms`` of them is in that window; in the norm
-    the update difference is then ``sqrt(eps / grad_rms) * (grad_rms / eps) = sqrt(grad_rms / eps)``
-    times ``grad_rtol``, relative to steps of size ``lr``. Relative to weights of RMS ``weight_rms`` and
-    summed over the steps (each step adds its own; earlier ones persist through the weights and Adam's
-    moments)::
-
-        adam_rtol = steps * (lr / weight_rms) * sqrt(grad_rms / eps) * grad_rtol
-
-    ``grad_rms`` is bounded from the configuration: clipping leaves a parameter's gradient a norm of at
-    most ``clip_grad_norm``, so ``grad_rms <= clip_grad_norm / sqrt(numel)``. The measured weight
-    difference is heavy-tailed (it hinges on whether one element happens to sit within ``eps`` of zero):
-    on the msp-vs-mtp TP=4 test it ranged over 1e-6 .. 1.2e-4 across 20 seeds and CPU capabilities,
-    while its gradients differed by ~3e-7.
+    Elements within ``eps`` of zero amplify: see ``adam_window_gain``.
     """
-    return steps * (lr / weight_rms) * math.sqrt(grad_rms / eps) * grad_rtol
+    return sum(lrs) / weight_rms * gain * grad_rtol
+
+
+def adam_window_gain(grad_rms: float, eps: float) -> float:
+    """Adam's amplification of a rounding difference by gradient elements within ``eps`` of zero.
+
+    Such an element's step ``lr * g / (|g| + eps)`` has slope ``1 / eps``: a rounding difference of
+    ``delta`` (absolute, about ``grad_rtol * grad_rms`` on every element, small ones included) becomes a
+    step difference of up to ``lr * delta / eps``, i.e. ``grad_rms / eps`` times the relative one. If the
+    gradient's elements have a bounded density near zero (~``1 / grad_rms``, as for a normal
+    distribution), a fraction ~``eps / grad_rms`` of them is in that window; in the norm that gives
+    ``sqrt(1 + grad_rms / eps)``. ``grad_rms`` can be bounded from the configuration: clipping leaves a
+    parameter's gradient a norm of at most ``clip_grad_norm``, so ``grad_rms <= clip / sqrt(numel)``.
+
+    The measured effect is heavy-tailed (it hinges on whether one element happens to sit within ``eps``
+    of zero): on the msp-vs-mtp TP=4 test (eps 1e-6) the weights after 3 steps differed by 1e-6 .. 1.2e-4
+    across 20 seeds and CPU capabilities while the gradients differed by ~3e-7.
+    """
+    return math.sqrt(1.0 + grad_rms / eps)
+
+
+# a flipped element is a random one: larger than 3x its tensor's RMS with probability ~0.3% (normal-like)
+CAST_CREST = 3.0
+
+
+def fp8_flip_rtol(fmt: torch.dtype, numel: int, flips: int = 1) -> float:
+    """Norm-wise change of a ``numel``-element tensor cast to ``fmt`` when ``flips`` of its elements round to
+    the neighbouring fp8 value in one of two computations: each moves by one ulp, ``2 u`` of itself, and is
+    at most ``CAST_CREST`` times the tensor's RMS: ``2 * u * CAST_CREST * sqrt(flips / numel)``.
+
+    Downstream quantities (logits, gradients) see that change with a gain of at most ~1: a flip enters
+    one row of one GEMM in a residual branch (measured: 1/40 of it reaches the logits), so the bound is
+    applied to the compared quantity directly.
+    """
+    return 2 * unit_roundoff(fmt) * CAST_CREST * math.sqrt(flips / numel)
+
+
+def mean_loss_rtol(logits_rtol: float, *, logits_norm: float, loss: float, tokens: int, vocab: int) -> float:
+    """Relative change of a mean cross-entropy loss when its logits move by ``logits_rtol`` (norm-wise).
+
+    To first order ``d loss = (1/T) sum_t <softmax(z_t) - onehot_t, dz_t>``, and the gradient has norm at
+    most sqrt(2) per token. A rounding (or flip) change ``dz`` is not aligned with it: each token's product
+    is ~``sqrt(2) ||dz_t|| / sqrt(V)``, and the ``T`` of them add in quadrature, so
+    ``|d loss| <= sqrt(2 / V) * ||dz|| / T``, i.e. ``sqrt(2 / V) * logits_rtol * ||z|| / (T * |loss|)``.
+    """
+    return math.sqrt(2.0 / vocab) * logits_rtol * logits_norm / (tokens * abs(loss))
 
 
 def allclose_tols(rtol: float, scale: float) -> dict[str, float]:
