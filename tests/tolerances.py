@@ -149,7 +149,7 @@ def adam_rtol(grad_rtol: float, *, lrs, weight_rms: float, gain: float = 1.0) ->
     return sum(lrs) / weight_rms * gain * grad_rtol
 
 
-def adam_window_gain(grad_rms: float, eps: float) -> float:
+def adam_window_gain(grad_rms: float, eps: float, grad_min: float = 0.0) -> float:
     """Adam's amplification of a rounding difference by gradient elements within ``eps`` of zero.
 
     Such an element's step ``lr * g / (|g| + eps)`` has slope ``1 / eps``: a rounding difference of
@@ -160,11 +160,16 @@ def adam_window_gain(grad_rms: float, eps: float) -> float:
     ``sqrt(1 + grad_rms / eps)``. ``grad_rms`` can be bounded from the configuration: clipping leaves a
     parameter's gradient a norm of at most ``clip_grad_norm``, so ``grad_rms <= clip / sqrt(numel)``.
 
+    Where the reference run's gradients are at hand, ``grad_min`` (their smallest magnitude over the
+    run, before clipping: clipping by c <= 1 widens the window to eps / c and only lowers the gain) caps
+    the window: no element gets nearer to zero than that, so ``grad_min`` replaces ``eps`` when larger;
+    the differences compared are rounding-sized, so no CPU kind moves an element from there into it.
+
     The measured effect is heavy-tailed (it hinges on whether one element happens to sit within ``eps``
     of zero): on the msp-vs-mtp TP=4 test (eps 1e-6) the weights after 3 steps differed by 1e-6 .. 1.2e-4
     across 20 seeds and CPU capabilities while the gradients differed by ~3e-7.
     """
-    return math.sqrt(1.0 + grad_rms / eps)
+    return math.sqrt(1.0 + grad_rms / max(eps, grad_min))
 
 
 # a flipped element is a random one: larger than 3x its tensor's RMS with probability ~0.3% (normal-like)
