@@ -149,6 +149,16 @@ def adam_rtol(grad_rtol: float, *, lrs, weight_rms: float, gain: float = 1.0) ->
     return sum(lrs) / weight_rms * gain * grad_rtol
 
 
+def sgd_rtol(weight_rtol: float, grad_rtol: float, *, lr: float, weight_norm: float, grad_norm: float,
+             new_weight_norm: float) -> float:
+    """Relative weight difference after one SGD step ``w' = w - lr * g``, from the weights' difference
+    before it (``weight_rtol`` of ``||w||``) and the gradients' (``grad_rtol``, norm-wise): the absolute
+    differences add, ``weight_rtol * ||w|| + lr * grad_rtol * ||g||``, over ``||w'||``; plus the step's
+    own two roundings (``order_rtol(fp32, 1, 2)``)."""
+    return ((weight_rtol * weight_norm + lr * grad_rtol * grad_norm) / new_weight_norm
+            + order_rtol(torch.float32, 1, 2))
+
+
 def adam_window_gain(grad_rms: float, eps: float, grad_min: float = 0.0) -> float:
     """Adam's amplification of a rounding difference by gradient elements within ``eps`` of zero.
 
