@@ -198,6 +198,18 @@ def fp8_flip_rtol(fmt: torch.dtype, numel: int, flips: int = 1) -> float:
     return 2 * unit_roundoff(fmt) * CAST_CREST * math.sqrt(flips / numel)
 
 
+def requantize_rtol(fmt: torch.dtype, upstream_rtol: float) -> float:
+    """Norm-wise change of a tensor cast to ``fmt`` when every element's input moves by up to
+    ``upstream_rtol`` of itself (e.g. one bf16 ulp, when fusion rounds upstream values differently).
+
+    An element lies within that distance of a rounding midpoint with probability ``upstream_rtol / u``
+    (the distance to the nearest midpoint is uniform over ``[0, u |x|]``), and then moves by ``2 u |x|``;
+    in the norm: ``2 * sqrt(u * upstream_rtol)``. For ``upstream_rtol << u`` only a few elements flip
+    and ``fp8_flip_rtol`` is the bound to use.
+    """
+    return 2 * math.sqrt(unit_roundoff(fmt) * min(upstream_rtol, unit_roundoff(fmt)))
+
+
 def mean_loss_rtol(logits_rtol: float, *, logits_norm: float, loss: float, tokens: int, vocab: int) -> float:
     """Relative change of a mean cross-entropy loss when its logits move by ``logits_rtol`` (norm-wise).
 
