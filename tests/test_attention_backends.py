@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from harness.fake_cuda import fake_cuda_mode
 from tessera.model import attention, flash_probe
 from tessera.model.attention import _sdpa, attend, plan_attention, select_backend
+from tests.tolerances import allclose_tols, order_rtol
 
 CUDA = torch.device("cuda")
 
@@ -107,8 +108,11 @@ def test_expanded_kv_equals_grouped_query_attention():
     mask = torch.ones(8, 8, dtype=torch.bool).tril().view(1, 1, 8, 8).expand(2, 1, 8, 8)
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     expanded = F.scaled_dot_product_attention(q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1), attn_mask=mask)
-    torch.testing.assert_close(expanded, ref, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(_sdpa(q, k, v, mask, False, 0.0), ref, rtol=1e-6, atol=1e-6)
+    # two orders of the same attention: sums over head_dim 16 and 8 keys, five chained steps (scores, max/exp,
+    # sum, normalize, probs @ v); elementwise, atol = rtol x the largest output
+    tol = allclose_tols(order_rtol(torch.float32, 16, 5), float(ref.abs().max()))  # rtol 7.5e-7
+    torch.testing.assert_close(expanded, ref, **tol)
+    torch.testing.assert_close(_sdpa(q, k, v, mask, False, 0.0), ref, **tol)
 
 
 # ---------------------------------------------------------------------------- the flash_attn probe

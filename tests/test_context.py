@@ -103,7 +103,7 @@ def test_group_membership(group_runs, world, tp):
 
 
 def test_the_rank_layout_type_gives_the_same_groups():
-    """``tessera.dist.Layout`` (what the checkpoint code and the plan take) places each rank in the groups
+    """``tessera.core.layout.Layout`` (what the checkpoint code and the plan take) places each rank in the groups
     ``gpc`` builds, and checkpoint/plan use that one type."""
     from tessera.checkpoint import Layout as CheckpointLayout
     from tessera.core.context import Layout, ParallelMode

@@ -6,7 +6,9 @@ import torch
 import torch.distributed as dist
 
 from harness.distributed import run_distributed
+from tessera.model.mlp import ffn_hidden_size
 from tessera.parallel.fp8 import fp8_linear
+from tests.tolerances import fp8_flip_rtol, mean_loss_rtol, order_rtol, precision_rtol, transformer_depth
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -51,7 +53,9 @@ def test_forward_and_gradients_equal_the_quantize_dequantize_reference(recipe):
     # and it is not the bf16 linear: fp8 rounding is visible
     assert not torch.equal(y, torch.nn.functional.linear(x, w, b))
     exact = torch.nn.functional.linear(x.float(), w.float(), b.float())
-    assert (y.float() - exact).norm() / exact.norm() < 0.1  # 3-bit mantissas: a few percent
+    # 3-bit mantissas: x and w each rounded to e4m3 (two roundings per product), the output once to bf16
+    fp8_bound = precision_rtol(E4M3, 2) + precision_rtol(torch.bfloat16)  # 9.2e-2; measured 3.0e-2 .. 3.4e-2
+    assert (y.float() - exact).norm() / exact.norm() < fp8_bound
 
 
 def _tp_worker(rank, world):
@@ -95,9 +99,14 @@ def test_tp2_equals_tp1(recipe, tp_linear_runs):
     y.backward(dy)
     res = [r[recipe] for r in tp_linear_runs]
 
-    def close(a, b):  # products of fp8 values are exact; only fp32 sums in another order, and bf16 roundings
+    # products of fp8 values are exact; only fp32 sums in another order (negligible), and bf16 roundings:
+    # TP=2 rounds two partial results to bf16 (n = 2) where TP=1 rounds the whole sum once. Measured
+    # 2.3e-3 .. 2.8e-3; without the TP amax agreement: 1.4e-2 .. 5e-2
+    tol = order_rtol(torch.bfloat16, 2)  # 7.8e-3
+
+    def close(a, b):
         a, b = a.float(), b.float()
-        return float((a - b).detach().norm() / b.detach().norm()) < 5e-3  # without the TP amax agreement: > 1e-2
+        return float((a - b).detach().norm() / b.detach().norm()) < tol
 
     assert close(torch.cat([r["col"][0] for r in res], 1), y)  # column-parallel: outputs are slices
     assert close(torch.cat([r["col"][2] for r in res], 0), wr.grad)
@@ -186,8 +195,21 @@ def test_fp8_model_at_tp2_equals_tp1(recipe, mode, tp_model_runs):
     plain = _model_step(_model_cfg(1, None, dtype="torch.float32"), None)
     got = tp_model_runs[recipe, mode]
     assert got["fp8"] == ref["fp8"] and len(ref["fp8"]) == 14
-    assert _rel(got["logits"], ref["logits"]) < 1e-4 and _rel(got["loss"], ref["loss"]) < 1e-5
-    assert _rel(got["grads"], ref["grads"]) < 1e-3
+    # fp32 sums in two orders, plus fp8 cast flips (tests/tolerances.py): an input that differs by fp32
+    # rounding sometimes lands on the other side of an fp8 rounding midpoint. Over 34 seed/recipe runs:
+    # no flip in 26 (logits 1.4e-7, grads 1.6e-7), forward flips up to 1.5e-4 on the logits, backward
+    # (e5m2) flips up to 5.9e-3 on the gradients; without the TP amax agreement: logits 1.2e-2 .. 2.1e-2,
+    # loss 2e-5 .. 1.7e-4, gradients 3.0e-2 .. 4.7e-2
+    tokens, vocab, hidden = ref["logits"].shape[0] * ref["logits"].shape[1], SMALL["vocab_size"], SMALL["hidden_size"]
+    n = max(hidden, ffn_hidden_size(hidden, SMALL["mlp_ratio"], SMALL["multiple_of"]), vocab, tokens)  # 128
+    depth = transformer_depth(SMALL["num_layers"])
+    logits_tol = order_rtol(torch.float32, n, depth) + fp8_flip_rtol(E4M3, tokens * hidden)  # 5.9e-3
+    loss_tol = order_rtol(torch.float32, n, depth + 1) + mean_loss_rtol(
+        logits_tol, logits_norm=float(ref["logits"].norm()), loss=float(ref["loss"]), tokens=tokens, vocab=vocab)  # 4e-5
+    # backward: gradients cast to e5m2; two flips (measured: up to ~2 per run)
+    grads_tol = order_rtol(torch.float32, n, 2 * depth) + fp8_flip_rtol(E5M2, tokens * hidden, flips=2)  # 1.7e-2
+    assert _rel(got["logits"], ref["logits"]) < logits_tol and _rel(got["loss"], ref["loss"]) < loss_tol
+    assert _rel(got["grads"], ref["grads"]) < grads_tol
     assert _rel(ref["logits"], plain["logits"]) > 1e-2 and _rel(ref["grads"], plain["grads"]) > 1e-2
 
 

@@ -12,7 +12,8 @@ from harness.distributed import run_distributed
 from tessera.core.naive_amp import NaiveAMPModel, unwrap_model
 from tessera.optim.hybrid_zero import HybridZeroOptimizer
 from tessera.optim.params import build_param_groups
-from tests.test_optimizer import Net, rel  # the same small model and relative-difference helper
+from tests.test_optimizer import NET_GRAD_RTOL, Net, _rms, rel  # the same small model and helpers
+from tests.tolerances import adam_rtol, order_rtol
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -44,6 +45,13 @@ def _train(model, opt, batches, part=None):
 
 def _params(model):
     return {n: p.detach().float().clone() for n, p in model.model.named_parameters()}
+
+
+def _weights_rtol(steps: int, ref: torch.Tensor, bf16: bool = False, grad_rtol: float = NET_GRAD_RTOL) -> float:
+    """Weights after ``steps`` Adam steps (lr 0.05) of two runs whose gradients differ by rounding (Net's
+    bound, test_optimizer.py: another order of the same sums; Adam at gain 1, no gradient element near eps),
+    against the reference weight ``ref``'s RMS; a bf16 parameter is its master rounded once more in each run."""
+    return adam_rtol(grad_rtol, lrs=[0.05] * steps, weight_rms=_rms(ref)) + (order_rtol(torch.bfloat16) if bf16 else 0.0)
 
 
 def _zero_part(rank, world, batches, resume_at):
@@ -117,14 +125,18 @@ def test_zero1_equivalence_memory_and_resharded_resume(dp2):
     ref_opt = _make_opt(ref_model)
     _train(ref_model, ref_opt, batches)
     ref = _params(ref_model)
+    bf16 = {n for n, p in _make("bf16").model.named_parameters() if p.dtype == torch.bfloat16}
     for r in res:
         for zero in (2, 1):
             for n, t in r["fp32", zero]["params"].items():
-                assert rel(t, ref[n]) <= 1e-6, (zero, n)
+                # the DP halves of the batch are summed in another order; 5 steps (measured <= 1.7e-7,
+                # bounds 3.3e-7 .. 4.5e-6 per parameter)
+                assert rel(t, ref[n]) <= _weights_rtol(len(batches), ref[n]), (zero, n)
     for n in ref:  # DP replicas agree exactly; zero1=2 and zero1=1 do too (same reduction, same update)
         assert torch.equal(r0["fp32", 2]["params"][n], r1["fp32", 2]["params"][n])
         assert torch.equal(r0["bf16", 2]["params"][n], r1["bf16", 2]["params"][n])
-        assert rel(r0["bf16", 2]["params"][n], r0["bf16", 1]["params"][n]) <= 1e-6
+        # up to the grad norm's order (partitioned over ZeRO ranks), which Adam carries on (measured <= 1.6e-7)
+        assert rel(r0["bf16", 2]["params"][n], r0["bf16", 1]["params"][n]) <= _weights_rtol(len(batches), ref[n], n in bf16)
 
     # memory: masters + optimizer states per rank halve with zero1=2 (bf16 model: real fp32 masters)
     for r in res:
@@ -137,7 +149,8 @@ def test_zero1_equivalence_memory_and_resharded_resume(dp2):
     for r in res:
         for n in ref:
             assert torch.equal(r["resumed", 2][n], r["fp32", 2]["params"][n]), n
-            assert rel(r["resumed", 1][n], r["fp32", 2]["params"][n]) <= 1e-6, n
+            # another ZeRO layout for the last steps (measured: bitwise)
+            assert rel(r["resumed", 1][n], r["fp32", 2]["params"][n]) <= _weights_rtol(len(batches) - resume_at, ref[n]), n
     state = r0["state"]
     assert set(state["master"]) == set(ref)
     assert state["master"]["fc1.weight"].shape == (12, 6)  # full shapes, gathered over ZERO1
@@ -145,8 +158,8 @@ def test_zero1_equivalence_memory_and_resharded_resume(dp2):
     single_opt = _make_opt(single)
     single_opt.load_state_dict(state)
     _train(single, single_opt, batches[resume_at:])
-    for n, t in _params(single).items():
-        assert rel(t, ref[n]) <= 1e-6, n
+    for n, t in _params(single).items():  # the DP run's first steps, then one process (measured 1.7e-7)
+        assert rel(t, ref[n]) <= _weights_rtol(len(batches), ref[n]), n
 
 
 # ---------------------------------------------------------------------- tensor parallel
@@ -226,14 +239,18 @@ def test_global_grad_norm_tp2_dp2_counts_replicated_once():
     ref_opt.step()
 
     res = run_distributed(_tp_worker, 4, full, x, t, clip)
+    # TP and DP sum the gradients in another order: the loss's mean over 8 x 8 outputs is the longest sum;
+    # norm, fc1, fc2, loss forward and back. The norm adds its own sum over every element.
+    grad_rtol = order_rtol(torch.float32, 64, 2 * 4)  # 1.9e-6
+    numel = sum(g.numel() for g in grads.values())
     for r in res:
         assert r["ok"]
-        assert r["norm"] == pytest.approx(ref_norm, rel=1e-5)
+        assert r["norm"] == pytest.approx(ref_norm, rel=grad_rtol + order_rtol(torch.float32, numel))  # 3.3e-6
         tr = r["tp_rank"]
         want = {"norm.weight": ref.norm.weight, "fc1.weight": ref.fc1.weight.chunk(2, 0)[tr],
                 "fc2.weight": ref.fc2.weight.chunk(2, 1)[tr], "fc2.bias": ref.fc2.bias}
-        for n, p in r["params"].items():
-            assert rel(p, want[n]) <= 1e-5, n
+        for n, p in r["params"].items():  # one AdamW step, lr 0.1 (measured <= 2.5e-8)
+            assert rel(p, want[n]) <= adam_rtol(grad_rtol, lrs=[0.1], weight_rms=_rms(want[n])), n
         assert r["skipped"]
 
 
@@ -395,6 +412,7 @@ def _overlap_worker(rank, world):
 
 def test_dp_reduction_overlaps_backward_and_changes_nothing():
     res = run_distributed(_overlap_worker, 2)
+    bf16 = {n for n, p in _make("bf16").model.named_parameters() if p.dtype == torch.bfloat16}
     for r in res:
         for zero in (2, 1):
             on, off = r[zero, True], r[zero, False]
@@ -404,8 +422,9 @@ def test_dp_reduction_overlaps_backward_and_changes_nothing():
             assert on["missing_at_first_launch"] > 0
             for n in on["params"]:  # a sum over two ranks is exact whatever the schedule: bitwise equal
                 assert torch.equal(on["params"][n], off["params"][n]), n
-        for n in r[2, True]["params"]:
-            assert rel(r[2, True]["params"][n], r[1, True]["params"][n]) < 1e-6, n
+        for n in r[2, True]["params"]:  # the grad norm's order only (measured <= 1.1e-7)
+            ref_p = r[1, True]["params"][n]
+            assert rel(r[2, True]["params"][n], ref_p) < _weights_rtol(3, ref_p, n in bf16), n
     # one process on the whole batch (same micro-batch objective): the reference
     model = _make("bf16")
     ref = _make_opt(model)
@@ -415,5 +434,7 @@ def test_dp_reduction_overlaps_backward_and_changes_nothing():
                        for r in range(2) for i in range(2)) / 2
         ref.backward(opt_loss)
         assert ref.step()[0]
+    # the reference's single backward adds the 4 micro-batches' bf16 gradients in bf16 (n = 4), the DP run in
+    # fp32 main gradients; Adam carries that 3 steps (measured <= 2.6e-3; bounds 6e-3 .. 2.5e-2)
     for n, p in _params(model).items():
-        assert rel(res[0][2, True]["params"][n], p) < 2e-2, n
+        assert rel(res[0][2, True]["params"][n], p) < _weights_rtol(3, p, n in bf16, order_rtol(torch.bfloat16, 4)), n

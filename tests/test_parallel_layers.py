@@ -23,15 +23,23 @@ from tessera.parallel import (
 )
 from tessera.parallel.attrs import is_tensor_parallel, partition_dim
 from tessera.parallel.comm import gather_tensor
+from tests.tolerances import allclose_tols, order_rtol, unit_roundoff
 
 F64 = torch.float64
-TOL = dict(rtol=1e-10, atol=1e-12)
+# fp64 TP layers against the one-process layer: the same sums split over ranks (tests/tolerances.py). The
+# longest is 15 (a weight gradient over 3 x 5 tokens); the cross entropy chains the most steps (exp, the
+# vocabulary's sum, log, smoothing, the mean over tokens): depth 5. Elementwise: atol = rtol x the tensor's
+# largest element (``allclose_tols``), as rounding differences are absolute, of the tensor's scale.
+F64_RTOL = order_rtol(F64, 15, 5)  # 1.3e-15
 
 
-def _assert_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float, atol: float) -> None:
-    """Like torch.testing.assert_close (which imports DTensor: a second of start-up per worker)."""
+def _assert_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float = F64_RTOL, atol: float | None = None) -> None:
+    """Like torch.testing.assert_close (which imports DTensor: a second of start-up per worker);
+    ``atol`` defaults to ``rtol`` times ``expected``'s largest magnitude."""
     assert actual.shape == expected.shape and actual.dtype == expected.dtype, (actual.shape, expected.shape)
     diff = (actual - expected).abs().max().item() if actual.numel() else 0.0
+    if atol is None:
+        atol = allclose_tols(rtol, float(expected.abs().max()) if expected.numel() else 0.0)["atol"]
     assert torch.allclose(actual, expected, rtol=rtol, atol=atol), f"max abs difference {diff:.3e}"
 
 
@@ -71,11 +79,11 @@ def _check_column(group, tp: int, r: int) -> None:
         x = x_full.clone().requires_grad_()
         y = layer(x)
         expect_y = yr if gather else _shard(yr, -1, tp, r)
-        _assert_close(y, expect_y, **TOL)
+        _assert_close(y, expect_y)
         (y * (g_out if gather else _shard(g_out, -1, tp, r))).sum().backward()
-        _assert_close(x.grad, xr.grad, **TOL)
-        _assert_close(layer.weight.grad, _shard(ref.weight.grad, 0, tp, r), **TOL)
-        _assert_close(layer.bias.grad, _shard(ref.bias.grad, 0, tp, r), **TOL)
+        _assert_close(x.grad, xr.grad)
+        _assert_close(layer.weight.grad, _shard(ref.weight.grad, 0, tp, r))
+        _assert_close(layer.bias.grad, _shard(ref.bias.grad, 0, tp, r))
 
 
 def _check_row(group, tp: int, r: int) -> None:
@@ -97,12 +105,12 @@ def _check_row(group, tp: int, r: int) -> None:
             layer.bias.copy_(b)
         x = (_shard(x_full, -1, tp, r) if parallel_input else x_full).clone().requires_grad_()
         y = layer(x)
-        _assert_close(y, yr, **TOL)
+        _assert_close(y, yr)
         (y * g_out).sum().backward()
         expect_gx = _shard(xr.grad, -1, tp, r) if parallel_input else xr.grad
-        _assert_close(x.grad, expect_gx, **TOL)
-        _assert_close(layer.weight.grad, _shard(ref.weight.grad, 1, tp, r), **TOL)
-        _assert_close(layer.bias.grad, ref.bias.grad, **TOL)
+        _assert_close(x.grad, expect_gx)
+        _assert_close(layer.weight.grad, _shard(ref.weight.grad, 1, tp, r))
+        _assert_close(layer.bias.grad, ref.bias.grad)
 
 
 def _check_embedding(group, tp: int, r: int) -> None:
@@ -119,9 +127,9 @@ def _check_embedding(group, tp: int, r: int) -> None:
     with torch.no_grad():
         layer.weight.copy_(_shard(w, 0, tp, r))
     y = layer(ids)
-    _assert_close(y, yr, **TOL)
+    _assert_close(y, yr)
     (y * g_out).sum().backward()
-    _assert_close(layer.weight.grad, _shard(ref.weight.grad, 0, tp, r), **TOL)
+    _assert_close(layer.weight.grad, _shard(ref.weight.grad, 0, tp, r))
 
 
 def _check_cross_entropy(group, tp: int, r: int) -> None:
@@ -144,9 +152,9 @@ def _check_cross_entropy(group, tp: int, r: int) -> None:
         shard = _shard(logits_full, -1, tp, r).clone().requires_grad_()
         loss = vocab_parallel_cross_entropy(shard, target, group, ignore_index=ignore_index,
                                             label_smoothing=smoothing, reduction=reduction)
-        _assert_close(loss, ref, **TOL)
+        _assert_close(loss, ref)
         (loss * g).sum().backward()
-        _assert_close(shard.grad, _shard(lr.grad, -1, tp, r), **TOL)
+        _assert_close(shard.grad, _shard(lr.grad, -1, tp, r))
 
 
 def _check_tp_invariant_init(group, tp: int) -> None:
@@ -208,11 +216,15 @@ def test_cross_entropy_low_precision_logits_computed_in_fp32():
     assert loss.dtype == torch.float32
     ref_in = logits.float().requires_grad_()
     ref = F.cross_entropy(ref_in.view(-1, 50), target.view(-1), label_smoothing=0.05)
-    _assert_close(loss, ref, rtol=1e-6, atol=1e-6)
+    # both in fp32 from the same (bf16-exact) logits: two orders of exp, the vocabulary's sum (50), log and
+    # the mean over 36 tokens
+    fp32_rtol = order_rtol(torch.float32, 50, 4)  # 1.2e-6
+    _assert_close(loss, ref, rtol=fp32_rtol)
     loss.backward()
     ref.backward()
     assert x.grad.dtype == torch.bfloat16
-    _assert_close(x.grad.float(), ref_in.grad, rtol=1e-2, atol=1e-4)
+    # the gradient, computed in fp32, is rounded once to bf16: at most u_bf16 of each element
+    _assert_close(x.grad.float(), ref_in.grad, rtol=unit_roundoff(torch.bfloat16) + fp32_rtol)
 
 
 def test_cross_entropy_all_ignored_mean_is_zero_not_nan():
