@@ -28,6 +28,7 @@ from tessera.core.job import Job
 from tessera.core.naive_amp import NaiveAMPModel, enable_fp8_linears
 from tessera.model.args import ModelArgs
 from tessera.model.compile import compile_blocks, compiled_blocks
+from tessera.model.documents import check_cu_seqlens
 from tessera.model.transformer import Transformer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -423,9 +424,11 @@ def test_cuda_bf16_compiled_matches_eager(checkpoint):
     cu = PACKED.cuda()
     for step in range(STEPS):
         ids = _ids(step).cuda()
+        # a device cu_seqlens comes with its longest document from the host (the model never reads it back)
+        max_seqlen = check_cu_seqlens(PACKED, *ids.shape)
         losses, grads = [], []
         for m in (eager, compiled):
-            logits = m(ids, cu_seqlens=cu)
+            logits = m(ids, cu_seqlens=cu, max_seqlen=max_seqlen)
             loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB).float(), ids[:, 1:].reshape(-1))
             loss.backward()
             losses.append(loss.item())
