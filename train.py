@@ -139,24 +139,26 @@ def check_output_folders(cfg: Config) -> None:
 
 
 def mfu_peak(cfg: Config, job: Job) -> tuple[float, str]:
-    """The MFU denominator: the config's override, the GPU table (exact device name), or matmuls measured here
-    (a CPU, or a GPU the table does not list), before the model takes its memory."""
+    """The MFU denominator, found before the model takes its memory (the run's peak memory leaves the probe out)."""
+    peak = peak_tflops_per_device(cfg, job)
+    if job.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(job.device)
+    return peak
+
+
+def peak_tflops_per_device(cfg: Config, job: Job) -> tuple[float, str]:
+    """The config's override, the GPU table (exact device name), or matmuls measured here in the run's dtype (a
+    CPU, or a GPU the table does not list)."""
     device = job.device
     if cfg.metrics.peak_tflops:
         return cfg.metrics.peak_tflops, "config"
-    peak: tuple[float, str] | None = None
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         table = gpu_peak_tflops(name, job.precision.name)
         if table:
-            peak = table, name
-        else:
-            logger.warning("no peak TFLOP/s known for %s; measuring a matmul instead (set metrics.peak_tflops)", name)
-    if peak is None:
-        peak = measure_matmul_tflops(job.dtype, device), f"measured {job.dtype} matmul"
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)  # the run's peak (metrics' peak_mem_gib) leaves the probe out
-    return peak
+            return table, name
+        logger.warning("no peak TFLOP/s known for %s; measuring a matmul instead (set metrics.peak_tflops)", name)
+    return measure_matmul_tflops(job.dtype, device), f"measured {job.dtype} matmul"
 
 
 def check_it_fits(cfg: Config, job: Job) -> None:

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from tessera.config import Config
+from tessera.core.job import Job
 from tessera.plan.report import gpu_for_device_name, gpu_spec
 from tessera.train import metrics
 from tessera.train.metrics import gpu_peak_tflops, measure_matmul_tflops, probe_shape
@@ -66,10 +67,11 @@ def test_train_py_takes_the_exact_row_or_measures_the_device(monkeypatch):
     monkeypatch.setattr(train, "measure_matmul_tflops", lambda dtype, device: measured.append((dtype, device)) or 1.5)
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 NVL")
-    peak, source = train.peak_tflops_per_device(cfg, "bfloat16", cuda)
+    job = Job.of(cfg, device=cuda)  # the run description train.py builds at launch: bf16 on this device
+    peak, source = train.peak_tflops_per_device(cfg, job)
     assert (peak, source, measured) == (pytest.approx(835, abs=1.0), "NVIDIA H100 NVL", [])
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 SXM5 64GB")
-    peak, source = train.peak_tflops_per_device(cfg, "bfloat16", cuda)
+    peak, source = train.peak_tflops_per_device(cfg, job)
     assert peak == 1.5 and measured == [(torch.bfloat16, cuda)] and "measured" in source
 
 

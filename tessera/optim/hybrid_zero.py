@@ -58,9 +58,9 @@ class HybridZeroOptimizer(torch.optim.Optimizer):
 
     Subclasses ``torch.optim.Optimizer`` only so that torch LR schedulers accept it; the real state
     lives in the wrapped optimizer, which is rebuilt in place on the fp32 master slices.
-    ``param_names``: the unwrapped model (or names) the state is keyed by. ``job`` (the run description;
-    default: the launched job, else a single process) gives the groups, the model precision and the
-    seed; explicit ``dtype`` and groups take precedence (tests, user code without a launch).
+    ``param_names``: the unwrapped model (or names) the state is keyed by. ``job`` (the run description)
+    gives the groups, the model precision and the seed; without one, the launched job's groups and seed
+    (else a single process) and the parameters' own precision. Explicit ``dtype`` and groups take precedence.
     """
 
     def __init__(
@@ -86,17 +86,19 @@ class HybridZeroOptimizer(torch.optim.Optimizer):
                              "restore state through HybridZeroOptimizer.load_state_dict instead")
         self._optim = optimizer
         self._settings = ZeroSettings.from_config(zero_cfg)
-        job = job or gpc.job  # InternEvo-style code builds it after launch and expects the launched groups
-        groups = job.groups if job is not None else JobGroups()
+        launched = job or gpc.job  # InternEvo-style code builds it after launch and expects the launched groups
+        groups = launched.groups if launched is not None else JobGroups()
         self._groups = OptimizerGroups.resolve(
             *(given if given is not None else default for given, default in (
                 (tp_group, groups.tp), (dp_group, groups.dp), (zero1_group, groups.zero1),
                 (global_group, groups.world))))
         self._params = trainable_params(optimizer)
+        # the precision: the caller's dtype, else the job passed, else the parameters' own (not the launched job's:
+        # a model may be cast to another dtype than the launch config's)
         stated = RunPrecision.of(dtype).model if dtype is not None else job.precision.model if job is not None else None
         self._precision = resolve_optimizer_dtype(stated, self._params)
         if seed is None:  # the run's seed (stochastic rounding of bf16 masters)
-            seed = job.seed if job is not None else 0
+            seed = launched.seed if launched is not None else 0
         self._policy = MasterPolicy.from_settings(self._settings, self._precision, optimizer, seed)
         self._scaler = grad_scaler if grad_scaler is not None else build_grad_scaler(grad_scal_cfg, self._precision)
         self._grads = GradientBuffers(
