@@ -210,15 +210,21 @@ def requantize_rtol(fmt: torch.dtype, upstream_rtol: float) -> float:
     return 2 * math.sqrt(unit_roundoff(fmt) * min(upstream_rtol, unit_roundoff(fmt)))
 
 
-def mean_loss_rtol(logits_rtol: float, *, logits_norm: float, loss: float, tokens: int, vocab: int) -> float:
+def mean_loss_rtol(logits_rtol: float, *, logits_norm: float, loss: float, tokens: int, vocab: int,
+                   shared: bool = False) -> float:
     """Relative change of a mean cross-entropy loss when its logits move by ``logits_rtol`` (norm-wise).
 
     To first order ``d loss = (1/T) sum_t <softmax(z_t) - onehot_t, dz_t>``, and the gradient has norm at
     most sqrt(2) per token. A rounding (or flip) change ``dz`` is not aligned with it: each token's product
-    is ~``sqrt(2) ||dz_t|| / sqrt(V)``, and the ``T`` of them add in quadrature, so
-    ``|d loss| <= sqrt(2 / V) * ||dz|| / T``, i.e. ``sqrt(2 / V) * logits_rtol * ||z|| / (T * |loss|)``.
+    is ~``sqrt(2) ||dz_t|| / sqrt(V)``. Where the change comes from the activations, token by token, the
+    ``T`` products are independent and add in quadrature: ``|d loss| <= sqrt(2 / V) * ||dz|| / T``. Where it
+    comes from something every token shares (``shared``: weights rounded to bf16) they may add coherently:
+    ``sqrt(2 / V) * ||dz|| / sqrt(T)`` (Cauchy-Schwarz over the tokens). Relative to the loss::
+
+        sqrt(2 / V) * logits_rtol * ||z|| / (T or sqrt(T)) / |loss|
     """
-    return math.sqrt(2.0 / vocab) * logits_rtol * logits_norm / (tokens * abs(loss))
+    per_token = math.sqrt(tokens) if shared else tokens
+    return math.sqrt(2.0 / vocab) * logits_rtol * logits_norm / (per_token * abs(loss))
 
 
 def allclose_tols(rtol: float, scale: float) -> dict[str, float]:
