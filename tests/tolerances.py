@@ -189,13 +189,14 @@ CAST_CREST = 3.0
 def fp8_flip_rtol(fmt: torch.dtype, numel: int, flips: int = 1) -> float:
     """Norm-wise change of a ``numel``-element tensor cast to ``fmt`` when ``flips`` of its elements round to
     the neighbouring fp8 value in one of two computations: each moves by one ulp, ``2 u`` of itself, and is
-    at most ``CAST_CREST`` times the tensor's RMS: ``2 * u * CAST_CREST * sqrt(flips / numel)``.
+    at most ``CAST_CREST`` times the tensor's RMS (and at most its norm): ``2 * u * CAST_CREST * sqrt(flips / numel)``.
 
     Downstream quantities (logits, gradients) see that change with a gain of at most ~1: a flip enters
     one row of one GEMM in a residual branch (measured: 1/40 of it reaches the logits), so the bound is
     applied to the compared quantity directly.
     """
-    return 2 * unit_roundoff(fmt) * CAST_CREST * math.sqrt(flips / numel)
+    crest = min(CAST_CREST, math.sqrt(numel))  # one element is at most the whole norm
+    return 2 * unit_roundoff(fmt) * crest * math.sqrt(flips / numel)
 
 
 def requantize_rtol(fmt: torch.dtype, upstream_rtol: float) -> float:
@@ -208,6 +209,27 @@ def requantize_rtol(fmt: torch.dtype, upstream_rtol: float) -> float:
     and ``fp8_flip_rtol`` is the bound to use.
     """
     return 2 * math.sqrt(unit_roundoff(fmt) * min(upstream_rtol, unit_roundoff(fmt)))
+
+
+# a rounding flip nobody should expect: below this expected count per comparison, the cast adds nothing
+FLIP_MISS = 1e-2
+
+
+def cast_rtol(dtype: torch.dtype, upstream_rtol: float, numel: int) -> float:
+    """Norm-wise difference of two tensors rounded to ``dtype`` from values that differ by ``upstream_rtol``
+    (relative, per element; e.g. two fp32 masters rounded to bf16 weights).
+
+    ``upstream_rtol >= u``: every element rounds on its own, ``order_rtol(dtype)``. Smaller: an element
+    rounds differently only within ``upstream_rtol`` of a midpoint; ``numel * upstream_rtol / u`` of them
+    are expected to. Below ``FLIP_MISS`` none is (probability about that count): 0. Otherwise the larger
+    of ``requantize_rtol`` (many flips) and one flip of a large element (``fp8_flip_rtol``, any format).
+    """
+    u = unit_roundoff(dtype)
+    if upstream_rtol >= u:
+        return order_rtol(dtype)
+    if numel * upstream_rtol / u < FLIP_MISS:
+        return 0.0
+    return max(requantize_rtol(dtype, upstream_rtol), fp8_flip_rtol(dtype, numel))
 
 
 def mean_loss_rtol(logits_rtol: float, *, logits_norm: float, loss: float, tokens: int, vocab: int,
