@@ -132,6 +132,17 @@ def order_rtol(dtype: torch.dtype | str, n: int = 1, depth: int = 1) -> float:
     return math.sqrt(2.0) * precision_rtol(dtype, n, depth)
 
 
+def element_order_rtol(dtype: torch.dtype | str, n: int = 1, depth: int = 1, sigmas: float = 3.0) -> float:
+    """One element's relative difference between two orders (an amax, a single logit), not a norm.
+
+    A norm averages over many elements; one element does not: its first-order error is a sum of
+    ``n * depth`` rounding errors per order, each uniform on ``[-u, u]`` (variance u^2 / 3), so the
+    difference of two orders has RMS ``u * sqrt(2 n depth / 3)``; ``sigmas`` of it (3: a handful of
+    such elements checked, each beyond it with probability ~0.3%).
+    """
+    return sigmas * math.sqrt(2.0 * n * depth / 3.0) * unit_roundoff(dtype)
+
+
 def adam_rtol(grad_rtol: float, *, lrs, weight_rms: float, gain: float = 1.0) -> float:
     """Norm-wise relative weight difference after Adam(W) steps with learning rates ``lrs`` (one per step),
     when each step's gradients differ by ``grad_rtol`` (norm-wise, rounding-like).
