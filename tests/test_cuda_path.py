@@ -21,6 +21,7 @@ from tessera.model import build_model
 from tessera.train.builder import build_training_stack
 from tessera.train.memory_check import plan_persistent_state
 from tessera.train.metrics import gpu_peak_tflops, measure_matmul_tflops
+from tests.tolerances import order_rtol, transformer_depth
 
 pytestmark = pytest.mark.cuda
 
@@ -51,8 +52,11 @@ def test_flash_varlen_equals_sdpa_on_packed_rows(monkeypatch):
         outs.append(logits.detach())
         grads.append(torch.cat([p.grad.flatten().float() for p in model.parameters() if p.grad is not None]))
     assert calls, "flash_attn_varlen_func never ran: flash_attn is installed but the model fell back to SDPA"
-    assert _rel_err(outs[0], outs[1]) < 2e-2
-    assert _rel_err(grads[0], grads[1]) < 5e-2
+    # two attention kernels, bf16: one rounding per stored tensor (n = 1, fp32 accumulation) in two orders over
+    # the forward (2.5e-2, was 2e-2) and forward + backward (3.6e-2, was 5e-2); tests/tolerances.py
+    layers = model_cfg["num_layers"]
+    assert _rel_err(outs[0], outs[1]) < order_rtol(torch.bfloat16, 1, transformer_depth(layers))
+    assert _rel_err(grads[0], grads[1]) < order_rtol(torch.bfloat16, 1, transformer_depth(layers, backward=True))
 
 
 def test_memory_check_bounds_the_real_peak():

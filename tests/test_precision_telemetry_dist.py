@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from harness.distributed import run_distributed, run_torchrun
+from tests.tolerances import element_order_rtol, order_rtol, transformer_depth
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "tiny.py")
@@ -88,6 +89,8 @@ def test_tp2_and_dp2_figures_equal_tp1():
     from tessera.model import build_model
 
     n_params = sum(p.numel() for p in build_model(Config.from_file(TINY).model).parameters())
+    n_largest = max(p.numel() for p in build_model(Config.from_file(TINY).model).parameters())
+    n_layers = Config.from_file(TINY).model.num_layers
     for variant in VARIANTS:
         ref = res[(variant, "tp1")]
         m = ref["measures"]
@@ -100,9 +103,15 @@ def test_tp2_and_dp2_figures_equal_tp1():
             assert got["elements"] == ref["elements"], where
             for measure in EXACT:
                 assert got["measures"][measure] == m[measure], (where, measure)
+            # the same updates, their RMS summed in fp64 in another order (<= 16k elements, two RMS in a
+            # ratio): 2.8e-14, was 1e-9; measured 2.7e-15
+            rms_rtol = order_rtol(torch.float64, n_largest, 2)
             for row, v in m["update_rms_ratio"].items():
-                assert got["measures"]["update_rms_ratio"][row] == pytest.approx(v, rel=1e-9), (where, row)
-            for measure, tol in (("act_amax_ratio", 3e-2), ("fp8_scale", 3e-2)):
+                assert got["measures"]["update_rms_ratio"][row] == pytest.approx(v, rel=rms_rtol), (where, row)
+            # an amax is one element of a bf16 activation that TP (or another batch split) rounds in another
+            # order, up to the whole forward: element_order_rtol (4.4e-2, was 3e-2); measured <= 5.8e-3
+            amax_rtol = element_order_rtol(torch.bfloat16, 1, transformer_depth(n_layers))
+            for measure, tol in (("act_amax_ratio", amax_rtol), ("fp8_scale", amax_rtol)):
                 for row, v in m.get(measure, {}).items():
                     assert got["measures"][measure][row] == pytest.approx(v, rel=tol), (where, measure, row)
             for measure in ("fp8_saturated", "fp8_underflow"):

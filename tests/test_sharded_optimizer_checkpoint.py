@@ -18,7 +18,8 @@ from tessera.checkpoint.safetensors_io import SafetensorsReader
 from tessera.core.naive_amp import NaiveAMPModel, unwrap_model
 from tessera.optim.hybrid_zero import HybridZeroOptimizer
 from tessera.optim.params import build_param_groups
-from tests.test_optimizer import rel
+from tests.test_optimizer import _rms, rel
+from tests.tolerances import adam_rtol, cast_rtol, order_rtol
 
 BUCKET = 2048  # elements: ~8 buckets, so a save that gathers anything shows above one bucket
 
@@ -126,6 +127,7 @@ def _worker(rank, world, folder):
 def test_zero_ranks_write_their_shards_and_resume_bitwise_in_any_layout(tmp_path):
     folder = str(tmp_path / "ckpt")
     res = run_distributed(_worker, 2, folder)
+    bf16 = {n for n, p in unwrap_model(_model()).named_parameters() if p.dtype == torch.bfloat16}
     files = res[0]["files"]
     assert "optim_tp0_zero0.safetensors" in files and "optim_tp0_zero1.safetensors" in files
     assert not any(f == "optim_tp0.safetensors" for f in files)
@@ -135,8 +137,13 @@ def test_zero_ranks_write_their_shards_and_resume_bitwise_in_any_layout(tmp_path
         assert r["same"]["exact"] and r["zero1"]["exact"]  # masters and moments loaded bit for bit
         for n, p in r["continued"].items():
             assert torch.equal(r["same"]["params"][n], p), n  # bitwise resume, same layout
-            # ZeRO over one rank sums the grad norm in another order: equal to rounding
-            assert rel(r["zero1"]["params"][n], p) <= 1e-6, n
+            # ZeRO over one rank sums the grad norm in another order: equal to rounding. Adam ignores a common
+            # gradient scale (but for eps), so from the second step on the gradients differ by the net's
+            # rounding (64-long sums, 7 layers and the loss, forward and back); bf16 weights are the masters
+            # rounded in each run (cast_rtol: no flip expected here). Measured: bitwise, norm.bias 2.1e-8
+            master_tol = adam_rtol(order_rtol(torch.float32, 64, 14), lrs=[0.05, 0.05], weight_rms=_rms(p))
+            tol = master_tol + (cast_rtol(torch.bfloat16, master_tol, p.numel()) if n in bf16 else 0.0)
+            assert rel(r["zero1"]["params"][n], p) <= tol, n
         # a ZeRO-2 rank reads its half of the optimizer state (plus the model); a ZeRO-1 rank all of it
         assert r["same"]["read"] < 0.75 * r["zero1"]["read"], (r["same"]["read"], r["zero1"]["read"])
         # nothing gathered or copied: a save allocates at most one bucket on top of the persistent state

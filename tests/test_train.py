@@ -8,8 +8,10 @@ import os
 
 import numpy as np
 import pytest
+import torch
 
 from harness.distributed import free_port, run_torchrun
+from tests.tolerances import gamma, order_rtol, transformer_depth
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "tiny.py")
@@ -19,6 +21,18 @@ COMMON = ["data.type='synthetic'", "metrics.progress_bar=False", "model.dtype='t
 # a hang guard, not a speed requirement: a launch still running after this is hung (run_torchrun kills it and
 # reports exit code 124); generous, as a loaded 2-core machine can take minutes
 HANG_GUARD_S = 240
+
+
+def _loss_rtol() -> float:
+    """The tiny model's loss in two fp32 orders: its longest sum (vocabulary, ffn, hidden, sequence) over the
+    forward plus the mean over tokens (6.3e-6)."""
+    from tessera.config import Config
+    from tessera.model.mlp import ffn_hidden_size
+
+    cfg = Config.from_file(TINY, COMMON)
+    m = cfg.model
+    n = max(m.vocab_size, m.hidden_size, ffn_hidden_size(m.hidden_size, m.mlp_ratio, m.multiple_of), cfg.data.seq_len)
+    return order_rtol(torch.float32, n, transformer_depth(m.num_layers) + 1)
 
 
 def train(tmp_path, name, overrides, nproc=2, timeout=HANG_GUARD_S, expect_ok=True, extra=()):
@@ -82,7 +96,8 @@ def test_resume_gives_identical_losses_and_metrics_files(tmp_path):
     for tag in ("loss", "lr", "grad_norm", "loss_scale", "tgs", "tflops", "mfu"):
         assert tag in tags, (tag, tags)
     tb_loss = [e.value for e in acc.Scalars("loss")]
-    assert np.allclose(tb_loss, [full[s] for s in range(1, 7)], rtol=1e-6)
+    # TensorBoard stores the logged loss as fp32: one rounding, at most u_fp32 of it (was rtol 1e-6)
+    assert np.allclose(tb_loss, [full[s] for s in range(1, 7)], rtol=gamma(1, torch.float32), atol=0)
 
 
 @pytest.mark.parametrize("before, after", [((2, 4), (1, 2)), ((1, 2), (2, 4))], ids=["tp2dp1-to-tp1dp2", "tp1dp2-to-tp2dp1"])
@@ -99,7 +114,9 @@ def test_resume_on_another_layout(tmp_path, before, after):
     _, b_dir = train(tmp_path, "b", [f"parallel.tensor.size={tp_b}", f"data.micro_bsz={bsz_b}", "data.total_steps=3"] + save)
     ref, resumed = losses(ref_dir), losses(b_dir)
     assert sorted(resumed) == [3]
-    assert math.isclose(resumed[3], ref[3], rel_tol=1e-5), (resumed[3], ref[3])
+    # the same weights (bitwise from the checkpoint), another layout: two orders of the step-3 forward and
+    # its mean loss (tests/tolerances.py; was 1e-5)
+    assert math.isclose(resumed[3], ref[3], rel_tol=_loss_rtol()), (resumed[3], ref[3])
 
 
 def _make_token_folder(folder, docs, vocab=256):

@@ -132,6 +132,17 @@ def order_rtol(dtype: torch.dtype | str, n: int = 1, depth: int = 1) -> float:
     return math.sqrt(2.0) * precision_rtol(dtype, n, depth)
 
 
+def element_order_rtol(dtype: torch.dtype | str, n: int = 1, depth: int = 1, sigmas: float = 3.0) -> float:
+    """One element's relative difference between two orders (an amax, a single logit), not a norm.
+
+    A norm averages over many elements; one element does not: its first-order error is a sum of
+    ``n * depth`` rounding errors per order, each uniform on ``[-u, u]`` (variance u^2 / 3), so the
+    difference of two orders has RMS ``u * sqrt(2 n depth / 3)``; ``sigmas`` of it (3: a handful of
+    such elements checked, each beyond it with probability ~0.3%).
+    """
+    return sigmas * math.sqrt(2.0 * n * depth / 3.0) * unit_roundoff(dtype)
+
+
 def adam_rtol(grad_rtol: float, *, lrs, weight_rms: float, gain: float = 1.0) -> float:
     """Norm-wise relative weight difference after Adam(W) steps with learning rates ``lrs`` (one per step),
     when each step's gradients differ by ``grad_rtol`` (norm-wise, rounding-like).
@@ -189,13 +200,14 @@ CAST_CREST = 3.0
 def fp8_flip_rtol(fmt: torch.dtype, numel: int, flips: int = 1) -> float:
     """Norm-wise change of a ``numel``-element tensor cast to ``fmt`` when ``flips`` of its elements round to
     the neighbouring fp8 value in one of two computations: each moves by one ulp, ``2 u`` of itself, and is
-    at most ``CAST_CREST`` times the tensor's RMS: ``2 * u * CAST_CREST * sqrt(flips / numel)``.
+    at most ``CAST_CREST`` times the tensor's RMS (and at most its norm): ``2 * u * CAST_CREST * sqrt(flips / numel)``.
 
     Downstream quantities (logits, gradients) see that change with a gain of at most ~1: a flip enters
     one row of one GEMM in a residual branch (measured: 1/40 of it reaches the logits), so the bound is
     applied to the compared quantity directly.
     """
-    return 2 * unit_roundoff(fmt) * CAST_CREST * math.sqrt(flips / numel)
+    crest = min(CAST_CREST, math.sqrt(numel))  # one element is at most the whole norm
+    return 2 * unit_roundoff(fmt) * crest * math.sqrt(flips / numel)
 
 
 def requantize_rtol(fmt: torch.dtype, upstream_rtol: float) -> float:
@@ -210,15 +222,42 @@ def requantize_rtol(fmt: torch.dtype, upstream_rtol: float) -> float:
     return 2 * math.sqrt(unit_roundoff(fmt) * min(upstream_rtol, unit_roundoff(fmt)))
 
 
-def mean_loss_rtol(logits_rtol: float, *, logits_norm: float, loss: float, tokens: int, vocab: int) -> float:
+# a rounding flip nobody should expect: below this expected count per comparison, the cast adds nothing
+FLIP_MISS = 1e-2
+
+
+def cast_rtol(dtype: torch.dtype, upstream_rtol: float, numel: int) -> float:
+    """Norm-wise difference of two tensors rounded to ``dtype`` from values that differ by ``upstream_rtol``
+    (relative, per element; e.g. two fp32 masters rounded to bf16 weights).
+
+    ``upstream_rtol >= u``: every element rounds on its own, ``order_rtol(dtype)``. Smaller: an element
+    rounds differently only within ``upstream_rtol`` of a midpoint; ``numel * upstream_rtol / u`` of them
+    are expected to. Below ``FLIP_MISS`` none is (probability about that count): 0. Otherwise the larger
+    of ``requantize_rtol`` (many flips) and one flip of a large element (``fp8_flip_rtol``, any format).
+    """
+    u = unit_roundoff(dtype)
+    if upstream_rtol >= u:
+        return order_rtol(dtype)
+    if numel * upstream_rtol / u < FLIP_MISS:
+        return 0.0
+    return max(requantize_rtol(dtype, upstream_rtol), fp8_flip_rtol(dtype, numel))
+
+
+def mean_loss_rtol(logits_rtol: float, *, logits_norm: float, loss: float, tokens: int, vocab: int,
+                   shared: bool = False) -> float:
     """Relative change of a mean cross-entropy loss when its logits move by ``logits_rtol`` (norm-wise).
 
     To first order ``d loss = (1/T) sum_t <softmax(z_t) - onehot_t, dz_t>``, and the gradient has norm at
     most sqrt(2) per token. A rounding (or flip) change ``dz`` is not aligned with it: each token's product
-    is ~``sqrt(2) ||dz_t|| / sqrt(V)``, and the ``T`` of them add in quadrature, so
-    ``|d loss| <= sqrt(2 / V) * ||dz|| / T``, i.e. ``sqrt(2 / V) * logits_rtol * ||z|| / (T * |loss|)``.
+    is ~``sqrt(2) ||dz_t|| / sqrt(V)``. Where the change comes from the activations, token by token, the
+    ``T`` products are independent and add in quadrature: ``|d loss| <= sqrt(2 / V) * ||dz|| / T``. Where it
+    comes from something every token shares (``shared``: weights rounded to bf16) they may add coherently:
+    ``sqrt(2 / V) * ||dz|| / sqrt(T)`` (Cauchy-Schwarz over the tokens). Relative to the loss::
+
+        sqrt(2 / V) * logits_rtol * ||z|| / (T or sqrt(T)) / |loss|
     """
-    return math.sqrt(2.0 / vocab) * logits_rtol * logits_norm / (tokens * abs(loss))
+    per_token = math.sqrt(tokens) if shared else tokens
+    return math.sqrt(2.0 / vocab) * logits_rtol * logits_norm / (per_token * abs(loss))
 
 
 def allclose_tols(rtol: float, scale: float) -> dict[str, float]:
