@@ -61,6 +61,9 @@ def fp32_loss():
 @pytest.mark.parametrize("dtype", ["torch.bfloat16", "torch.float16"])
 def test_low_precision_matches_fp32_final_loss(dtype, fp32_loss):
     loss, opt = _train(dtype)
+    # not a rounding bound (tests/tolerances.py has none for this): after 200 steps the low-precision and fp32
+    # trajectories have long decorrelated, and what is compared is where training lands on the task's floor
+    # (an outcome, like a seed-to-seed spread), so 2% stays. Measured: bf16 4.9e-4, fp16 2.8e-4.
     assert loss == pytest.approx(fp32_loss, rel=0.02)
     history = opt.scale_history  # the loss scale used at every step, for the metrics log
     assert len(history) == STEPS
