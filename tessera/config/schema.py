@@ -318,6 +318,10 @@ SCHEMA = Section(
                                                          "last micro-batch's backward"),
                 "reduce_bucket_size": Key(INT, DEFAULT_REDUCE_BUCKET_SIZE, _positive,
                                           doc="elements per gradient bucket (the unit of DP reduction and overlap)"),
+                "fuse_wgrad_accumulation": Key(BOOL, True,
+                                               doc="the linears' backward adds weight gradients into the fp32 main "
+                                                   "gradients inside the GEMM (fp32 output), where the device "
+                                                   "offers one; False: a low-precision gradient added afterwards"),
                 "max_consecutive_skips": Key(INT, 20, _positive,
                                              doc="stop the run when more steps than this in a row are skipped "
                                                  "(inf/NaN); fp16 counts them once the loss scale is at its minimum"),

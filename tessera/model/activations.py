@@ -52,11 +52,14 @@ def _bytes(dtype: torch.dtype) -> int:
 
 
 def activation_bytes(model_cfg: Any, micro_bsz: int, seq_len: int, tp: int, mode: str, checkpoint: Any,
-                     dtype: torch.dtype = torch.float32, chunk_tokens: int = 0) -> dict[str, float]:
+                     dtype: torch.dtype = torch.float32, chunk_tokens: int = 0,
+                     fused_wgrad: bool = False) -> dict[str, float]:
     """Bytes per TP rank: ``per_layer`` (kept by one layer), ``kept`` (everything kept at the end of the
     forward, loss included), ``peak`` (kept + the backward's largest working set); see the module doc.
     ``chunk_tokens``: the head and the loss fused in chunks of that many tokens (``loss.chunk_tokens``;
-    0: the whole logits)."""
+    0: the whole logits). ``fused_wgrad``: the fused head adds its weight gradient into the fp32 main gradient
+    chunk by chunk (``hybrid_zero_optimizer.fuse_wgrad_accumulation``), so neither the fp32 accumulator nor a
+    chunk's low-precision weight gradient exists; autograd gets an uninitialized placeholder of the weight's size."""
     a = ModelArgs.from_config(model_cfg)
     if mode not in TENSOR_MODES:
         raise ValueError(f"mode={mode!r}: must be one of {list(TENSOR_MODES)}")
@@ -90,7 +93,8 @@ def activation_bytes(model_cfg: Any, micro_bsz: int, seq_len: int, tp: int, mode
     grad_w_head = 4 * v_t * h
     if chunk_tokens:  # fused: the input's and the fp32 weight's gradients, and one chunk's logits made again
         c = min(chunk_tokens, T)
-        chunk = (4 + (2 * e if e != 4 else 0)) * c * v_t + e * c * h + e * v_t * h
+        chunk = (4 + (2 * e if e != 4 else 0)) * c * v_t + e * c * h + (0 if fused_wgrad else e * v_t * h)
+        grad_w_head = e * v_t * h if fused_wgrad else grad_w_head
         head = kept + e * Th + grad_w_head + chunk + (e * srh if sp else 0)
     elif sp:
         head = kept - loss + e * T * v_t + 2 * e * Th + grad_w_head

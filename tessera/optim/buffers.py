@@ -8,7 +8,9 @@ dtype; every bucket is padded to a multiple of the ZERO1 size.
 
 Post-accumulate-grad hooks add each parameter's ``.grad`` into its main-grad view and free it, so
 accumulation over micro-batches and the DP reduction run in fp32 (``reduce_dtype="model"``: in the
-model's low-precision dtype).
+model's low-precision dtype). With ``fuse_wgrad`` the column/row-parallel linears' weights get their fp32
+view attached, their backward's GEMM adds into it directly, and the hook only counts the arrival
+(``tessera.parallel.wgrad``).
 
 The DP reduction is per bucket: reduce-scattered straight into the owning ranks' shards when the
 ZeRO group is the whole DP group (a DDP all-reduce's traffic, counting the parameters' all-gather after
@@ -29,6 +31,7 @@ from torch import nn
 from tessera.optim.bucket import Bucket, split_reversed
 from tessera.optim.groups import GroupComm
 from tessera.optim.params import LOW_PRECISION
+from tessera.parallel.wgrad import attach_main_grad, is_fusable, take_added
 
 __all__ = ["GradientBuffers"]
 
@@ -58,7 +61,8 @@ class GradientBuffers:
     """
 
     def __init__(self, param_groups: list[dict[str, Any]], names: dict[int, str], *, dp: GroupComm,
-                 zero1: GroupComm, master_dtype: torch.dtype, reduce_dtype: str, bucket_size: int) -> None:
+                 zero1: GroupComm, master_dtype: torch.dtype, reduce_dtype: str, bucket_size: int,
+                 fuse_wgrad: bool = True) -> None:
         specs = _bucket_specs(param_groups, reduce_dtype, bucket_size)
         d = zero1.size
         sizes: dict[torch.dtype, int] = {}
@@ -83,6 +87,9 @@ class GradientBuffers:
         self.clean = True  # the buffers are known to be zero (zero() can skip the memset)
         self._hooks = [self._register_hook(p, view, i) for i, b in enumerate(self.buckets)
                        for p, view in zip(b.params, b.grad_views)]
+        for b in self.buckets:  # the linears' backward adds into the fp32 views itself (tessera.parallel.wgrad)
+            for p, view in zip(b.params, b.grad_views):
+                attach_main_grad(p, view if fuse_wgrad and view.dtype == torch.float32 and is_fusable(p) else None)
 
     # ------------------------------------------------------------------ accumulation
     def _register_hook(self, p: nn.Parameter, view: torch.Tensor, bucket: int) -> Any:
@@ -93,7 +100,8 @@ class GradientBuffers:
             if grad.is_sparse:
                 raise TypeError("HybridZeroOptimizer: sparse gradients are not supported")
             self.check_open(bucket)
-            view.add_(grad)
+            if not take_added(param):  # else the backward's GEMM already added it (the grad is a placeholder)
+                view.add_(grad)
             param.grad = None
             self.clean = False
             self.arrived(bucket)

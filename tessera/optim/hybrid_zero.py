@@ -105,6 +105,7 @@ class HybridZeroOptimizer(torch.optim.Optimizer):
             optimizer.param_groups, param_name_map(param_names, self._params), dp=self._groups.dp,
             zero1=self._groups.zero1, master_dtype=self._policy.master_dtype,
             reduce_dtype=self._settings.reduce_dtype, bucket_size=self._settings.reduce_bucket_size,
+            fuse_wgrad=self._settings.fuse_wgrad_accumulation,
         )
         self._rebuild_inner()
         self._norm = GradNorm(self._grads, self._groups)

@@ -30,6 +30,7 @@ class ZeroSettings:
     overlap_sync_grad: bool = True  # launch bucket reductions during the last backward
     reduce_bucket_size: int = DEFAULT_REDUCE_BUCKET_SIZE  # elements per gradient bucket
     max_consecutive_skips: int | None = None  # stop the run after more skips in a row (None: never)
+    fuse_wgrad_accumulation: bool = True  # linears add weight gradients into the fp32 main grads in the GEMM
 
     @classmethod
     def from_config(cls, zero_cfg: Mapping[str, Any] | None) -> ZeroSettings:
@@ -41,6 +42,7 @@ class ZeroSettings:
             raise ValueError(f"hybrid_zero_optimizer: unknown key(s) {unknown}; valid: {sorted(known)}")
         s = cls(**raw)
         s = dataclasses.replace(s, clip_grad_norm=float(s.clip_grad_norm), overlap_sync_grad=bool(s.overlap_sync_grad),
+                                fuse_wgrad_accumulation=bool(s.fuse_wgrad_accumulation),
                                 reduce_bucket_size=int(s.reduce_bucket_size))
         if s.clip_grad_norm < 0:
             raise ValueError(f"clip_grad_norm must be >= 0 (0 disables), got {s.clip_grad_norm}")

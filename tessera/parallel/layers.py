@@ -45,6 +45,7 @@ from tessera.parallel.sequence import (
     reduce_scatter_to_sequence_region,
     sequence_parallel_linears,
 )
+from tessera.parallel.wgrad import mark_fusable
 
 __all__ = [
     "ColumnParallelLinear",
@@ -145,6 +146,7 @@ class _ParallelLinear(nn.Module):
         factory: dict[str, Any] = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty(*shape, **factory))
         set_tensor_parallel_attrs(self.weight, shard_dim)
+        mark_fusable(self.weight)
         if bias:
             self.bias = nn.Parameter(torch.empty(shape[0], **factory))
             set_tensor_parallel_attrs(self.bias, 0 if shard_dim == 0 else None)

@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 
 from tessera.parallel.comm import all_reduce, group_rank, group_size
-from tessera.parallel.lowp import linear_grads, linear_no_autograd
+from tessera.parallel.lowp import fuses_wgrad, linear_grads, linear_no_autograd, wgrad_into_main
+from tessera.parallel.wgrad import placeholder
 
 __all__ = ["LossSpec", "linear_cross_entropy", "vocab_parallel_cross_entropy"]
 
@@ -179,7 +180,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor):
         x, weight, target, lse, count = ctx.saved_tensors
         spec: LossSpec = ctx.spec
-        needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], False)
+        fused = ctx.needs_input_grad[1] and fuses_wgrad(x, weight)  # straight into the fp32 main gradient
+        needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1] and not fused, False)
         gx = torch.empty_like(x) if needs[0] else None
         gw = torch.zeros(weight.shape, dtype=torch.promote_types(weight.dtype, torch.float32),
                          device=weight.device) if needs[1] else None
@@ -198,7 +200,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 gx[a:b] = gx_c
             if gw is not None and gw_c is not None:
                 gw.add_(gw_c)
+            if fused:
+                wgrad_into_main(grad.to(x.dtype), x[a:b], weight)
             del probs, grad
+        if fused:
+            return gx, placeholder(weight), None, None, None
         return gx, None if gw is None else gw.to(weight.dtype), None, None, None
 
 

@@ -21,6 +21,8 @@ import os
 import torch
 import torch.nn.functional as F
 
+from tessera.parallel.wgrad import add_wgrad, fused_main_grad, placeholder
+
 logger = logging.getLogger("tessera")
 
 _NATIVE_FLAGS = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}
@@ -109,10 +111,47 @@ class _UpcastLinear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             gx = (g @ weight.float()).to(x.dtype)
         if ctx.needs_input_grad[1]:
-            gw = (g.reshape(-1, g.shape[-1]).t() @ x.float().reshape(-1, x.shape[-1])).to(weight.dtype)
+            if wgrad_into_main(grad, x, weight):
+                gw = placeholder(weight)
+            else:
+                gw = (g.reshape(-1, g.shape[-1]).t() @ x.float().reshape(-1, x.shape[-1])).to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             gb = g.reshape(-1, g.shape[-1]).sum(0).to(weight.dtype)
         return gx, gw, gb
+
+
+class _FusedWgradLinear(torch.autograd.Function):
+    """``x W^T + b`` whose backward adds the weight gradient into the weight's fp32 main gradient
+    (``tessera.parallel.wgrad``) instead of handing autograd a low-precision one."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        return linear_grads(grad, x, weight, ctx.has_bias, tuple(ctx.needs_input_grad))
+
+
+def fuses_wgrad(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the weight gradient of ``x W^T`` goes straight into the weight's fp32 main gradient."""
+    upcast = needs_upcast(x) and x.dtype == weight.dtype
+    return fused_main_grad(weight, torch.float32 if upcast else x.dtype) is not None
+
+
+def wgrad_into_main(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Add the weight gradient of ``x W^T`` (``grad`` the output's) into the weight's main gradient in fp32
+    when fusion applies (upcast operands on CPUs without native low-precision kernels); False otherwise."""
+    upcast = needs_upcast(x) and x.dtype == weight.dtype
+    main = fused_main_grad(weight, torch.float32 if upcast else x.dtype)
+    if main is None:
+        return False
+    g2, x2 = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
+    add_wgrad(main, weight, g2.float() if upcast else g2, x2.float() if upcast else x2)
+    return True
 
 
 def linear_no_autograd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -126,7 +165,8 @@ def linear_no_autograd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 def linear_grads(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, has_bias: bool,
                  needs: tuple[bool, bool, bool]) -> tuple[torch.Tensor | None, ...]:
     """Gradients of ``x W^T + b`` w.r.t. (x, W, b) where ``needs`` says so; low precision on such CPUs in
-    fp32 as :class:`_UpcastLinear` does, else in the tensors' own dtype (as autograd's own backward)."""
+    fp32 as :class:`_UpcastLinear` does, else in the tensors' own dtype (as autograd's own backward). A weight
+    gradient fused into the main gradient (``wgrad_into_main``) comes back as a placeholder."""
     upcast = needs_upcast(x) and x.dtype == weight.dtype
     g = grad.float() if upcast else grad
     w = weight.float() if upcast else weight
@@ -134,8 +174,11 @@ def linear_grads(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, has_
     if needs[0]:
         gx = (g @ w).to(x.dtype)
     if needs[1]:
-        x2 = x.float() if upcast else x
-        gw = (g.reshape(-1, g.shape[-1]).t() @ x2.reshape(-1, x.shape[-1])).to(weight.dtype)
+        if wgrad_into_main(grad, x, weight):
+            gw = placeholder(weight)
+        else:
+            x2 = x.float() if upcast else x
+            gw = (g.reshape(-1, g.shape[-1]).t() @ x2.reshape(-1, x.shape[-1])).to(weight.dtype)
     if has_bias and needs[2]:
         gb = g.reshape(-1, g.shape[-1]).sum(0).to(weight.dtype)
     return gx, gw, gb
@@ -145,6 +188,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """``F.linear``, with bf16/fp16 on CPUs lacking native kernels computed as described above."""
     if needs_upcast(x) and x.dtype == weight.dtype:
         return _UpcastLinear.apply(x, weight, bias)
+    if torch.is_grad_enabled() and fused_main_grad(weight, x.dtype) is not None:
+        return _FusedWgradLinear.apply(x, weight, bias)
     return F.linear(x, weight, bias)
 
 

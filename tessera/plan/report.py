@@ -23,7 +23,7 @@ from tessera.model.activations import activation_bytes
 from tessera.model.args import ModelArgs
 from tessera.parallel.sequence import TENSOR_MODES
 from tessera.plan.tracker import ring_bytes
-from tessera.train.memory_check import meta_census, param_counts
+from tessera.train.memory_check import head_wgrad_fused, meta_census, param_counts
 from tessera.train.memory_extras import (
     MATMUL_STREAMS,
     MATMUL_WORKSPACE_BYTES,
@@ -312,7 +312,7 @@ def closed_form_plan(cfg: Config, lay: Layout, shape: StepShape, counts: tuple[i
     if shape.checkpoint in (False, True, "selective") and not shape.precision.fp8.enabled:
         chunk = cfg.loss.chunk_tokens
         act = activation_bytes(cfg.model, shape.micro_bsz, shape.seq_len, tp, shape.mode, shape.checkpoint,
-                               shape.precision.dtype, chunk)
+                               shape.precision.dtype, chunk, head_wgrad_fused(cfg, "cuda", shape.precision))
         v_t = ModelArgs.from_config(cfg.model).vocab_size // tp
         a_h = ModelArgs.from_config(cfg.model).hidden_size
         act_e = shape.precision.dtype.itemsize

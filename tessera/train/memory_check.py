@@ -105,6 +105,16 @@ def param_counts(model_cfg: Mapping[str, Any], tp: int, precision: RunPrecision)
     return census.low_params, census.fp32_params
 
 
+def head_wgrad_fused(cfg: Mapping[str, Any], device_type: str, precision: RunPrecision) -> bool:
+    """Whether the fused head's backward adds its weight gradient straight into the fp32 main gradient
+    (``tessera.parallel.wgrad``): the setting is on, main grads are fp32, and the device has an fp32-output
+    GEMM for the head's operands (CUDA; on a CPU only fp32 ones are counted, the safe side)."""
+    zero = cfg.get("hybrid_zero_optimizer") or {}
+    on = bool(zero.get("fuse_wgrad_accumulation", default_of("hybrid_zero_optimizer.fuse_wgrad_accumulation")))
+    fp32_grads = zero.get("reduce_dtype", default_of("hybrid_zero_optimizer.reduce_dtype")) == "fp32"
+    return on and fp32_grads and (device_type != "cpu" or precision.dtype == torch.float32)
+
+
 def plan_persistent_state(cfg: Mapping[str, Any], world_size: int, tp: int, zero1: int,
                           checkpoint: Any = None, device_type: str = "cpu",
                           flash_installed: bool | None = None, precision: RunPrecision | None = None) -> StatePlan:
@@ -125,7 +135,7 @@ def plan_persistent_state(cfg: Mapping[str, Any], world_size: int, tp: int, zero
     if checkpoint in (False, True, "selective") and not precision.fp8.enabled and data:
         chunk = int((cfg.get("loss") or {}).get("chunk_tokens", default_of("loss.chunk_tokens")))
         act = activation_bytes(model_cfg, data["micro_bsz"], data["seq_len"], tp, mode, checkpoint,
-                               precision.dtype, chunk)["peak"]
+                               precision.dtype, chunk, head_wgrad_fused(cfg, device_type, precision))["peak"]
     attention = 0.0
     if device_type == "cuda" and data:
         flash = flash_attn_available() if flash_installed is None else flash_installed

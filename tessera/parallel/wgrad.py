@@ -1,0 +1,167 @@
+"""Weight gradients accumulated in fp32 inside the GEMM (gradient-accumulation fusion).
+
+Without it, the backward of a bf16 linear writes a bf16 weight gradient (rounded once per micro-batch
+and, in the chunked head, once per chunk), and the optimizer's hook then adds it into the fp32 main
+gradient: one extra read and write of the weight's size, and a rounding the fp32 main gradient exists
+to avoid. With it, the optimizer attaches each linear's fp32 main-gradient view to the weight
+(``attach_main_grad``); the linear's backward adds ``grad_output^T @ input`` straight into that view
+with fp32 output (``add_wgrad``), and hands autograd an uninitialized placeholder of the weight's
+shape, which the hook recognises (``take_added``) and drops.
+
+Which GEMM does the add, per (device type, operand dtype), decided on first use and logged once:
+
+- fp32 operands (fp32 weights, or bf16/fp16 upcast on CPUs without native kernels): ``addmm_`` into
+  the main gradient (beta = 1): the accumulation happens in the GEMM's epilogue;
+- bf16/fp16 operands on CUDA: ``addmm`` with ``out_dtype=float32`` writing into the main gradient, when
+  this torch has it and a probe against an fp32 reference agrees; else ``mm`` with an fp32 output
+  followed by an add; else no fusion;
+- bf16/fp16 operands on CPUs with native low-precision kernels: no fp32-output GEMM there, so no
+  fusion (the hook adds the low-precision gradient, as without fusion).
+
+Only the weights of the column/row-parallel linears are eligible (``mark_fusable``): a weight that also
+receives a gradient elsewhere (a head tied to the embedding) must not be fused, because autograd would
+add the other gradient to the placeholder. A weight with a gradient hook of its own (``register_hook``)
+is not fused either, so the hook sees the gradient and may change it. Inside ``torch.compile``'d code
+nothing is fused: the traced linear is autograd's own and its gradient goes through the hook.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+
+import torch
+
+__all__ = ["add_wgrad", "attach_main_grad", "fused_main_grad", "is_fusable", "mark_fusable", "placeholder",
+           "take_added"]
+
+logger = logging.getLogger("tessera")
+
+_FUSABLE = "_tessera_wgrad_fusable"
+_LOW = (torch.bfloat16, torch.float16)
+
+
+class _Attached:
+    """The main gradient of one parameter, held by id beside a weak reference to the parameter: a copy of
+    the parameter (``copy.deepcopy`` of a model) is not attached, and the entry goes when the parameter does."""
+
+    def __init__(self, param: torch.Tensor, main_grad: torch.Tensor) -> None:
+        key = id(param)
+        self.param = weakref.ref(param, lambda _: _ATTACHED.pop(key, None))
+        self.main_grad = main_grad
+        self.added = False  # a backward added the gradient; the hook has not yet seen it
+
+
+_ATTACHED: dict[int, _Attached] = {}
+_KERNELS: dict[tuple[str, torch.dtype], str] = {}  # (device type, operand dtype) -> "addmm_out" | "mm_add" | "none"
+
+
+def mark_fusable(weight: torch.Tensor) -> None:
+    """Tag a linear layer's own weight: its gradient comes from that layer's GEMM only."""
+    setattr(weight, _FUSABLE, True)
+
+
+def is_fusable(param: torch.Tensor) -> bool:
+    return bool(getattr(param, _FUSABLE, False))
+
+
+def attach_main_grad(param: torch.Tensor, main_grad: torch.Tensor | None) -> None:
+    """Give ``param`` its fp32 main-gradient view to accumulate into (None: take fusion away)."""
+    if main_grad is None:
+        _ATTACHED.pop(id(param), None)
+        return
+    if main_grad.dtype != torch.float32 or main_grad.shape != param.shape:
+        raise ValueError(f"attach_main_grad: an fp32 view of shape {tuple(param.shape)} is needed, got "
+                         f"{main_grad.dtype} {tuple(main_grad.shape)}")
+    _ATTACHED[id(param)] = _Attached(param, main_grad)
+
+
+def _entry(param: torch.Tensor) -> _Attached | None:
+    entry = _ATTACHED.get(id(param))
+    return entry if entry is not None and entry.param() is param else None
+
+
+def _probe(device: torch.device, dtype: torch.dtype) -> str:
+    """The fp32-output GEMM this torch offers for ``dtype`` operands on ``device``, checked on a small case."""
+    a = torch.arange(12, device=device, dtype=torch.float32).reshape(4, 3).div_(7).to(dtype)
+    b = torch.arange(15, device=device, dtype=torch.float32).reshape(3, 5).div_(11).to(dtype)
+    want = torch.ones(4, 5, device=device) + a.float() @ b.float()
+    attempts = {
+        "addmm_out": lambda c: torch.addmm(c, a, b, out_dtype=torch.float32, out=c),
+        "mm_add": lambda c: c.add_(torch.mm(a, b, out_dtype=torch.float32)),
+    }
+    for name, run in attempts.items():
+        try:
+            got = torch.ones(4, 5, device=device)
+            run(got)
+        except (RuntimeError, TypeError, NotImplementedError):
+            continue
+        if torch.allclose(got, want, rtol=1e-6, atol=1e-6):
+            return name
+    return "none"
+
+
+def _kernel(device: torch.device, dtype: torch.dtype) -> str:
+    key = (device.type, dtype)
+    if key not in _KERNELS:
+        if dtype not in _LOW:
+            choice = "fp32"
+        elif device.type == "meta":
+            choice = "addmm_out"  # shape-only runs mirror the GPU's fused path
+        elif device.type == "cpu":
+            choice = "none"
+        else:
+            choice = _probe(device, dtype)
+        _KERNELS[key] = choice
+        how = {"fp32": "added into the fp32 main gradient by the GEMM (addmm_)",
+               "addmm_out": "added into the fp32 main gradient by an fp32-output GEMM (addmm out_dtype)",
+               "mm_add": "an fp32-output GEMM, then added into the fp32 main gradient",
+               "none": "computed in the operands' dtype and added by the optimizer's hook (no fp32-output "
+                       "GEMM here)"}[choice]
+        logger.info("weight gradients of %s linears on %s: %s", str(dtype).split(".")[-1], device.type, how)
+    return _KERNELS[key]
+
+
+def fused_main_grad(weight: torch.Tensor, operand_dtype: torch.dtype | None = None) -> torch.Tensor | None:
+    """The main gradient the backward of ``weight``'s GEMM should add into, or None (not attached, not
+    needed, inside compiled code, or no fp32-output GEMM for ``operand_dtype`` operands here)."""
+    entry = _entry(weight)
+    if entry is None or not weight.requires_grad or torch.compiler.is_compiling():
+        return None
+    if weight._backward_hooks:  # a gradient hook (register_hook) must see, and may change, the gradient
+        return None
+    if _kernel(weight.device, operand_dtype or weight.dtype) == "none":
+        return None
+    return entry.main_grad
+
+
+def add_wgrad(main: torch.Tensor, weight: torch.Tensor, grad_2d: torch.Tensor, input_2d: torch.Tensor) -> None:
+    """``main += grad_2d^T @ input_2d`` with fp32 accumulation; marks ``weight`` so the hook skips its add."""
+    kernel = _kernel(main.device, grad_2d.dtype)
+    if kernel == "fp32":
+        main.addmm_(grad_2d.t().float(), input_2d.float())
+    elif kernel == "addmm_out":
+        torch.addmm(main, grad_2d.t(), input_2d, out_dtype=torch.float32, out=main)
+    elif kernel == "mm_add":
+        main.add_(torch.mm(grad_2d.t(), input_2d, out_dtype=torch.float32))
+    else:
+        raise RuntimeError(f"add_wgrad: no fp32-output GEMM for {grad_2d.dtype} on {main.device.type}")
+    entry = _entry(weight)
+    if entry is None or entry.main_grad is not main:
+        raise RuntimeError("add_wgrad: the weight's main gradient is not the one added into")
+    entry.added = True
+
+
+def placeholder(weight: torch.Tensor) -> torch.Tensor:
+    """What the backward returns as the weight's gradient once it is in the main gradient: uninitialized,
+    never read (the hook drops it), so autograd's accumulation costs an allocation and nothing else."""
+    return torch.empty_like(weight)
+
+
+def take_added(param: torch.Tensor) -> bool:
+    """True once after a backward added ``param``'s gradient into its main gradient (the hook's question)."""
+    entry = _entry(param)
+    if entry is None or not entry.added:
+        return False
+    entry.added = False
+    return True
