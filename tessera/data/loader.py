@@ -33,7 +33,7 @@ from tessera.data.sampler import GlobalRowSampler
 from tessera.data.stdlib_corpus import prepare_stdlib_corpus
 from tessera.data.synthetic import SyntheticStream
 from tessera.data.token_file import open_token_folder
-from tessera.data.tokenizer import ByteTokenizer, HFTokenizer
+from tessera.data.tokenizer import AnyTokenizer
 
 Batch = dict[str, torch.Tensor]
 SYNTHETIC_TRAIN_ROWS = 1 << 16
@@ -114,7 +114,7 @@ class DataBundle:
 
     train: TrainLoader
     valid: ValidLoader | None
-    tokenizer: ByteTokenizer | HFTokenizer | None
+    tokenizer: AnyTokenizer | None
     info: dict[str, Any] = field(default_factory=dict)
 
 
@@ -159,7 +159,7 @@ def build_data(
     if not (dp_size >= 1 and 0 <= dp_rank < dp_size):
         raise DataError(f"dp_rank={dp_rank} must be in [0, dp_size={dp_size})")
     pack_one = c["pack_sample_into_one"]
-    tokenizer: ByteTokenizer | HFTokenizer | None = None
+    tokenizer: AnyTokenizer | None = None
     train_streams: Sequence[TokenStream]
     valid_streams: Sequence[TokenStream] | None
     if c["type"] == "synthetic":

@@ -11,15 +11,16 @@ from typing import Any
 
 from tessera.data.errors import DataError
 from tessera.data.token_file import find_shards
-from tessera.data.tokenizer import ByteTokenizer, HFTokenizer, build_tokenizer, load_tokenizer
+from tessera.data.tokenizer import AnyTokenizer, ByteTokenizer, build_tokenizer, load_tokenizer
 
 __all__ = ["tokenizer_for_checkpoint"]
 
 
 def tokenizer_for_checkpoint(path: str, meta: Mapping[str, Any], override: str | None = None
-                             ) -> tuple[ByteTokenizer | HFTokenizer | None, str]:
+                             ) -> tuple[AnyTokenizer | None, str]:
     """``(tokenizer or None, where it came from / why there is none)`` for checkpoint folder ``path``
-    whose meta.json is ``meta``. ``override``: ``"byte"`` or a ``tokenizer.json`` path, used as is."""
+    whose meta.json is ``meta``. ``override``: ``"byte"``, a ``tokenizer.json`` or a SentencePiece ``.model``
+    path, used as is."""
     if override:
         return build_tokenizer(override), f"--tokenizer {override}"
     if isinstance(meta.get("tokenizer"), dict):  # recorded by tools/import_hf.py, file inside the step folder
