@@ -91,6 +91,9 @@ class PackedRows:
         inp[:n] = toks[:n]
         m = toks.size - 1  # labels available (n, or n-1 at the end of the stream)
         lab[:m] = toks[1:m + 1]
+        if getattr(stream, "signed", False):  # InternEvo's data: a negative id is input, never a label
+            inp[:n] = np.abs(inp[:n])
+            lab[:m][lab[:m] <= 0] = IGNORE_INDEX
         starts = stream.doc_starts_in(a, a + n) - a  # in (0, n]
         lab[starts - 1] = IGNORE_INDEX  # the EOD of each document that ends in this row
         if a > 0:
