@@ -67,7 +67,7 @@ class InternEvoPacks:
 
     def __init__(self, files: Sequence[InternEvoFile], seq_len: int, micro_bsz: int, pack_sample_into_one: bool):
         self.seq_len, self.micro_bsz, self.pack_one = seq_len, micro_bsz, pack_sample_into_one
-        self.packed_length = seq_len * micro_bsz
+        self.packed_length = self.tokens_per_row = seq_len * micro_bsz
         self.files = [_PackedFile(f, self.packed_length) for f in files]
         self.row_offsets = np.concatenate([[0], np.cumsum([p.num_packs for p in self.files])]).astype(np.int64)
         self.num_rows = int(self.row_offsets[-1])

@@ -61,7 +61,7 @@ class TrainLoader:
     @property
     def tokens_per_step(self) -> int:
         """Tokens (padding included) all DP ranks consume per optimizer step."""
-        return self.rows_per_step * self.rows.seq_len
+        return self.rows_per_step * self.rows.tokens_per_row
 
     @property
     def consumed_rows(self) -> int:

@@ -73,6 +73,7 @@ class PackedRows:
         rows = [1 + -(-max(0, int(s.num_tokens) - seq_len) // self.stride) if s.num_tokens else 0 for s in self.streams]
         self.row_offsets = np.concatenate([[0], np.cumsum(rows)]).astype(np.int64)
         self.num_rows = int(self.row_offsets[-1])
+        self.tokens_per_row = seq_len
 
     def _row(self, r: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(input ids, labels, segment starts within the row) of global row ``r``; -1 is padding."""
