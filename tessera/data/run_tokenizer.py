@@ -37,5 +37,5 @@ def tokenizer_for_checkpoint(path: str, meta: Mapping[str, Any], override: str |
                 return load_tokenizer(json.load(f), shard), f"data.train_folder={folder}"
         except (DataError, OSError, ValueError, TypeError) as e:
             return None, (f"the run's data.train_folder={folder!r} is not readable from here ({e}); "
-                          "pass --tokenizer byte|PATH/tokenizer.json")
-    return None, f"data.type={kind!r} has no tokenizer; pass --tokenizer byte|PATH/tokenizer.json"
+                          "pass --tokenizer byte|PATH/tokenizer.json|PATH/tokenizer.model")
+    return None, f"data.type={kind!r} has no tokenizer; pass --tokenizer byte|PATH/tokenizer.json|PATH/tokenizer.model"
