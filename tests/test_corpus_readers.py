@@ -18,8 +18,7 @@ import numpy as np
 import pytest
 
 from tessera.data import SentencePieceTokenizer, load_tokenizer
-
-from .test_data_format import ROOT, _prepare_module, read_raw
+from tests.test_data_format import ROOT, _prepare_module, read_raw
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
