@@ -19,10 +19,16 @@ setup(
         "flash": ["flash-attn"],
         # Hugging Face tokenizer.json support in tools/prepare_data.py
         "tokenizers": ["tokenizers"],
+        # corpus readers of tools/prepare_data.py: Parquet and save_to_disk folders, .jsonl.zst
+        "parquet": ["pyarrow"],
+        "zstd": ["zstandard"],
+        # SentencePiece .model tokenizers (InternLM, Llama 2, Mistral)
+        "sentencepiece": ["sentencepiece"],
         # Hugging Face export / import round-trip checks
         "hf": ["transformers", "tokenizers"],
         # heat maps of the precision telemetry (tools/precision_telemetry.py)
         "plots": ["matplotlib"],
-        "test": ["pytest", "pytest-timeout", "transformers", "tokenizers", "matplotlib"],
+        "test": ["pytest", "pytest-timeout", "transformers", "tokenizers", "matplotlib", "pyarrow", "zstandard",
+                 "sentencepiece"],
     },
 )

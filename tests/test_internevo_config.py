@@ -234,11 +234,10 @@ def test_noops_that_depend_on_saving_and_on_data():
     saving = with_key(sft(), "ckpt.enable_save_ckpt", True)  # then oss_snapshot_freq=25 asks for snapshots
     refusal(saving, "ckpt.oss_snapshot_freq=25: rolling snapshot checkpoints")
     Config.from_dict(with_key(saving, "ckpt.oss_snapshot_freq", 0))
-    # min_length=50 filters documents of a folder; random tokens have none to filter
+    # min_length=50 filters the documents of InternEvo's tokenized folders (tests/test_internevo_data.py)
     assert Config.from_dict(sft()).data.type == "synthetic"
-    folder = with_key(sft(), "data.train_folder", "/data/tokens/train")
-    refusal(folder, "data.min_length=50: tessera does not drop short documents")
-    assert Config.from_dict(with_key(folder, "data.min_length", 0)).data.type == "tokens"
+    folder = Config.from_dict(with_key(sft(), "data.train_folder", "/data/tokens/train"))
+    assert folder.data.type == "tokens" and folder.data.min_length == 50
 
 
 def test_keys_tessera_has_under_another_name():
@@ -265,7 +264,8 @@ def test_keys_tessera_has_under_another_name():
 
 def test_data_type_and_paths():
     raw = with_key(with_key(sft(), "data.type", "tokenized"), "data.train_folder", "/data/train")
-    assert Config.from_dict(with_key(raw, "data.min_length", 0)).data.type == "tokens"
+    assert Config.from_dict(with_key(raw, "data.min_length_dict", {"cn/": 10})).data.min_length_dict == {"cn/": 10}
+    refusal(with_key(raw, "data.min_length_dict", {"cn/": -1}), "data.min_length_dict")
     refusal(with_key(sft(), "data.type", "streaming"), "data.type='streaming'")
     raw = with_key(with_key(sft(), "ckpt.enable_save_ckpt", True), "ckpt.oss_snapshot_freq", 0)
     assert Config.from_dict(raw).ckpt.save_ckpt_folder == "llm_ckpts"  # InternEvo's local: prefix
@@ -349,3 +349,15 @@ def test_train_py_trains_a_shrunk_internevo_config(tmp_path):
         rows = [json.loads(line) for line in f]
     losses = [r["loss"] for r in rows if r["kind"] == "train"]
     assert len(losses) == 3 and all(0 < loss < 20 for loss in losses)
+
+
+@pytest.mark.parametrize("family", ["INTERNLM", "INTERNLM2", "INTERNLM2_PUBLIC", "INTERNLM2_PUTLIC", "LLAMA2"])
+def test_every_model_type_internevo_releases_use_for_the_decoder(family):
+    """INTERNLM2 is v0.2.4's configs/_base_/models name, INTERNLM2_PUTLIC the misspelling in v0.3.3's
+    published configs/7B_internlm2.py; both are the decoder InternEvo registers as INTERNLM2(_PUBLIC)."""
+    raw = sft()
+    raw.update(model_type=family)
+    cfg = Config.from_dict(raw)
+    assert cfg.model.bias is True and cfg.model.mlp_bias is False  # InternEvo's default q/k/v/o biases
+    raw["model"]["no_bias"] = True
+    assert Config.from_dict(raw).model.bias is False

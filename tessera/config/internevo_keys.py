@@ -226,14 +226,6 @@ def equals_micro_num(why: str) -> Handler:
     return handle
 
 
-def short_documents(t: Translating, path: str, value: Any) -> None:
-    if value in (0, None) or not t.get("data.train_folder", None):  # random tokens are never filtered
-        t.noop(path, value)
-    else:
-        t.refuse(path, value, "tessera does not drop short documents: filter them when preparing the token folder "
-                              "(tools/prepare_data.py), then set it to 0 / None")
-
-
 def int_section(size_key: str, zero_is_all: bool = False) -> Handler:
     """InternEvo's ``parallel.tensor=2`` / ``pipeline=1`` / ``zero1=8``: an int is the size."""
 

@@ -18,7 +18,10 @@ from tessera.config.internevo_keys import MISSING, Translating, local_path
 
 __all__ = ["file_rules", "FAMILIES"]
 
-FAMILIES = ("INTERNLM", "LLAMA2", "INTERNLM2_PUBLIC")  # InternEvo's model types tessera's decoder is
+# InternEvo's model types tessera's decoder is, across its releases (INTERNLM2: v0.2.4's configs; the misspelt
+# INTERNLM2_PUTLIC: v0.3.3's published configs/7B_internlm2.py)
+FAMILIES = ("INTERNLM", "INTERNLM2", "INTERNLM2_PUBLIC", "LLAMA2")
+_MISSPELT = {"INTERNLM2_PUTLIC": "INTERNLM2_PUBLIC"}
 # InternEvo's value of a key the file leaves out, where tessera's default differs
 DEFAULTS: tuple[tuple[str, Any, str], ...] = (
     ("model.mlp_ratio", 4.0, "InternEvo's model default"),
@@ -54,7 +57,11 @@ def file_rules(t: Translating) -> None:
 def _model_family(t: Translating) -> None:
     family = t.get("model_type", "INTERNLM")
     if t.has("model_type"):
-        if family in FAMILIES:
+        if family in _MISSPELT:
+            t.noop("model_type", family, f"read as {_MISSPELT[family]}")
+            t.differ(f"model_type={family!r} is read as {_MISSPELT[family]!r} (InternEvo registers no model of that "
+                     "name)")
+        elif family in FAMILIES:
             t.noop("model_type", family, "tessera's decoder")
         else:
             t.refuse("model_type", family, f"tessera's decoder is InternEvo's {list(FAMILIES)} (RMSNorm, rotary, "
@@ -78,8 +85,8 @@ def _data_type(t: Translating) -> None:
         elif kind == "tokenized":
             t.map("data.type", kind, "data.type", new, why)
     elif kind not in ("tokens", "synthetic", "stdlib"):
-        t.refuse("data.type", kind, "InternEvo's other dataset types are not read: tessera reads its own token "
-                                    "folders (data.type='tokens', made by tools/prepare_data.py)")
+        t.refuse("data.type", kind, "InternEvo's other dataset types are not read: tessera reads InternEvo's "
+                                    "tokenized folders and its own token folders (data.type='tokens')")
 
 
 def _auto_resume(t: Translating) -> Any:

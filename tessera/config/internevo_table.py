@@ -30,7 +30,6 @@ from tessera.config.internevo_keys import (
     save_folder,
     sequence_2d,
     sequence_parallel,
-    short_documents,
     snapshots,
     window_size,
     zero1_size,
@@ -39,14 +38,16 @@ from tessera.config.internevo_keys import (
 __all__ = ["KEYS", "SECTIONS", "markdown_table"]
 
 _LEFT_OUT = "same key; left out of an InternEvo file, InternEvo's default"
-_RANDOM = "no folder: random tokens (`data.type='synthetic'`), as InternEvo; a folder must be a tessera token folder"
+_RANDOM = ("no folder: random tokens (`data.type='synthetic'`), as InternEvo; a folder of InternEvo's tokenized "
+           "`.bin` + `.bin.meta` files is read as it is and packed as InternEvo packs (or a tessera token folder)")
 _MOE = "only read by MoE models, which are refused (`model_type`, `model.num_experts`)"
 _RUNTIME = "InternEvo's runtime tuning; tessera has its own"
 
 KEYS: dict[str, Entry] = {
     # ---- top level
     "JOB_NAME": job_name,
-    "model_type": deferred("`INTERNLM` (the default), `LLAMA2`, `INTERNLM2_PUBLIC`: tessera's decoder, with "
+    "model_type": deferred("`INTERNLM` (the default), `INTERNLM2`, `INTERNLM2_PUBLIC` (and the misspelt "
+                           "`INTERNLM2_PUTLIC` of one published config), `LLAMA2`: tessera's decoder, with "
                            "InternEvo's default q/k/v/o biases (`model.bias=True`, `model.mlp_bias=False`) unless "
                            "`model.no_bias=True`; any other family refused"),
     "use_fp32_norm": renamed("model.use_fp32_norm"),
@@ -135,18 +136,17 @@ KEYS: dict[str, Entry] = {
     **{f"data.{k}": same() for k in ("seq_len", "micro_num", "micro_bsz", "pack_sample_into_one", "total_steps")},
     "data.valid_micro_num": same(f"{_LEFT_OUT}: `micro_num`"),
     "data.train_folder": same(_RANDOM),
-    "data.valid_folder": same("same key; the folder must be a tessera token folder"),
+    "data.valid_folder": same("same key; InternEvo's tokenized folder (rows cut as tessera cuts validation rows) or "
+                              "a tessera token folder"),
     "data.valid_every": same("same key; InternEvo's 0 never validates, tessera's validates once at the end (said "
                              "in a warning)"),
     "data.type": deferred("InternEvo's `tokenized` (its default) -> `tokens`, or `synthetic` without a "
                           "`train_folder`; its other types refused"),
     "data.skip_batches": noop(("", None), "skipping batch ranges is not implemented", "no-op at `''`; refused"),
     "data.rampup_batch_size": noop(("", None), "a batch-size ramp-up is not implemented", "no-op at `''`; refused"),
-    "data.min_length": custom("no-op at 0 or without a `train_folder` (random tokens); refused otherwise: filter "
-                              "short documents when preparing the folder")(short_documents),
-    "data.min_length_dict": custom("no-op at `None` or without a `train_folder`; refused otherwise")(
-        short_documents),
-    "data.packed_length": ignored("ignored (InternEvo ignores it too: rows are `seq_len x micro_bsz`)"),
+    "data.min_length": same("same key: documents of InternEvo's tokenized folders shorter than this are left out"),
+    "data.min_length_dict": same("same key: `min_length` per `.bin` file whose path contains a key"),
+    "data.packed_length": ignored("ignored (InternEvo ignores it too: a pack is `seq_len x micro_bsz`)"),
     "data.gradient_accumulation": custom("no-op when equal to `micro_num`; refused otherwise")(
         equals_micro_num("gradient accumulation is micro_num micro-batches")),
     "data.batch_size": ignored("ignored (InternEvo overwrites it with `micro_num`)"),
@@ -154,7 +154,7 @@ KEYS: dict[str, Entry] = {
                                     "no-op at `True`; refused"),
     "data.fixed_random_dataset_seqlen": ignored("ignored (document lengths of InternEvo's random data)"),
     "data.num_worker": ignored(_RUNTIME + " (loader workers)"),
-    "data.seed": ignored("ignored: the data order follows the run's seed"),
+    "data.seed": ignored("ignored: the order of the packs follows the run's seed (their content is InternEvo's)"),
     "data.empty_cache_and_diag_interval": ignored(_RUNTIME + " (diagnostics)"),
     "data.diag_outlier_ratio": ignored(_RUNTIME + " (diagnostics)"),
     # ---- optimizer, schedules, loss

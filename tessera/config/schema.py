@@ -88,6 +88,11 @@ def _dtype_value(v: Any) -> str | None:
     return None
 
 
+def _min_length_dict(v: Any) -> str | None:
+    ok = all(isinstance(k, str) and isinstance(n, int) and not isinstance(n, bool) and n >= 0 for k, n in v.items())
+    return None if ok else "must map path substrings (str) to minimum lengths (int >= 0)"
+
+
 def _str_list(v: Any) -> str | None:
     return None if all(isinstance(x, str) for x in v) else "must be a list of strings"
 
@@ -267,6 +272,11 @@ SCHEMA = Section(
                                              "early; those are context, not scored (each token is still "
                                              "scored once, with at least this much of its document before it)"),
                 "pack_sample_into_one": Key(BOOL, False, doc="True: positions do not restart per document"),
+                "min_length": Key(INT, 0, _non_negative,
+                                  doc="InternEvo's tokenized folders: documents shorter than this are left out"),
+                "min_length_dict": Key((dict,), None, _min_length_dict, nullable=True,
+                                       doc="InternEvo's tokenized folders: min_length per file whose path contains "
+                                           "a key, e.g. {'cn/': 50}"),
             }
         ),
         "adam": Section(

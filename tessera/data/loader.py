@@ -28,12 +28,14 @@ import torch
 
 from tessera.config import ConfigError, check_data, validate_section
 from tessera.data.errors import DataError
+from tessera.data.internevo_files import InternEvoFile, is_internevo_folder, open_internevo_folder
+from tessera.data.internevo_packing import InternEvoPacks
 from tessera.data.packing import PackedRows, TokenStream
 from tessera.data.sampler import GlobalRowSampler
 from tessera.data.stdlib_corpus import prepare_stdlib_corpus
 from tessera.data.synthetic import SyntheticStream
 from tessera.data.token_file import open_token_folder
-from tessera.data.tokenizer import ByteTokenizer, HFTokenizer
+from tessera.data.tokenizer import AnyTokenizer
 
 Batch = dict[str, torch.Tensor]
 SYNTHETIC_TRAIN_ROWS = 1 << 16
@@ -41,9 +43,10 @@ SYNTHETIC_VALID_ROWS = 1 << 10
 
 
 class TrainLoader:
-    """Endless, resumable micro-batches for one DP rank, one optimizer step at a time."""
+    """Endless, resumable micro-batches for one DP rank, one optimizer step at a time. ``micro_bsz``: rows
+    the sampler draws per micro-batch (1 for InternEvo's packs, each a whole micro-batch)."""
 
-    def __init__(self, rows: PackedRows, sampler: GlobalRowSampler, micro_bsz: int, micro_num: int,
+    def __init__(self, rows: PackedRows | InternEvoPacks, sampler: GlobalRowSampler, micro_bsz: int, micro_num: int,
                  dp_rank: int, dp_size: int):
         self.rows = rows
         self.sampler = sampler
@@ -58,7 +61,7 @@ class TrainLoader:
     @property
     def tokens_per_step(self) -> int:
         """Tokens (padding included) all DP ranks consume per optimizer step."""
-        return self.rows_per_step * self.rows.seq_len
+        return self.rows_per_step * self.rows.tokens_per_row
 
     @property
     def consumed_rows(self) -> int:
@@ -114,7 +117,7 @@ class DataBundle:
 
     train: TrainLoader
     valid: ValidLoader | None
-    tokenizer: ByteTokenizer | HFTokenizer | None
+    tokenizer: AnyTokenizer | None
     info: dict[str, Any] = field(default_factory=dict)
 
 
@@ -159,10 +162,11 @@ def build_data(
     if not (dp_size >= 1 and 0 <= dp_rank < dp_size):
         raise DataError(f"dp_rank={dp_rank} must be in [0, dp_size={dp_size})")
     pack_one = c["pack_sample_into_one"]
-    tokenizer: ByteTokenizer | HFTokenizer | None = None
+    tokenizer: AnyTokenizer | None = None
     train_streams: Sequence[TokenStream]
     valid_streams: Sequence[TokenStream] | None
-    if c["type"] == "synthetic":
+    folders = _folders(c, dp_rank, is_main, barrier, progress)
+    if folders is None:
         doc_len = max(2, 3 * L // 4)
         synthetic = SyntheticStream(-(-SYNTHETIC_TRAIN_ROWS * L // doc_len), doc_len, vocab_size, seed)
         train_streams = [synthetic]
@@ -170,12 +174,12 @@ def build_data(
         byte_lengths = synthetic.byte_lengths()
         source = "synthetic"
     else:
-        if c["type"] == "stdlib":
-            folder = prepare_stdlib_corpus(c["cache_folder"], is_main=dp_rank == 0 if is_main is None else is_main,
-                                           barrier=barrier, progress=progress)
-            train_folder, valid_folder = f"{folder}/train", f"{folder}/valid"
-        else:  # "tokens" (the config's rules: a train_folder is set)
-            train_folder, valid_folder = c["train_folder"], c["valid_folder"]
+        train_folder, valid_folder = folders
+        if is_internevo_folder(train_folder):
+            return _internevo_data(c, train_folder, valid_folder, vocab_size, dp_rank, dp_size, seed)
+        if c["min_length"] or c["min_length_dict"]:
+            raise DataError(f"data.min_length / min_length_dict filter InternEvo's tokenized folders; {train_folder} "
+                            "is a tessera token folder (leave short documents out when preparing it)")
         train_shards = open_token_folder(train_folder, vocab_size)
         valid_shards = open_token_folder(valid_folder, vocab_size) if valid_folder else None
         if valid_shards and _tokenizer_id(valid_shards[0].meta) != _tokenizer_id(train_shards[0].meta):
@@ -187,15 +191,55 @@ def build_data(
         train_streams, valid_streams = train_shards, valid_shards
     rows = PackedRows(train_streams, L, byte_lengths, pack_one)
     train = TrainLoader(rows, GlobalRowSampler(rows.num_rows, seed), B, M, dp_rank, dp_size)
-    valid = None
-    if valid_streams:
-        valid_rows = PackedRows(valid_streams, L, byte_lengths, pack_one, context=c["valid_context_len"])
-        valid = ValidLoader(valid_rows, c["valid_micro_bsz"] or B, c["valid_micro_num"], dp_rank, dp_size)
+    valid = _valid_loader(c, valid_streams, byte_lengths, dp_rank, dp_size)
+    return _bundle(c, train, valid, tokenizer, source, int(sum(s.num_tokens for s in train_streams)))
+
+
+def _folders(c: Mapping[str, Any], dp_rank: int, is_main: bool | None, barrier: Callable[[], None] | None,
+             progress: bool) -> tuple[str, str | None] | None:
+    """(train folder, valid folder) of ``tokens`` and ``stdlib`` data (prepared here); None for synthetic."""
+    if c["type"] == "synthetic":
+        return None
+    if c["type"] == "stdlib":
+        folder = prepare_stdlib_corpus(c["cache_folder"], is_main=dp_rank == 0 if is_main is None else is_main,
+                                       barrier=barrier, progress=progress)
+        return f"{folder}/train", f"{folder}/valid"
+    return c["train_folder"], c["valid_folder"]  # "tokens" (the config's rules: a train_folder is set)
+
+
+def _valid_loader(c: Mapping[str, Any], streams: Sequence[TokenStream] | None, byte_lengths: np.ndarray,
+                  dp_rank: int, dp_size: int) -> ValidLoader | None:
+    if not streams:
+        return None
+    rows = PackedRows(streams, c["seq_len"], byte_lengths, c["pack_sample_into_one"], context=c["valid_context_len"])
+    return ValidLoader(rows, c["valid_micro_bsz"] or c["micro_bsz"], c["valid_micro_num"], dp_rank, dp_size)
+
+
+def _internevo_data(c: Mapping[str, Any], train_folder: str, valid_folder: str | None, vocab_size: int,
+                    dp_rank: int, dp_size: int, seed: int) -> DataBundle:
+    """InternEvo's tokenized folders: training packs as InternEvo packs them (one pack per micro-batch),
+    validation rows as tessera cuts them (InternEvo's own validation pads each document to a row)."""
+    def files(folder: str) -> list[InternEvoFile]:
+        return open_internevo_folder(folder, c["min_length"], c["min_length_dict"], vocab_size)
+
+    train_files = files(train_folder)
+    packs = InternEvoPacks(train_files, c["seq_len"], c["micro_bsz"], c["pack_sample_into_one"])
+    train = TrainLoader(packs, GlobalRowSampler(packs.num_rows, seed), 1, c["micro_num"], dp_rank, dp_size)
+    if valid_folder and not is_internevo_folder(valid_folder):
+        raise DataError(f"data.train_folder {train_folder} holds InternEvo data but data.valid_folder {valid_folder} "
+                        "does not: give both in one format")
+    valid = _valid_loader(c, files(valid_folder) if valid_folder else None, np.zeros(vocab_size, np.int64),
+                          dp_rank, dp_size)
+    return _bundle(c, train, valid, None, train_folder, int(sum(f.num_tokens for f in train_files)))
+
+
+def _bundle(c: Mapping[str, Any], train: TrainLoader, valid: ValidLoader | None, tokenizer: AnyTokenizer | None,
+            source: str, train_tokens: int) -> DataBundle:
     info = {
         "type": c["type"],
         "source": source,
-        "train_rows": rows.num_rows,
-        "train_tokens": int(sum(s.num_tokens for s in train_streams)),
+        "train_rows": train.num_rows,
+        "train_tokens": train_tokens,
         "valid_rows": valid.rows.num_rows if valid else 0,
         "tokens_per_step": train.tokens_per_step,
     }

@@ -73,6 +73,7 @@ class PackedRows:
         rows = [1 + -(-max(0, int(s.num_tokens) - seq_len) // self.stride) if s.num_tokens else 0 for s in self.streams]
         self.row_offsets = np.concatenate([[0], np.cumsum(rows)]).astype(np.int64)
         self.num_rows = int(self.row_offsets[-1])
+        self.tokens_per_row = seq_len
 
     def _row(self, r: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(input ids, labels, segment starts within the row) of global row ``r``; -1 is padding."""
@@ -91,6 +92,9 @@ class PackedRows:
         inp[:n] = toks[:n]
         m = toks.size - 1  # labels available (n, or n-1 at the end of the stream)
         lab[:m] = toks[1:m + 1]
+        if getattr(stream, "signed", False):  # InternEvo's data: a negative id is input, never a label
+            inp[:n] = np.abs(inp[:n])
+            lab[:m][lab[:m] <= 0] = IGNORE_INDEX
         starts = stream.doc_starts_in(a, a + n) - a  # in (0, n]
         lab[starts - 1] = IGNORE_INDEX  # the EOD of each document that ends in this row
         if a > 0:

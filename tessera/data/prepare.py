@@ -1,89 +1,34 @@
-"""Turn text (files, folders, .jsonl) into train/valid token folders.
+"""Turn documents (from ``readers``: text, JSON lines, Parquet, datasets folders) into train/valid token
+folders.
 
-Preparation may loop per document (it runs once); reading is streamed so corpora larger than memory
-work. The output appears atomically: everything is written under a temporary sibling folder that is
-renamed into place only when complete, so a crash never leaves a half-written folder that looks done.
+Reading is streamed so corpora larger than memory work; tokenizing runs on ``workers`` processes
+(``tokenize_pool``) and the output is the same bytes whatever their number. The output appears atomically:
+everything is written under a temporary sibling folder that is renamed into place only when complete, so a
+crash never leaves a half-written folder that looks done.
 """
 
 from __future__ import annotations
 
-import fnmatch
-import json
+import collections
 import math
 import os
 import re
 import shutil
+import time
 import uuid
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator
 from typing import Any
 
-import numpy as np
-
 from tessera.data.errors import DataError
+from tessera.data.readers import DEFAULT_PATTERNS, Document, iter_documents, list_input_files
 from tessera.data.token_file import META_FILE, TokenFileWriter
-from tessera.data.tokenizer import ByteTokenizer, HFTokenizer
+from tessera.data.tokenize_pool import TokenizePool
+from tessera.data.tokenizer import AnyTokenizer
 from tessera.files import commit_folder
 
-DEFAULT_PATTERNS = ("*.txt", "*.md", "*.jsonl")
-
-
-@dataclass
-class Document:
-    """One training document and where it came from (``path`` or ``path:line`` for .jsonl)."""
-
-    text: str
-    source: str
-    invalid_utf8: bool = False
-
-
-def list_input_files(paths: Sequence[str | os.PathLike], patterns: Sequence[str] = DEFAULT_PATTERNS) -> list[str]:
-    """Files named directly, plus files under folders (recursively) matching any pattern; sorted per input."""
-    out: list[str] = []
-    for p in (os.fspath(path) for path in paths):  # not map(): mypy cannot pick fspath's overload
-        if os.path.isfile(p):
-            out.append(p)
-        elif os.path.isdir(p):
-            found = []
-            for dirpath, dirnames, filenames in os.walk(p):
-                dirnames[:] = [d for d in dirnames if not d.startswith(".")]
-                found += [os.path.join(dirpath, f) for f in filenames
-                          if any(fnmatch.fnmatch(f, pat) for pat in patterns)]
-            if not found:
-                raise DataError(f"input folder {p} has no files matching {list(patterns)}")
-            out += sorted(found, key=lambda f: os.path.relpath(f, p))
-        else:
-            raise DataError(f"input not found: {p}")
-    return out
-
-
-def _decode(data: bytes) -> tuple[str, bool]:
-    try:
-        return data.decode("utf-8"), False
-    except UnicodeDecodeError:
-        return data.decode("utf-8", errors="replace"), True
-
-
-def iter_documents(files: Sequence[str], jsonl_key: str = "text") -> Iterator[Document]:
-    """A text file is one document; each line of a .jsonl file is one (its ``jsonl_key`` field)."""
-    for path in files:
-        if path.endswith(".jsonl"):
-            with open(path, "rb") as f:
-                for lineno, line in enumerate(f, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        record = json.loads(line)
-                    except json.JSONDecodeError as e:
-                        raise DataError(f"{path}:{lineno}: not valid JSON: {e}") from None
-                    if not isinstance(record, dict) or not isinstance(record.get(jsonl_key), str):
-                        raise DataError(f"{path}:{lineno}: expected an object with a string field {jsonl_key!r}")
-                    yield Document(record[jsonl_key], f"{path}:{lineno}")
-        else:
-            with open(path, "rb") as f:
-                text, bad = _decode(f.read())
-            yield Document(text, path, bad)
-
+__all__ = ["DEFAULT_PATTERNS", "Document", "is_valid_document", "iter_documents", "list_input_files",
+           "prepare_corpus"]
+_BATCH_DOCS, _BATCH_CHARS = 256, 1 << 20  # one batch of work for a tokenizer worker
 
 def is_valid_document(index: int, valid_fraction: float = 0.0, valid_every_nth: int = 0) -> bool:
     """Whether input document ``index`` (0-based) is held out for validation.
@@ -101,21 +46,24 @@ def is_valid_document(index: int, valid_fraction: float = 0.0, valid_every_nth: 
 def prepare_corpus(
     documents: Iterable[Document],
     output: str | os.PathLike,
-    tokenizer: ByteTokenizer | HFTokenizer,
+    tokenizer: AnyTokenizer,
     *,
     valid_fraction: float = 0.0,
     valid_every_nth: int = 0,
     created_by: str = "tessera.data.prepare",
-    total: int | None = None,
+    total_bytes: int | None = None,
     progress: bool = True,
     exist_ok: bool = False,
     overwrite: bool = False,
     extra_meta: dict[str, Any] | None = None,
+    workers: int = 1,
 ) -> dict[str, Any]:
-    """Write ``output/train`` (and ``output/valid`` when anything is held out); return both metas.
+    """Write ``output/train`` (and ``output/valid`` when anything is held out); return both metas, and
+    under ``"stats"`` what was read and how fast (documents, text bytes, seconds, workers).
 
+    ``total_bytes``: the inputs' size, for the progress bar's ETA (documents report ``input_bytes``).
     ``exist_ok``: a complete ``output`` made by someone else meanwhile is kept (cache semantics).
-    ``overwrite``: replace an existing ``output``.
+    ``overwrite``: replace an existing ``output``. ``workers``: tokenizer processes (1: this one).
     """
     if valid_fraction and valid_every_nth:
         raise DataError("give valid_fraction or valid_every_nth, not both")
@@ -129,67 +77,97 @@ def prepare_corpus(
     os.makedirs(os.path.dirname(output), exist_ok=True)
     tmp = f"{output}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
-        metas = _write_splits(documents, tmp, tokenizer, valid_fraction, valid_every_nth, created_by, total,
-                              progress, extra_meta or {})
+        splits = _Splits(tmp, tokenizer, created_by)
+        stats = splits.fill(documents, valid_fraction, valid_every_nth, workers, progress, total_bytes)
+        metas = splits.close(valid_fraction, valid_every_nth, extra_meta or {})
         _publish(tmp, output, exist_ok=exist_ok, overwrite=overwrite)
     finally:
         if os.path.exists(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
+    metas["stats"] = stats
     return metas
 
 
-def _write_splits(documents: Iterable[Document], folder: str, tokenizer: ByteTokenizer | HFTokenizer,
-                  valid_fraction: float, valid_every_nth: int, created_by: str, total: int | None,
-                  progress: bool, extra_meta: dict[str, Any]) -> dict[str, Any]:
-    from tqdm import tqdm
-
-    writers = {s: TokenFileWriter(os.path.join(folder, s), tokenizer, created_by) for s in ("train", "valid")}
-    invalid = {"train": 0, "valid": 0}
-    tokens = {"train": 0, "valid": 0}  # without the end-of-document tokens the writers add
-    sources: dict[str, None] = {}  # the first input files, for messages (a .jsonl line's source is "file:line")
-    bar = tqdm(total=total, unit="doc", desc="tokenizing", disable=not progress)
+def _batches(documents: Iterable[Document], valid_fraction: float, valid_every_nth: int
+             ) -> Iterator[list[tuple[str, Document]]]:
+    """(split, document) pairs in batches of work for one tokenizer call."""
     batch: list[tuple[str, Document]] = []
-
-    def flush() -> None:
-        ids: Sequence[Sequence[int] | np.ndarray]
-        if isinstance(tokenizer, HFTokenizer):
-            ids = tokenizer.encode_batch([d.text for _, d in batch])
-        else:
-            ids = [tokenizer.encode_array(d.text) for _, d in batch]
-        for (split, doc), toks in zip(batch, ids):
-            writers[split].add(toks, len(doc.text.encode("utf-8")), doc.source)
-            invalid[split] += doc.invalid_utf8
-            tokens[split] += len(toks)
-            if len(sources) <= 5:
-                sources.setdefault(re.sub(r":\d+$", "", doc.source) if ".jsonl:" in doc.source else doc.source)
-        bar.update(len(batch))
-        batch.clear()
-
+    chars = 0
     for i, doc in enumerate(documents):
         batch.append(("valid" if is_valid_document(i, valid_fraction, valid_every_nth) else "train", doc))
-        if len(batch) >= 256:
-            flush()
-    flush()
-    bar.close()
-    if writers["train"].num_documents == 0:
-        raise DataError("no training documents: the inputs are empty or everything was held out")
-    for split, w in writers.items():
-        if w.num_documents and not tokens[split]:
-            shown = list(sources)[:5]
-            more = ", ..." if len(sources) > len(shown) else ""
-            raise DataError(f"every {split} document tokenizes to nothing ({w.num_documents} documents from "
-                            f"{', '.join(shown)}{more}): the inputs are empty or hold only what the tokenizer "
-                            "drops; nothing was written")
-    rule = (f"every {valid_every_nth}th document" if valid_every_nth else
-            f"fraction {valid_fraction}, evenly spread" if valid_fraction else "none")
-    metas: dict[str, Any] = {"valid": None}
-    for split, w in writers.items():
-        if split == "valid" and w.num_documents == 0:
-            w.discard()
-            continue
-        metas[split] = w.close({"split": split, "valid_rule": rule,
-                                "num_invalid_utf8_documents": invalid[split], **extra_meta})
-    return metas
+        chars += len(doc.text)
+        if len(batch) >= _BATCH_DOCS or chars >= _BATCH_CHARS:
+            yield batch
+            batch, chars = [], 0
+    if batch:
+        yield batch
+
+
+class _Splits:
+    """The train and valid writers of one preparation, and what they received."""
+
+    def __init__(self, folder: str, tokenizer: AnyTokenizer, created_by: str):
+        self.writers = {s: TokenFileWriter(os.path.join(folder, s), tokenizer, created_by) for s in ("train", "valid")}
+        self.invalid = {"train": 0, "valid": 0}
+        self.tokens = {"train": 0, "valid": 0}  # without the end-of-document tokens the writers add
+        self.sources: dict[str, None] = {}  # the first input files, for messages
+        self.tokenizer = tokenizer
+
+    def fill(self, documents: Iterable[Document], valid_fraction: float, valid_every_nth: int, workers: int,
+             progress: bool, total_bytes: int | None) -> dict[str, Any]:
+        """Tokenize every document (on ``workers`` processes) into its split's writer, in input order."""
+        from tqdm import tqdm
+
+        bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="tokenizing",
+                   disable=not progress, smoothing=0.1)
+        pending: collections.deque[list[tuple[str, Document]]] = collections.deque()
+        docs = text_bytes = 0
+        start = time.perf_counter()
+
+        def texts() -> Iterator[list[str]]:
+            for batch in _batches(documents, valid_fraction, valid_every_nth):
+                pending.append(batch)
+                yield [d.text for _, d in batch]
+
+        with TokenizePool(self.tokenizer, workers) as pool:
+            for ids in pool.map(texts()):
+                batch = pending.popleft()
+                for (split, doc), toks in zip(batch, ids):
+                    n = len(doc.text.encode("utf-8"))
+                    self.writers[split].add(toks, n, doc.source)
+                    self.invalid[split] += doc.invalid_utf8
+                    self.tokens[split] += len(toks)
+                    text_bytes += n
+                    if len(self.sources) <= 5:
+                        self.sources.setdefault(re.sub(r":(\d+|row \d+)$", "", doc.source))
+                docs += len(batch)
+                bar.update(sum(d.input_bytes for _, d in batch))
+                bar.set_postfix_str(f"{docs} docs, {text_bytes / 2**20:.1f} MiB text", refresh=False)
+        bar.close()
+        seconds = time.perf_counter() - start
+        return {"documents": docs, "text_bytes": text_bytes, "seconds": seconds, "workers": workers,
+                "text_mb_per_s": text_bytes / 1e6 / max(seconds, 1e-9)}
+
+    def close(self, valid_fraction: float, valid_every_nth: int, extra_meta: dict[str, Any]) -> dict[str, Any]:
+        if self.writers["train"].num_documents == 0:
+            raise DataError("no training documents: the inputs are empty or everything was held out")
+        for split, w in self.writers.items():
+            if w.num_documents and not self.tokens[split]:
+                shown = list(self.sources)[:5]
+                more = ", ..." if len(self.sources) > len(shown) else ""
+                raise DataError(f"every {split} document tokenizes to nothing ({w.num_documents} documents from "
+                                f"{', '.join(shown)}{more}): the inputs are empty or hold only what the tokenizer "
+                                "drops; nothing was written")
+        rule = (f"every {valid_every_nth}th document" if valid_every_nth else
+                f"fraction {valid_fraction}, evenly spread" if valid_fraction else "none")
+        metas: dict[str, Any] = {"valid": None}
+        for split, w in self.writers.items():
+            if split == "valid" and w.num_documents == 0:
+                w.discard()
+                continue
+            metas[split] = w.close({"split": split, "valid_rule": rule,
+                                    "num_invalid_utf8_documents": self.invalid[split], **extra_meta})
+        return metas
 
 
 def _publish(tmp: str, output: str, exist_ok: bool, overwrite: bool) -> None:

@@ -11,15 +11,16 @@ from typing import Any
 
 from tessera.data.errors import DataError
 from tessera.data.token_file import find_shards
-from tessera.data.tokenizer import ByteTokenizer, HFTokenizer, build_tokenizer, load_tokenizer
+from tessera.data.tokenizer import AnyTokenizer, ByteTokenizer, build_tokenizer, load_tokenizer
 
 __all__ = ["tokenizer_for_checkpoint"]
 
 
 def tokenizer_for_checkpoint(path: str, meta: Mapping[str, Any], override: str | None = None
-                             ) -> tuple[ByteTokenizer | HFTokenizer | None, str]:
+                             ) -> tuple[AnyTokenizer | None, str]:
     """``(tokenizer or None, where it came from / why there is none)`` for checkpoint folder ``path``
-    whose meta.json is ``meta``. ``override``: ``"byte"`` or a ``tokenizer.json`` path, used as is."""
+    whose meta.json is ``meta``. ``override``: ``"byte"``, a ``tokenizer.json`` or a SentencePiece ``.model``
+    path, used as is."""
     if override:
         return build_tokenizer(override), f"--tokenizer {override}"
     if isinstance(meta.get("tokenizer"), dict):  # recorded by tools/import_hf.py, file inside the step folder
@@ -36,5 +37,5 @@ def tokenizer_for_checkpoint(path: str, meta: Mapping[str, Any], override: str |
                 return load_tokenizer(json.load(f), shard), f"data.train_folder={folder}"
         except (DataError, OSError, ValueError, TypeError) as e:
             return None, (f"the run's data.train_folder={folder!r} is not readable from here ({e}); "
-                          "pass --tokenizer byte|PATH/tokenizer.json")
-    return None, f"data.type={kind!r} has no tokenizer; pass --tokenizer byte|PATH/tokenizer.json"
+                          "pass --tokenizer byte|PATH/tokenizer.json|PATH/tokenizer.model")
+    return None, f"data.type={kind!r} has no tokenizer; pass --tokenizer byte|PATH/tokenizer.json|PATH/tokenizer.model"

@@ -21,7 +21,8 @@ import sysconfig
 from collections.abc import Callable
 
 from tessera.data.errors import DataError
-from tessera.data.prepare import Document, iter_documents, prepare_corpus
+from tessera.data.prepare import prepare_corpus
+from tessera.data.readers import Document, iter_documents
 from tessera.data.token_file import FORMAT_VERSION, META_FILE
 from tessera.data.tokenizer import ByteTokenizer
 
@@ -94,10 +95,12 @@ def prepare_stdlib_corpus(
         files = stdlib_files(root, max_files)
         if len(files) < VALID_EVERY_NTH:
             raise DataError(f"only {len(files)} stdlib files under {root}; need at least {VALID_EVERY_NTH}")
-        docs = (Document(d.text, os.path.relpath(d.source, root).replace(os.sep, "/"), d.invalid_utf8)
-                for d in iter_documents(files))
+        docs = (Document(d.text, os.path.relpath(d.source, root).replace(os.sep, "/"), d.invalid_utf8,
+                         d.input_bytes)
+                for d in iter_documents(files, strict_utf8=False))
         prepare_corpus(docs, target, ByteTokenizer(), valid_every_nth=VALID_EVERY_NTH,
-                       created_by="tessera.data.stdlib_corpus", total=len(files), progress=progress,
+                       created_by="tessera.data.stdlib_corpus", total_bytes=sum(map(os.path.getsize, files)),
+                       progress=progress,
                        exist_ok=True, extra_meta={"source_root": root, "python": sys.version.split()[0]})
     if barrier is not None:
         barrier()

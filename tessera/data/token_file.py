@@ -29,7 +29,7 @@ import numpy as np
 
 from tessera import __version__
 from tessera.data.errors import DataError
-from tessera.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from tessera.data.tokenizer import AnyTokenizer, ByteTokenizer, load_tokenizer
 from tessera.files import atomic_write_text, sha256_file
 
 FORMAT = "tessera-tokens"
@@ -52,7 +52,7 @@ class TokenFileWriter:
     meta.json is written last so a folder without it is visibly incomplete.
     """
 
-    def __init__(self, folder: str | os.PathLike, tokenizer: ByteTokenizer | HFTokenizer, created_by: str,
+    def __init__(self, folder: str | os.PathLike, tokenizer: AnyTokenizer, created_by: str,
                  record_sources: bool = True):
         self.folder = os.fspath(folder)
         os.makedirs(self.folder, exist_ok=True)
@@ -104,9 +104,10 @@ class TokenFileWriter:
         index_path = os.path.join(self.folder, INDEX_FILE)
         np.frombuffer(self._offsets, dtype=np.int64).astype("<i8").tofile(index_path)
         tok_desc = self.tokenizer.describe()
-        if isinstance(self.tokenizer, HFTokenizer):
-            shutil.copyfile(self.tokenizer.path, os.path.join(self.folder, "tokenizer.json"))
-            tok_desc.update(file="tokenizer.json", source_path=os.path.abspath(self.tokenizer.path),
+        if not isinstance(self.tokenizer, ByteTokenizer):  # the folder stands alone: a copy of the file
+            name = self.tokenizer.folder_file
+            shutil.copyfile(self.tokenizer.path, os.path.join(self.folder, name))
+            tok_desc.update(file=name, source_path=os.path.abspath(self.tokenizer.path),
                             sha256=sha256_file(self.tokenizer.path))
         if self._sources is not None:
             with open(os.path.join(self.folder, SOURCES_FILE), "w", encoding="utf-8") as f:
@@ -209,7 +210,7 @@ class TokenShard:
         hi = int(np.searchsorted(self.offsets, stop, side="right"))
         return np.asarray(self.offsets[lo:hi], dtype=np.int64)
 
-    def tokenizer(self) -> ByteTokenizer | HFTokenizer:
+    def tokenizer(self) -> AnyTokenizer:
         return load_tokenizer(self.meta, self.folder)
 
 

@@ -28,9 +28,10 @@ from typing import Any, Protocol
 import numpy as np
 
 from tessera.data.errors import DataError
+from tessera.data.sp_tokenizer import SentencePieceTokenizer
 
-__all__ = ["BYTE_EOD_TOKEN", "ByteTokenizer", "HFTokenizer", "Tokenizer", "build_tokenizer", "byte_tokenizer_json",
-           "load_tokenizer", "write_hf_tokenizer_files"]
+__all__ = ["AnyTokenizer", "BYTE_EOD_TOKEN", "ByteTokenizer", "HFTokenizer", "SentencePieceTokenizer", "Tokenizer",
+           "build_tokenizer", "byte_tokenizer_json", "load_tokenizer", "write_hf_tokenizer_files"]
 
 BYTE_EOD_TOKEN = "<|endoftext|>"  # the byte tokenizer's end of document in its Hugging Face files
 
@@ -67,6 +68,8 @@ class ByteTokenizer:
     def encode_array(self, text: str) -> np.ndarray:
         """Fast path for preparation: the UTF-8 bytes as a uint8 array (no Python list)."""
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+
+    encode_document = encode_array  # a training document's ids (the writer appends the EOD)
 
     def decode(self, ids: Sequence[int]) -> str:
         """Bytes back to text; EOD tokens are dropped and invalid UTF-8 becomes U+FFFD."""
@@ -118,6 +121,7 @@ class HFTokenizer:
     """A Hugging Face ``tokenizer.json`` (``tokenizers`` library) behind the tessera interface."""
 
     kind = "hf"
+    folder_file = "tokenizer.json"  # its name when copied into a token folder
 
     def __init__(self, path: str | os.PathLike, eod_token: str | None = None):
         tokenizers = _import_tokenizers()
@@ -145,6 +149,10 @@ class HFTokenizer:
         )
 
     def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def encode_document(self, text: str) -> list[int]:
+        """A training document's ids (no special tokens; the writer appends the EOD)."""
         return list(self._tok.encode(text, add_special_tokens=False).ids)
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
@@ -181,31 +189,58 @@ class HFTokenizer:
         return {"kind": "hf", "vocab_size": self.vocab_size, "eod_id": self.eod_id, "eod_token": self.eod_token}
 
 
-def build_tokenizer(spec: str | os.PathLike, eod_token: str | None = None) -> ByteTokenizer | HFTokenizer:
-    """``"byte"`` -> ByteTokenizer; a path to a ``tokenizer.json`` -> HFTokenizer."""
-    if os.fspath(spec) == "byte":
-        return ByteTokenizer()
-    return HFTokenizer(spec, eod_token=eod_token)
+AnyTokenizer = ByteTokenizer | HFTokenizer | SentencePieceTokenizer
 
 
-def load_tokenizer(meta: Mapping[str, Any], folder: str | os.PathLike | None = None) -> ByteTokenizer | HFTokenizer:
-    """Rebuild the tokenizer a token folder's meta.json records (an HF file is copied next to it)."""
+def _tokenizer_file(spec: str) -> str:
+    """A tokenizer folder's own file (tokenizer.json, else tokenizer.model); a file path as it is."""
+    if os.path.isdir(spec):
+        for name in ("tokenizer.json", "tokenizer.model"):
+            if os.path.isfile(os.path.join(spec, name)):
+                return os.path.join(spec, name)
+        raise DataError(f"tokenizer folder {spec} holds neither tokenizer.json nor tokenizer.model")
+    return spec
+
+
+def build_tokenizer(spec: str | os.PathLike, eod_token: str | None = None, add_bos: bool = False) -> AnyTokenizer:
+    """``"byte"`` -> ByteTokenizer; a SentencePiece ``.model`` -> SentencePieceTokenizer; a ``tokenizer.json``
+    -> HFTokenizer; a folder -> the tokenizer file in it. ``add_bos``: SentencePiece only (its model's BOS)."""
+    spec = _tokenizer_file(os.fspath(spec))
+    if spec == "byte":
+        tok: AnyTokenizer = ByteTokenizer()
+    elif spec.endswith(".model"):
+        return SentencePieceTokenizer(spec, eod_token=eod_token, add_bos=add_bos)
+    else:
+        tok = HFTokenizer(spec, eod_token=eod_token)
+    if add_bos:
+        raise DataError(f"--add-bos is for SentencePiece models (their bos_id); {spec} is not one")
+    return tok
+
+
+def load_tokenizer(meta: Mapping[str, Any], folder: str | os.PathLike | None = None) -> AnyTokenizer:
+    """Rebuild the tokenizer a token folder's meta.json records (a tokenizer file is copied next to it)."""
     desc = meta.get("tokenizer")
     if not isinstance(desc, Mapping) or "kind" not in desc:
         raise DataError(f"meta.json in {folder} has no tokenizer description")
     if desc["kind"] == "byte":
         return ByteTokenizer()
+    if desc["kind"] not in ("hf", "sentencepiece"):
+        raise DataError(f"meta.json in {folder}: unknown tokenizer kind {desc['kind']!r} "
+                        "(expected 'byte', 'hf' or 'sentencepiece')")
+    if folder is None:
+        raise DataError(f"an {desc['kind']!r} tokenizer is stored next to meta.json; pass the folder to load_tokenizer")
+    tok: HFTokenizer | SentencePieceTokenizer
     if desc["kind"] == "hf":
-        if folder is None:
-            raise DataError("an 'hf' tokenizer is stored next to meta.json; pass the folder to load_tokenizer")
         tok = HFTokenizer(os.path.join(os.fspath(folder), desc.get("file", "tokenizer.json")), desc.get("eod_token"))
-        if tok.vocab_size != desc.get("vocab_size") or tok.eod_id != desc.get("eod_id"):
-            raise DataError(
-                f"tokenizer in {folder} does not match meta.json: vocab {tok.vocab_size} vs {desc.get('vocab_size')}, "
-                f"eod {tok.eod_id} vs {desc.get('eod_id')}"
-            )
-        return tok
-    raise DataError(f"meta.json in {folder}: unknown tokenizer kind {desc['kind']!r} (expected 'byte' or 'hf')")
+    else:
+        tok = SentencePieceTokenizer(os.path.join(os.fspath(folder), desc.get("file", "tokenizer.model")),
+                                     desc.get("eod_token"), bool(desc.get("add_bos", False)))
+    if tok.vocab_size != desc.get("vocab_size") or tok.eod_id != desc.get("eod_id"):
+        raise DataError(
+            f"tokenizer in {folder} does not match meta.json: vocab {tok.vocab_size} vs {desc.get('vocab_size')}, "
+            f"eod {tok.eod_id} vs {desc.get('eod_id')}"
+        )
+    return tok
 
 
 def byte_tokenizer_json(eod_token: str = BYTE_EOD_TOKEN) -> str:
@@ -225,8 +260,11 @@ def byte_tokenizer_json(eod_token: str = BYTE_EOD_TOKEN) -> str:
     return tok.to_str()
 
 
-def write_hf_tokenizer_files(tokenizer: ByteTokenizer | HFTokenizer, out_dir: str, model_max_length: int) -> list[str]:
-    """``tokenizer.json`` + ``tokenizer_config.json`` for ``AutoTokenizer.from_pretrained(out_dir)``."""
+def write_hf_tokenizer_files(tokenizer: AnyTokenizer, out_dir: str, model_max_length: int) -> list[str]:
+    """``tokenizer.json`` (or a SentencePiece ``tokenizer.model``) + ``tokenizer_config.json`` for
+    ``AutoTokenizer.from_pretrained(out_dir)``."""
+    if isinstance(tokenizer, SentencePieceTokenizer):
+        return _write_sentencepiece_files(tokenizer, out_dir, model_max_length)
     tok_path = os.path.join(out_dir, "tokenizer.json")
     if isinstance(tokenizer, ByteTokenizer):
         with open(tok_path, "w", encoding="utf-8") as f:
@@ -241,3 +279,17 @@ def write_hf_tokenizer_files(tokenizer: ByteTokenizer | HFTokenizer, out_dir: st
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w", encoding="utf-8") as f:
         json.dump(config, f, indent=2)
     return ["tokenizer.json", "tokenizer_config.json"]
+
+
+def _write_sentencepiece_files(tokenizer: SentencePieceTokenizer, out_dir: str, model_max_length: int) -> list[str]:
+    """A SentencePiece model as Llama's tokenizer class reads it (the model file itself, BOS as trained)."""
+    with open(tokenizer.path, "rb") as src, open(os.path.join(out_dir, "tokenizer.model"), "wb") as dst:
+        dst.write(src.read())
+    config: dict[str, Any] = {"tokenizer_class": "LlamaTokenizer", "eos_token": tokenizer.eod_token,
+                              "add_bos_token": tokenizer.add_bos, "add_eos_token": False,
+                              "model_max_length": model_max_length, "clean_up_tokenization_spaces": False}
+    if tokenizer.bos_id >= 0:
+        config["bos_token"] = tokenizer.decode_piece(tokenizer.bos_id)
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2)
+    return ["tokenizer.model", "tokenizer_config.json"]
