@@ -11,6 +11,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
+import os
 import subprocess
 import sys
 
@@ -152,7 +153,8 @@ def test_bad_records_name_file_and_row(tmp_path, capsys):
 def test_the_command_line_prints_one_error_line(tmp_path):
     (tmp_path / "blob.dat").write_bytes(b"\x00\x01\x02" * 50)
     proc = subprocess.run([sys.executable, f"{ROOT}/tools/prepare_data.py", "--input", str(tmp_path / "blob.dat"),
-                           "--output", str(tmp_path / "out"), "--quiet"], capture_output=True, text=True, cwd=ROOT)
+                           "--output", str(tmp_path / "out"), "--quiet"], capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])})
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and proc.stderr.startswith("error: ")
     assert str(tmp_path / "blob.dat") in proc.stderr and "NUL" in proc.stderr
