@@ -125,8 +125,10 @@ def _kernel(device: torch.device, dtype: torch.dtype) -> str:
 def fused_main_grad(weight: torch.Tensor, operand_dtype: torch.dtype | None = None) -> torch.Tensor | None:
     """The main gradient the backward of ``weight``'s GEMM should add into, or None (not attached, not
     needed, inside compiled code, or no fp32-output GEMM for ``operand_dtype`` operands here)."""
+    if torch.compiler.is_compiling():  # first: the tracer never sees the lookup below
+        return None
     entry = _entry(weight)
-    if entry is None or not weight.requires_grad or torch.compiler.is_compiling():
+    if entry is None or not weight.requires_grad:
         return None
     if weight._backward_hooks:  # a gradient hook (register_hook) must see, and may change, the gradient
         return None
