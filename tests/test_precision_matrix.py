@@ -306,17 +306,19 @@ def _parallel_output_part(job: _Job) -> dict:
     return out
 
 
-def _matrix_worker(rank: int, world: int, tp: int, folder: str) -> dict:
+def _matrix_worker(rank: int, world: int, tp: int, folder: str, only: list | None = None,
+                   parallel_output: bool = True) -> dict:
+    """Every cell (``only``: those (dtype, marks, tied) cells), and at TP=2 the parallel_output comparison."""
     job = _Job(rank, world, tp)
     cells = {}
-    for dtype, marks, tied in _cells():
+    for dtype, marks, tied in only or list(_cells()):
         name = _cell_name(dtype, marks, tied)
         try:
             cells[name] = _run_cell(job, dtype, marks, tied, os.path.join(folder, name.replace("/", "_")))
         except Exception:  # noqa: BLE001 - reported per cell by the test; the other cells still run
             cells[name] = {"error": traceback.format_exc()}
     out = {"cells": cells}
-    if tp == 2:
+    if tp == 2 and parallel_output:
         out["parallel_output"] = _parallel_output_part(job)
     return out
 
@@ -421,6 +423,22 @@ def test_precision_matrix(jobs, tp):
         ref = _cell_name("fp32", marks, tied)
         problems = _check_cell(dtype, marks, tied, [c[name] for c in cells], [c[ref] for c in cells])
         failures += [f"TP={tp} {name}: {p}" for p in problems]
+    assert not failures, f"{len(failures)} failed expectation(s):\n" + "\n".join(failures)
+
+
+FAST_CELLS = [(dtype, "none", False) for dtype in DTYPES]  # one cell per dtype, fp32 (the reference) first
+
+
+def test_one_cell_per_dtype_at_tp2(tmp_path):
+    """The quick run's share of the matrix (``-m "not slow"``): every dtype, no fp32 marks, untied, TP=2,
+    with the same expectations as the whole matrix (losses against fp32, policy, resume, KV cache)."""
+    ranks = run_distributed(_matrix_worker, 2, 2, str(tmp_path), FAST_CELLS, False, timeout=300)
+    cells = [r["cells"] for r in ranks]
+    failures = []
+    for dtype, marks, tied in FAST_CELLS:
+        name, ref = _cell_name(dtype, marks, tied), _cell_name("fp32", marks, tied)
+        failures += [f"TP=2 {name}: {p}" for p in _check_cell(dtype, marks, tied, [c[name] for c in cells],
+                                                              [c[ref] for c in cells])]
     assert not failures, f"{len(failures)} failed expectation(s):\n" + "\n".join(failures)
 
 
