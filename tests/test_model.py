@@ -158,6 +158,16 @@ def test_tensor_parallel_model_matches_tp1():
     run_distributed(_tp_worker, 4)
 
 
+def _tp4_quick_worker(rank: int, world_size: int) -> None:
+    _compare_tp_run(dist.group.WORLD, {})
+
+
+def test_tensor_parallel_model_at_tp4_matches_tp1_quick():
+    """The quick run's TP=4 numerics (``-m "not slow"``): the plain decoder at TP=4 against TP=1; the slow
+    test above adds TP=2 groups, tied weights, biases, recomputation and the family features."""
+    run_distributed(_tp4_quick_worker, 4)
+
+
 # ---------------------------------------------------------------------------- packed documents
 def test_packed_documents_match_separate_runs_and_never_mix():
     model = build_model(_model_cfg(), seed=5).eval()
