@@ -34,6 +34,7 @@ from tessera.checkpoint.lock import release_held_folders
 from tessera.config import Config, ConfigError
 from tessera.core.context import LaunchError, gpc, launch_from_slurm, launch_from_torch
 from tessera.core.job import Job
+from tessera.core.rendezvous import wait_for_peers_to_report
 from tessera.data import DataBundle, build_data
 from tessera.data.errors import DataError
 from tessera.data.stdlib_corpus import prepare_stdlib_corpus
@@ -49,6 +50,8 @@ from tessera.train.stop import StopRequest
 
 logger = logging.getLogger("tessera")
 T = TypeVar("T")
+# a failure before the job is joined: how long a rank under torchrun waits for the others to report theirs
+PEER_REPORT_WAIT_S = 10.0
 
 
 class TrainingStopped(RuntimeError):
@@ -480,6 +483,8 @@ def run() -> None:
         if getattr(e, "every_rank", False) and dist.is_initialized():
             _exit_together(str(e))  # every rank raised it together: each reports before any exits
         _report(f"error: {e}")
+        if not dist.is_initialized():  # before the job exists, ranks often fail alike: let each say it
+            wait_for_peers_to_report(PEER_REPORT_WAIT_S)
     except OSError as e:  # a file operation the environment refused (missing, unreadable, unwritable, full)
         if e.filename is None:  # not a file (a socket, a timeout): the traceback says where
             _report(f"training failed:\n{traceback.format_exc()}")

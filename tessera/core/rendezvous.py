@@ -21,6 +21,8 @@ traceback at debug level).
 
 from __future__ import annotations
 
+import contextlib
+import os
 import socket
 import threading
 import time
@@ -30,7 +32,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-__all__ = ["LaunchError", "Rendezvous", "check_backend", "check_rank"]
+__all__ = ["LaunchError", "Rendezvous", "check_backend", "check_rank", "wait_for_peers_to_report"]
 
 _POLL_S = 0.1  # how often a waiting rank looks again (the port, the count of ranks)
 _KEY = "tessera/launch/"  # the store keys of the rank count
@@ -187,6 +189,26 @@ class Rendezvous:
                     store.set(f"{_KEY}failed", message)
                     time.sleep(_GRACE_S)
                 raise LaunchError(message)
+            time.sleep(_POLL_S)
+
+
+def wait_for_peers_to_report(bound_s: float) -> None:
+    """Under torchrun's agent, after this rank reported a failure of its own (before the job was joined): wait, at
+    most ``bound_s``, until every rank of this attempt has reported one too.
+
+    torchrun stops every worker at the first one's exit, so ranks that fail alike (a backend this machine lacks, a
+    config error) would otherwise print one line on whichever rank is fastest. The count lives in the agent's store,
+    under this restart attempt's key; a rank that does not fail never counts, and the wait ends at the bound."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return
+    deadline = time.monotonic() + bound_s
+    key = f"tessera/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/failed_reports"
+    with contextlib.suppress(Exception):  # only a courtesy to the peers: the error is reported already
+        world = int(os.environ["WORLD_SIZE"])
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                              timeout=timedelta(seconds=bound_s))
+        store.add(key, 1)
+        while store.add(key, 0) < world and time.monotonic() < deadline:
             time.sleep(_POLL_S)
 
 
