@@ -1,8 +1,9 @@
 """Train a tessera decoder: ``torchrun --nproc_per_node=N train.py --config configs/7B.py [key.sub=value ...]``.
 
 ``main`` reads top to bottom: config -> launch (the run description: groups, seeds, precision) -> writable
-folders -> will it fit -> data -> the training stack -> resume -> metrics -> the loop (step, log, validate,
-checkpoint, stop) -> final validation, checkpoint and sample. Each step is a function below it, in that order.
+folders and the save folder's lock -> will it fit -> data -> the training stack -> resume -> metrics -> the loop
+(step, log, validate, checkpoint, stop) -> final validation, checkpoint and sample. Each step is a function below
+it, in that order.
 """
 
 from __future__ import annotations
@@ -147,18 +148,22 @@ def check_output_folders(cfg: Config) -> None:
 def hold_save_folder(cfg: Config, job: Job) -> None:
     """One run per save folder: rank 0 takes ``ckpt.save_ckpt_folder``'s lock for the whole run (it saves there, or
     tidies up interrupted saves when resuming) and every rank stops when another run holds it. The OS drops the
-    lock when rank 0 exits, however it exits, so a requeued run takes it at once."""
-    folder = cfg.ckpt.save_ckpt_folder
-    if not folder or not (cfg.ckpt.enable_save_ckpt or cfg.ckpt.auto_resume):
+    lock when rank 0 exits, however it exits, so a requeued run takes it at once. A run that only resumes takes it
+    where the folder exists and can be written (a read-only folder gets no tidying either)."""
+    folder, saves = cfg.ckpt.save_ckpt_folder, cfg.ckpt.enable_save_ckpt
+    if not folder or not (saves or cfg.ckpt.auto_resume):
         return
     problem = None
-    if job.is_rank0:
+    if job.is_rank0 and (saves or os.path.isdir(folder)):
         try:
             hold_folder(folder)
         except CheckpointError as e:
             problem = f"ckpt.save_ckpt_folder={e}"
         except OSError as e:
-            problem = f"ckpt.save_ckpt_folder={folder}: cannot take its lock: {os_error_text(e)}"
+            if saves:
+                problem = f"ckpt.save_ckpt_folder={folder}: cannot take its lock: {os_error_text(e)}"
+            else:
+                logger.info("resuming from %s without its lock (%s)", folder, os_error_text(e))
     _exit_on(agree_on_errors(problem))
 
 
