@@ -1,8 +1,9 @@
 """Train a tessera decoder: ``torchrun --nproc_per_node=N train.py --config configs/7B.py [key.sub=value ...]``.
 
 ``main`` reads top to bottom: config -> launch (the run description: groups, seeds, precision) -> writable
-folders -> will it fit -> data -> the training stack -> resume -> metrics -> the loop (step, log, validate,
-checkpoint, stop) -> final validation, checkpoint and sample. Each step is a function below it, in that order.
+folders and the save folder's lock -> will it fit -> data -> the training stack -> resume -> metrics -> the loop
+(step, log, validate, checkpoint, stop) -> final validation, checkpoint and sample. Each step is a function below
+it, in that order.
 """
 
 from __future__ import annotations
@@ -25,13 +26,16 @@ from tessera.checkpoint import (
     RngStreams,
     TrainState,
     find_resumable_checkpoint,
+    hold_folder,
     list_checkpoints,
     load_checkpoint,
     save_checkpoint,
 )
+from tessera.checkpoint.lock import release_held_folders
 from tessera.config import Config, ConfigError
-from tessera.core.context import gpc, launch_from_slurm, launch_from_torch
+from tessera.core.context import LaunchError, gpc, launch_from_slurm, launch_from_torch
 from tessera.core.job import Job
+from tessera.core.rendezvous import wait_for_peers_to_report
 from tessera.data import DataBundle, build_data
 from tessera.data.errors import DataError
 from tessera.data.stdlib_corpus import prepare_stdlib_corpus
@@ -47,6 +51,8 @@ from tessera.train.stop import StopRequest
 
 logger = logging.getLogger("tessera")
 T = TypeVar("T")
+# a failure before the job is joined: how long a rank under torchrun waits for the others to report theirs
+PEER_REPORT_WAIT_S = 10.0
 
 
 class TrainingStopped(RuntimeError):
@@ -98,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         job = launch_job(cfg, args)
     with doing("checking the output folders"):
         check_output_folders(cfg)
+        hold_save_folder(cfg, job)
     peak = mfu_peak(cfg, job)
     if not args.skip_memory_check:
         check_it_fits(cfg, job)
@@ -136,6 +143,28 @@ def check_output_folders(cfg: Config) -> None:
     """The folders the run writes (logs, checkpoints, data cache): a problem on any rank stops every rank now,
     not at the first save."""
     _exit_on(agree_on_errors(output_folder_problem(cfg)))
+
+
+def hold_save_folder(cfg: Config, job: Job) -> None:
+    """One run per save folder: rank 0 takes ``ckpt.save_ckpt_folder``'s lock for the whole run (it saves there, or
+    tidies up interrupted saves when resuming) and every rank stops when another run holds it. The OS drops the
+    lock when rank 0 exits, however it exits, so a requeued run takes it at once. A run that only resumes takes it
+    where the folder exists and can be written (a read-only folder gets no tidying either)."""
+    folder, saves = cfg.ckpt.save_ckpt_folder, cfg.ckpt.enable_save_ckpt
+    if not folder or not (saves or cfg.ckpt.auto_resume):
+        return
+    problem = None
+    if job.is_rank0 and (saves or os.path.isdir(folder)):
+        try:
+            hold_folder(folder)
+        except CheckpointError as e:
+            problem = f"ckpt.save_ckpt_folder={e}"
+        except OSError as e:
+            if saves:
+                problem = f"ckpt.save_ckpt_folder={folder}: cannot take its lock: {os_error_text(e)}"
+            else:
+                logger.info("resuming from %s without its lock (%s)", folder, os_error_text(e))
+    _exit_on(agree_on_errors(problem))
 
 
 def mfu_peak(cfg: Config, job: Job) -> tuple[float, str]:
@@ -432,7 +461,16 @@ def _exit_together(message: str) -> None:
     """Report on this rank, wait until every rank has (they all reached the same verdict), then exit 1."""
     _report(f"error: {message}")
     dist.barrier()
-    os._exit(1)
+    _exit_now(1)
+
+
+def _exit_now(code: int) -> None:
+    """``os._exit``: skip interpreter teardown, which can block on a process group whose peers died; the save
+    folder's lock is released first (``atexit`` does not run), so its lock file does not linger."""
+    release_held_folders()
+    sys.stderr.flush()
+    sys.stdout.flush()
+    os._exit(code)
 
 
 def _exit_on(problems: list[str]) -> None:
@@ -445,10 +483,13 @@ def run() -> None:
     """Exit non-zero on every failing rank at once; never wait on peers that may be gone."""
     try:
         sys.exit(main())
-    except (ConfigError, DataError, CheckpointError, TrainingStopped) as e:
+    except (ConfigError, LaunchError, DataError, CheckpointError, TrainingStopped) as e:
+        logger.debug("the traceback of the error below:", exc_info=True)  # TESSERA_LOG_LEVEL=DEBUG shows it
         if getattr(e, "every_rank", False) and dist.is_initialized():
             _exit_together(str(e))  # every rank raised it together: each reports before any exits
         _report(f"error: {e}")
+        if not dist.is_initialized():  # before the job exists, ranks often fail alike: let each say it
+            wait_for_peers_to_report(PEER_REPORT_WAIT_S)
     except OSError as e:  # a file operation the environment refused (missing, unreadable, unwritable, full)
         if e.filename is None:  # not a file (a socket, a timeout): the traceback says where
             _report(f"training failed:\n{traceback.format_exc()}")
@@ -456,11 +497,7 @@ def run() -> None:
             _report(f"error: {getattr(e, 'tessera_doing', 'starting')}: {os_error_text(e)}")
     except Exception:  # noqa: BLE001 - report with the traceback, then take the whole job down
         _report(f"training failed:\n{traceback.format_exc()}")
-    # os._exit: skip interpreter teardown, which can block on a process group whose peers died;
-    # torchrun sees the non-zero exit and stops the other ranks.
-    sys.stderr.flush()
-    sys.stdout.flush()
-    os._exit(1)
+    _exit_now(1)  # torchrun sees the non-zero exit and stops the other ranks
 
 
 if __name__ == "__main__":

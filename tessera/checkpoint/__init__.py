@@ -4,6 +4,7 @@
     tree.py            nested state <-> one safetensors file (JSON skeleton, tied tensors stored once)
     meta.py            step-folder file names, meta.json: build, write last, read, verify
     folders.py         step folders: discovery, atomic publishing, tidying up interrupted saves
+    lock.py            one writer per save folder: an advisory flock held while writing
     reshard.py         which tensor is TP-sharded along which dim; the one resharding routine
     state.py           TrainState: the resumable components of a run, registered once
     training.py        save / load (resharded) / auto-resume with every rank agreeing
@@ -30,6 +31,7 @@ from tessera.checkpoint.folders import (
 )
 from tessera.checkpoint.hf import export_hf, import_hf, parse_dtype_name
 from tessera.checkpoint.inference import load_for_inference
+from tessera.checkpoint.lock import LOCK_FILE, folder_lock, hold_folder, lock_holder
 from tessera.checkpoint.meta import (
     CHECKPOINT_FORMAT,
     file_entry,
@@ -49,11 +51,11 @@ from tessera.data.run_tokenizer import tokenizer_for_checkpoint  # re-exported
 from tessera.data.tokenizer import byte_tokenizer_json  # re-exported
 
 __all__ = [
-    "CHECKPOINT_FORMAT", "CheckpointError", "CheckpointSource", "Layout", "ParamLayout", "Progress", "RngStreams",
-    "Stateful", "TrainState", "byte_tokenizer_json",
-    "clean_partial_checkpoints", "consolidate", "convert_checkpoint", "export_hf", "file_entry",
-    "find_resumable_checkpoint", "import_hf", "list_checkpoints", "load_checkpoint", "load_consolidated_state",
-    "load_for_inference", "new_meta", "new_step_folder", "output_step_folder", "param_layout", "parse_dtype_name",
+    "CHECKPOINT_FORMAT", "CheckpointError", "CheckpointSource", "LOCK_FILE", "Layout", "ParamLayout", "Progress",
+    "RngStreams", "Stateful", "TrainState", "byte_tokenizer_json", "clean_partial_checkpoints", "consolidate",
+    "convert_checkpoint", "export_hf", "file_entry", "find_resumable_checkpoint", "folder_lock", "hold_folder",
+    "import_hf", "list_checkpoints", "load_checkpoint", "load_consolidated_state", "load_for_inference",
+    "lock_holder", "new_meta", "new_step_folder", "output_step_folder", "param_layout", "parse_dtype_name",
     "read_meta", "read_tree", "reshard", "resolve_step_folder", "save_checkpoint", "shard_files", "step_folder",
     "step_of", "tokenizer_for_checkpoint", "verify_files", "write_meta", "write_tree",
 ]

@@ -16,6 +16,7 @@ import shutil
 from collections.abc import Iterator
 
 from tessera.checkpoint.errors import CheckpointError
+from tessera.checkpoint.lock import folder_lock
 from tessera.checkpoint.meta import META_FILE
 from tessera.files import DELETING, REPLACED, commit_folder, hidden_sibling
 
@@ -75,20 +76,23 @@ def output_step_folder(dst: str, step: int) -> str:
 
 @contextlib.contextmanager
 def new_step_folder(final: str, *, overwrite: bool = False) -> Iterator[str]:
-    """Yield ``.<name>.partial`` to fill (one process); it is committed as ``final`` if the block succeeds."""
+    """Yield ``.<name>.partial`` to fill (one process); it is committed as ``final`` if the block succeeds.
+
+    The save folder holding ``final`` is locked meanwhile (``tessera.checkpoint.lock``): a run saving there
+    makes this a ``CheckpointError`` naming it, before anything is written."""
     final = os.path.normpath(final)
-    if os.path.exists(final) and not overwrite:
-        raise CheckpointError(f"{final} already exists; remove it or pass --overwrite")
-    os.makedirs(os.path.dirname(final) or ".", exist_ok=True)
-    partial = hidden_sibling(final, PARTIAL)
-    shutil.rmtree(partial, ignore_errors=True)
-    os.makedirs(partial)
-    try:
-        yield partial
-    except BaseException:
+    with folder_lock(os.path.dirname(final) or "."):
+        if os.path.exists(final) and not overwrite:
+            raise CheckpointError(f"{final} already exists; remove it or pass --overwrite")
+        partial = hidden_sibling(final, PARTIAL)
         shutil.rmtree(partial, ignore_errors=True)
-        raise
-    commit_folder(partial, final)
+        os.makedirs(partial)
+        try:
+            yield partial
+        except BaseException:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
+        commit_folder(partial, final)
 
 
 def clean_partial_checkpoints(folder: str) -> list[str]:

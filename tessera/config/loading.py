@@ -14,7 +14,9 @@ from __future__ import annotations
 import ast
 import copy
 import importlib.util
+import linecache
 import os
+import traceback
 import types
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -100,14 +102,13 @@ def load_python_file(path: str | os.PathLike) -> dict[str, Any]:
     try:
         spec.loader.exec_module(module)
     except SyntaxError as e:
-        raise ConfigError(f"syntax error in config file {path}, line {e.lineno}: {e.msg}\n"
-                          f"  {(e.text or '').rstrip()}") from None
+        raise ConfigError(_syntax_error_text(path, e)) from None
     except OSError as e:
-        if e.filename is None or os.path.abspath(os.fspath(e.filename)) != os.path.abspath(path):
-            raise ConfigError(f"error while running config file {path}: {type(e).__name__}: {e}") from e
-        raise ConfigError(f"cannot read config file {path}: {e.strerror or e}") from None  # e.g. permissions
+        if e.filename is not None and os.path.abspath(os.fspath(e.filename)) == os.path.abspath(path):
+            raise ConfigError(f"cannot read config file {path}: {e.strerror or e}") from None  # e.g. permissions
+        raise ConfigError(_running_error_text(path, e)) from e
     except Exception as e:  # any error while running user code is a config error
-        raise ConfigError(f"error while running config file {path}: {type(e).__name__}: {e}") from e
+        raise ConfigError(_running_error_text(path, e)) from e
     out: dict[str, Any] = {}
     for name, value in vars(module).items():
         if name.startswith("_") or name.isupper() and name != "JOB_NAME":
@@ -118,31 +119,81 @@ def load_python_file(path: str | os.PathLike) -> dict[str, Any]:
     return out
 
 
-def parse_override(text: str, source: str | None = None) -> tuple[list[str], Any]:
-    """``"model.dtype=bf16"`` -> (["model", "dtype"], "bf16"); values are Python literals."""
+def _syntax_error_text(path: str, e: SyntaxError) -> str:
+    """One line: the file (the config, or a file it imports), the line and column, what is wrong, the line's text."""
+    where = f"config file {path}"
+    if e.filename and os.path.abspath(e.filename) != os.path.abspath(path):
+        where = f"{e.filename} (imported by config file {path})"
+    column = f", column {e.offset}" if e.offset else ""
+    return f"syntax error in {where}, line {e.lineno}{column}: {e.msg}{_quoted(e.text)}"
+
+
+def _running_error_text(path: str, e: BaseException) -> str:
+    """One line: the config file's line that raised (the last frame in it), that line's text, and the exception;
+    where it was raised, when that is another file (a helper the config imports)."""
+    config_line, last = None, None
+    for frame, lineno in traceback.walk_tb(e.__traceback__):
+        last = (frame.f_code.co_filename, lineno)
+        if os.path.abspath(frame.f_code.co_filename) == os.path.abspath(path):
+            config_line = lineno
+    if config_line is None:
+        return f"error while running config file {path}: {type(e).__name__}: {_one_line(str(e))}"
+    linecache.checkcache(path)
+    text = linecache.getline(path, config_line)
+    inner = last is not None and os.path.abspath(last[0]) != os.path.abspath(path)
+    raised = f" (raised at {last[0]}, line {last[1]})" if inner and last is not None else ""
+    return (f"error while running config file {path}, line {config_line}{_quoted(text)}: {type(e).__name__}: "
+            f"{_one_line(str(e))}{raised}")
+
+
+def _quoted(line: str | None) -> str:
+    """`` `text` `` of a source line, for an error message (empty when there is none)."""
+    text = (line or "").strip()
+    return f" `{text}`" if text else ""
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def parse_override(text: str, source: str | None = None, label: str | None = None) -> tuple[list[str], Any]:
+    """``"model.dtype=bf16"`` -> (["model", "dtype"], "bf16"); values are Python literals. ``label`` begins each
+    error message (default ``bad override 'TEXT'``; ``apply_overrides`` adds the override's place on the command
+    line)."""
+    label = label or f"bad override {text!r}"
     if "=" not in text:
-        raise ConfigError(f"bad override {text!r}: expected key.sub=value{where(source)}")
+        raise ConfigError(f"{label}: expected key.sub=value{where(source)}")
     key, value_text = text.split("=", 1)
     parts = key.strip().split(".")
     if not all(p.isidentifier() for p in parts):
-        raise ConfigError(f"bad override {text!r}: {key!r} is not a dotted key name")
+        raise ConfigError(f"{label}: {key!r} is not a dotted key name")
+    stripped = value_text.strip()
     try:
-        value = ast.literal_eval(value_text.strip())
-    except (ValueError, SyntaxError):
-        stripped = value_text.strip()
+        value = ast.literal_eval(stripped)
+    except (ValueError, SyntaxError) as e:
         # a bare word (bf16, torch.bfloat16, a path) is taken as a string; anything else is an error
         if stripped and all(c.isalnum() or c in "._-/+:" for c in stripped):
             value = stripped
         else:
-            raise ConfigError(f"bad override {text!r}: value {value_text!r} is not a Python literal") from None
+            raise ConfigError(f"{label}: value {value_text!r} is not a Python literal: {_literal_problem(e)}") from None
     return parts, value
+
+
+def _literal_problem(e: ValueError | SyntaxError) -> str:
+    """What ``ast.literal_eval`` found wrong with an override's value, and where in it."""
+    if isinstance(e, SyntaxError):
+        return f"{e.msg}" + (f" at column {e.offset} of the value" if e.offset else "")
+    return "only numbers, strings, lists, tuples, dicts, True, False and None are literals (quote a string)"
 
 
 def apply_overrides(raw: dict[str, Any], overrides: Iterable[str], source: str | None = None) -> None:
     """Apply CLI overrides in place; keys are checked against the schema (typos get a suggestion). A key
-    InternEvo defines may be overridden too (``model.num_chunks=1``); the translation then reads it."""
-    for text in overrides:
-        parts, value = parse_override(text, source)
+    InternEvo defines may be overridden too (``model.num_chunks=1``); the translation then reads it. An error
+    names the override and its place among them (``override 2 of 3 on the command line``)."""
+    texts = list(overrides)
+    for n, text in enumerate(texts, 1):
+        label = f"bad override {text!r} (override {n} of {len(texts)} on the command line)"
+        parts, value = parse_override(text, source, label)
         node: dict[str, Any] = raw
         spec: Section | None = SCHEMA
         for i, p in enumerate(parts):
@@ -153,13 +204,13 @@ def apply_overrides(raw: dict[str, Any], overrides: Iterable[str], source: str |
                 sub = None  # InternEvo's key or section: no schema below here
             else:  # tessera's names and InternEvo's at this level
                 names = {*(spec.keys if spec is not None else ()), *internevo_names(".".join(parts[:i]))}
-                raise ConfigError(f"bad override {text!r}: unknown key {dotted!r}{suggest(p, names)}")
+                raise ConfigError(f"{label}: unknown key {dotted!r}{suggest(p, names)}")
             if i == len(parts) - 1:
                 node[p] = value
             else:
                 if isinstance(sub, Key):
-                    raise ConfigError(f"bad override {text!r}: {dotted!r} is not a section")
+                    raise ConfigError(f"{label}: {dotted!r} is not a section")
                 node = node.setdefault(p, {})
                 if not isinstance(node, dict):
-                    raise ConfigError(f"bad override {text!r}: {dotted!r} is not a dict in the config")
+                    raise ConfigError(f"{label}: {dotted!r} is not a dict in the config")
                 spec = sub if isinstance(sub, Section) else None

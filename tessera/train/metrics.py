@@ -296,6 +296,14 @@ def format_train_line(step: int, v: Mapping[str, Any]) -> str:
 
 
 def setup_logging(rank: int) -> None:
-    """INFO on rank 0, WARNING elsewhere, each line tagged with the rank."""
+    """INFO on rank 0, WARNING elsewhere, each line tagged with the rank. ``TESSERA_LOG_LEVEL=DEBUG`` (or any
+    level name) sets tessera's own logger on every rank: e.g. the traceback behind a one-line error."""
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format=f"[%(asctime)s rank{rank} %(levelname)s] %(message)s", datefmt="%H:%M:%S")
+    name = os.environ.get("TESSERA_LOG_LEVEL", "").upper()
+    level = logging.getLevelName(name) if name else None
+    if isinstance(level, int):
+        logging.getLogger("tessera").setLevel(level)
+    elif name:
+        logging.getLogger("tessera").warning("TESSERA_LOG_LEVEL=%s is not a logging level (DEBUG, INFO, WARNING, "
+                                             "ERROR): ignored", name)
