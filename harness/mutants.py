@@ -70,7 +70,8 @@ MUTANTS: tuple[Mutant, ...] = (
            "squares = norms.double().square()", "squares = norms.double()",
            "wrong grad norm (logged and used for clipping)", (OPTIMIZER,)),
     Mutant("norm-not-summed-over-tp", OPT + "clipping.py",
-           "    for group in groups:\n        group.all_reduce(sq)", "    for group in groups[:0]:\n        group.all_reduce(sq)",
+           "    for group in groups:\n        group.all_reduce(sq)",
+           "    for group in groups[:0]:\n        group.all_reduce(sq)",
            "TP>1 / ZeRO: each rank clips by its own part of the norm; ranks disagree, TP=N != TP=1",
            (ZERO_DP2, PROMISES_OPTIM)),
     Mutant("norm-counts-replicated-params-on-every-tp-rank", OPT + "clipping.py",
@@ -82,9 +83,9 @@ MUTANTS: tuple[Mutant, ...] = (
            "counted = [[is_tensor_parallel(p) for p in b.params]",
            "norms and biases left out of the grad norm (even at TP=1)", (OPTIMIZER, PROMISES_OPTIM)),
     Mutant("overflow-not-agreed", OPT + "clipping.py",
-           "    if world is not None:\n        world.all_reduce(flag, dist.ReduceOp.MAX)\n    else:  # TP then DP reaches "
-           "every rank of a tp x dp layout\n        tp.all_reduce(flag, dist.ReduceOp.MAX)\n        dp.all_reduce(flag, "
-           "dist.ReduceOp.MAX)\n",
+           "    if world is not None:\n        world.all_reduce(flag, dist.ReduceOp.MAX)\n"
+           "    else:  # TP then DP reaches every rank of a tp x dp layout\n"
+           "        tp.all_reduce(flag, dist.ReduceOp.MAX)\n        dp.all_reduce(flag, dist.ReduceOp.MAX)\n",
            "",
            "an inf on one rank: that rank skips, the others step; replicas diverge or the job hangs", (OVERFLOW_DP2,)),
     Mutant("overflow-not-agreed-over-dp", OPT + "clipping.py",
@@ -247,7 +248,8 @@ MUTANTS: tuple[Mutant, ...] = (
            "                        stacked[r].add_(gx)", "                        stacked[r].copy_(gx)",
            "msp: q/k/v (gate/up) share an input whose gradient keeps only the last layer's part", (MSP_TP2,)),
     Mutant("msp-dropout-same-mask-on-every-chunk", "tessera/parallel/sequence.py",
-           "noise = sequence_chunk(noise, group, dim).div_(1 - p)", "noise = noise.narrow(dim, 0, x.shape[dim]).div_(1 - p)",
+           "noise = sequence_chunk(noise, group, dim).div_(1 - p)",
+           "noise = noise.narrow(dim, 0, x.shape[dim]).div_(1 - p)",
            "msp with dropout: every sequence chunk drops the same positions (not mtp's mask)", (MSP_TP2,)),
 )
 

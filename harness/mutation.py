@@ -87,6 +87,8 @@ def check_snippets(mutants: Sequence[Mutant], root: str = ROOT) -> list[str]:
             continue
         if m.original == m.replacement:
             problems.append(f"{m.name}: the replacement equals the original")
+        if not m.tests:  # pytest without arguments would run the whole suite
+            problems.append(f"{m.name}: no tests listed")
         with open(path, encoding="utf-8") as f:
             try:
                 apply_mutant(f.read(), m)
@@ -130,6 +132,8 @@ def _kill_tree(proc: subprocess.Popen) -> None:
 
 def run_pytest(copy: str, tests: Sequence[str], timeout: float) -> tuple[int, str, float]:
     """``pytest -q -x`` on ``tests`` inside ``copy``: (exit code, output, seconds); exit code 124 on a timeout."""
+    if not tests:  # pytest without arguments would run the whole suite (testpaths)
+        raise ValueError("no tests to run")
     env = dict(os.environ, PYTHONPATH=copy, PYTHONDONTWRITEBYTECODE="1")
     cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests]
     start = time.monotonic()
