@@ -61,7 +61,7 @@ MUTANTS: tuple[Mutant, ...] = (
            "clip_grad_norm is silently ignored", (OPTIMIZER,)),
     Mutant("clip-scales-small-gradients-up", OPT + "clipping.py",
            "if coef < 1.0:", "if coef > 0.0:",
-           "every gradient is rescaled to norm clip_grad_norm, small ones blown up", (OPTIMIZER,)),
+           "every gradient is rescaled to norm clip_grad_norm, small ones blown up", (OPTIMIZER, PROMISES_OPTIM)),
     Mutant("clip-eps-dropped", OPT + "clipping.py",
            "coef = max_norm / (grad_norm + 1e-6)", "coef = max_norm / grad_norm",
            "a step whose gradients are all zero (an all-padding batch) crashes with ZeroDivisionError",
@@ -87,7 +87,8 @@ MUTANTS: tuple[Mutant, ...] = (
            "    else:  # TP then DP reaches every rank of a tp x dp layout\n"
            "        tp.all_reduce(flag, dist.ReduceOp.MAX)\n        dp.all_reduce(flag, dist.ReduceOp.MAX)\n",
            "",
-           "an inf on one rank: that rank skips, the others step; replicas diverge or the job hangs", (OVERFLOW_DP2,)),
+           "an inf on one rank: that rank skips, the others step; replicas diverge or the job hangs",
+           (PROMISES_OPTIM, OVERFLOW_DP2)),  # the first has the shorter hang guard
     Mutant("overflow-not-agreed-over-dp", OPT + "clipping.py",
            "        tp.all_reduce(flag, dist.ReduceOp.MAX)\n        dp.all_reduce(flag, dist.ReduceOp.MAX)",
            "        tp.all_reduce(flag, dist.ReduceOp.MAX)",
@@ -148,7 +149,7 @@ MUTANTS: tuple[Mutant, ...] = (
            "fp16: the loss scale falls below min_scale (to 0 eventually)", (SCALER,)),
     Mutant("scaler-resume-drops-hysteresis", "tessera/core/grad_scaler.py",
            'self._hysteresis_step = int(state.get("hysteresis_step", 0))', "self._hysteresis_step = 0",
-           "fp16: a resumed run backs off later than the uninterrupted one (not bitwise)", (SCALER,)),
+           "fp16: a resumed run backs off later than the uninterrupted one (not bitwise)", (SCALER, PROMISES_OPTIM)),
     # ------------------------------------------------------------------ precision wrapper and switches
     Mutant("amp-fp32-output-not-cast-back", "tessera/core/naive_amp.py",
            "        cast = _cast_floating(output, self.dtype)\n", "        cast = output\n",
@@ -239,7 +240,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant("msp-gather-backward-not-summed", "tessera/parallel/sequence.py",
            "return reduce_scatter_sequence(grad, ctx.group, ctx.dim), None, None",
            "return sequence_chunk(grad, ctx.group, ctx.dim), None, None",
-           "msp: gradients entering a TP region keep one rank's part only", (MSP_TP2,)),
+           "msp: the fused head+loss passes back one rank's part of its input gradient only",
+           ("tests/test_chunked_loss.py::test_the_decoder_fused_head_loss_matches_its_unfused_path[2-msp-True-fp32]",)),
     Mutant("msp-row-bias-grad-partial", "tessera/parallel/layers.py",
            "return y if self.bias is None else y + reduce_grad_over_group(self.bias, self.process_group)",
            "return y if self.bias is None else y + self.bias",

@@ -7,7 +7,9 @@ Each test kills mutants of ``harness/mutants.py`` that no other fast test caught
 - TP=2: the global norm counts every parameter once (TP-sharded ones on each rank, replicated ones once,
   squares summed over TP), so the reported norm and the clipped SGD step equal TP=1's;
 - DP=2 with ZeRO over DP and no global group: an inf that only one rank's shard holds skips the step on
-  both ranks (the overflow flag is agreed over DP).
+  both ranks (the overflow flag is agreed over DP);
+- the fp16 loss scaler resumed from its state dict in the middle of a hysteresis count or a growth window
+  follows the uninterrupted scaler.
 
 SGD rather than AdamW: SGD's step is proportional to the clipped gradient, so a wrong clip factor shows in
 the weights (one AdamW step is nearly ``lr * sign(g)`` whatever the factor).
@@ -15,11 +17,13 @@ the weights (one AdamW step is nearly ``lr * sign(g)`` whatever the factor).
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from harness.distributed import run_distributed
+from tessera.core.grad_scaler import DynamicGradScaler
 from tessera.optim.hybrid_zero import HybridZeroOptimizer
 from tessera.parallel import ColumnParallelLinear, RowParallelLinear
 from tests.tolerances import order_rtol, unit_roundoff
@@ -92,6 +96,23 @@ def test_a_step_with_all_zero_gradients_succeeds_with_clipping_on():
     ok, norm, ours = _ours(clip=1.0, scale_loss=0.0)
     assert ok and norm == 0.0
     assert all(torch.equal(a, b) for a, b in zip(ours, w0))
+
+
+@pytest.mark.parametrize("before", [[True, True], [False, False, False]])
+def test_a_resumed_loss_scaler_follows_the_uninterrupted_one(before):
+    """Saved after two of three overflows (hysteresis 3) or three of four clean steps (growth interval 4):
+    the next overflow backs off, or the next clean step grows, in the resumed scaler as in the original."""
+    kw = dict(initial_scale=2.0**10, growth_interval=4, hysteresis=3)
+    original = DynamicGradScaler(**kw)
+    for found_inf in before:
+        original.update(found_inf)
+    resumed = DynamicGradScaler(**kw)
+    resumed.load_state_dict(original.state_dict())
+    event = before[0]  # one more of the same: completes the count
+    original.update(event)
+    resumed.update(event)
+    assert original.scale == (2.0**9 if event else 2.0**11)  # by the rule (the scaler's docstring)
+    assert resumed.scale == original.scale
 
 
 # ---------------------------------------------------------------------- TP=2 and DP=2 (one spawn)
