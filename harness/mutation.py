@@ -234,12 +234,13 @@ def write_report(path: str, outcomes: Sequence[Outcome], wall: float, base: tupl
         f"- wall time: {wall:.0f} s"
         + (f" (baseline run of the listed tests: {base[2]:.0f} s)" if base is not None else ""),
         "",
-        "| mutant | file | status | killed by | s | what a user would notice |",
-        "| --- | --- | --- | --- | ---: | --- |",
+        "| mutant | file | change | status | killed by | s | what a user would notice |",
+        "| --- | --- | --- | --- | --- | ---: | --- |",
     ]
     for o in main:
-        lines.append(f"| {o.mutant.name} | `{o.mutant.path}` | {o.status} | {_cell(o.killer)} | {o.seconds:.1f} "
-                     f"| {_cell(o.mutant.notice)} |")
+        m = o.mutant
+        lines.append(f"| {m.name} | `{m.path}` | {_code(m.original)} -> {_code(m.replacement)} | {o.status} "
+                     f"| {_cell(o.killer)} | {o.seconds:.1f} | {_cell(m.notice)} |")
     lines += ["", "## Equivalent mutants", "",
               "Listed with the reason each changes nothing a user could notice; "
               + ("run against the listed tests (expected: survived)." if ran_equivalent
