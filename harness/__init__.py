@@ -4,6 +4,8 @@
     distributed.py  ``run_distributed``: a function on N spawned CPU processes (gloo), bounded by a
                     timeout, the failing rank's traceback raised; ``run_torchrun``; ``free_port``
     fake_cuda.py    ``fake_cuda_mode``: CUDA tensors without a GPU (the NCCL-rule tests)
+    mutation.py     ``python -m harness.mutation``: the mutation pass, run before a release (not in CI)
+    mutants.py      its list: one broken promise each, the fast tests that must notice, equivalent mutants
     state.py        ``HeldState``: a resumable component holding any state tree (checkpoint tests)
     tools.py        ``run_tool``: a tool of ``tools/`` run in this process, its stdout
 

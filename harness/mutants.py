@@ -1,0 +1,281 @@
+"""The mutants of the mutation pass (``python -m harness.mutation``): one broken promise each.
+
+Each mutant replaces one snippet of a file under tessera/ (the snippet must occur there exactly once;
+``tests/test_mutants_list.py`` checks that in CI, so the list follows the code) and names the fast tests
+that must notice. They cover the code that carries the product's promises: the optimizer (loss-scale
+removal, DP averaging, the global norm and clipping, overflow agreement, accumulation, ZeRO's
+reduce-scatter and all-gather, the master policy, the skip rule), the loss scaler, the precision wrapper
+and the backend switches, the vocab-parallel loss and its chunked fused form, and the tensor- and
+sequence-parallel layers and collectives. ``EQUIVALENT`` lists changes that look like bugs but change
+nothing a user could notice, each with the reason (``notice`` holds it there).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Mutant:
+    """One textual change: ``original`` (exactly once in ``path``) becomes ``replacement``."""
+
+    name: str
+    path: str  # relative to the repository root, under tessera/
+    original: str
+    replacement: str
+    notice: str  # what a user would notice (for EQUIVALENT: why nothing)
+    tests: tuple[str, ...]  # test files or node ids, relative to the root: the fast tests that must fail
+
+
+OPT = "tessera/optim/"
+LOSS_SCALE = "tests/test_loss_scale.py"
+OPTIMIZER = "tests/test_optimizer.py"
+ZERO_DP2 = "tests/test_optimizer_dist.py::test_zero1_equivalence_memory_and_resharded_resume"
+OVERFLOW_DP2 = "tests/test_optimizer_dist.py::test_overflow_on_one_rank_skips_everywhere_with_hysteresis"
+PROMISES_OPTIM = "tests/test_promises_optim.py"
+PROMISES_PARALLEL = "tests/test_promises_parallel.py"
+SCALER = "tests/test_grad_scaler.py"
+AMP = "tests/test_naive_amp.py"
+LAYERS = "tests/test_parallel_layers.py"
+CHUNKED_FP64 = "tests/test_chunked_loss.py::test_equals_cross_entropy_on_the_full_logits_in_fp64"
+CHUNKED_TP2 = "tests/test_chunked_loss.py::test_vocab_parallel_matches_one_rank[2]"
+MSP_TP2 = "tests/test_sequence_parallel.py::test_msp_matches_mtp_tp2"
+
+MUTANTS: tuple[Mutant, ...] = (
+    # ------------------------------------------------------------------ HybridZeroOptimizer._clip
+    Mutant("zero-update-keeps-loss-scale", OPT + "hybrid_zero.py",
+           "(1.0 / (scale * dp)) * clip_factor", "(1.0 / dp) * clip_factor",
+           "fp16: the update is 65,536x too large (SGD) or eps-blind (AdamW): loss diverges", (LOSS_SCALE,)),
+    Mutant("zero-update-sums-over-dp", OPT + "hybrid_zero.py",
+           "(1.0 / (scale * dp)) * clip_factor", "(1.0 / scale) * clip_factor",
+           "DP=N: gradients summed instead of averaged, an N times larger step than one process", (ZERO_DP2,)),
+    Mutant("zero-norm-keeps-loss-scale", OPT + "hybrid_zero.py",
+           "grad_norm = self._norm.norm(local) / (scale * dp)", "grad_norm = self._norm.norm(local) / dp",
+           "fp16: the logged grad norm is 65,536x too large and clipping shrinks every step", (LOSS_SCALE,)),
+    Mutant("zero-norm-sums-over-dp", OPT + "hybrid_zero.py",
+           "grad_norm = self._norm.norm(local) / (scale * dp)", "grad_norm = self._norm.norm(local) / scale",
+           "DP=N: the grad norm is N times too large, clipping acts where one process would not", (ZERO_DP2,)),
+    # ------------------------------------------------------------------ clipping
+    Mutant("clip-never-applies", OPT + "clipping.py",
+           "    if max_norm > 0:\n", "    if max_norm < 0:\n",
+           "clip_grad_norm is silently ignored", (OPTIMIZER,)),
+    Mutant("clip-scales-small-gradients-up", OPT + "clipping.py",
+           "if coef < 1.0:", "if coef > 0.0:",
+           "every gradient is rescaled to norm clip_grad_norm, small ones blown up", (OPTIMIZER, PROMISES_OPTIM)),
+    Mutant("clip-eps-dropped", OPT + "clipping.py",
+           "coef = max_norm / (grad_norm + 1e-6)", "coef = max_norm / grad_norm",
+           "a step whose gradients are all zero (an all-padding batch) crashes with ZeroDivisionError",
+           (OPTIMIZER, PROMISES_OPTIM)),
+    Mutant("norm-adds-norms-not-squares", OPT + "clipping.py",
+           "squares = norms.double().square()", "squares = norms.double()",
+           "wrong grad norm (logged and used for clipping)", (OPTIMIZER,)),
+    Mutant("norm-not-summed-over-tp", OPT + "clipping.py",
+           "    for group in groups:\n        group.all_reduce(sq)",
+           "    for group in groups[:0]:\n        group.all_reduce(sq)",
+           "TP>1 / ZeRO: each rank clips by its own part of the norm; ranks disagree, TP=N != TP=1",
+           (ZERO_DP2, PROMISES_OPTIM)),
+    Mutant("norm-counts-replicated-params-on-every-tp-rank", OPT + "clipping.py",
+           "counted = [[is_tensor_parallel(p) or groups.tp.rank == 0 for p in b.params]",
+           "counted = [[True for p in b.params]",
+           "TP=N: norms and biases counted N times, grad norm and clipping differ from TP=1", (PROMISES_OPTIM,)),
+    Mutant("norm-never-counts-replicated-params", OPT + "clipping.py",
+           "counted = [[is_tensor_parallel(p) or groups.tp.rank == 0 for p in b.params]",
+           "counted = [[is_tensor_parallel(p) for p in b.params]",
+           "norms and biases left out of the grad norm (even at TP=1)", (OPTIMIZER, PROMISES_OPTIM)),
+    Mutant("overflow-not-agreed", OPT + "clipping.py",
+           "    if world is not None:\n        world.all_reduce(flag, dist.ReduceOp.MAX)\n"
+           "    else:  # TP then DP reaches every rank of a tp x dp layout\n"
+           "        tp.all_reduce(flag, dist.ReduceOp.MAX)\n        dp.all_reduce(flag, dist.ReduceOp.MAX)\n",
+           "",
+           "an inf on one rank: that rank skips, the others step; replicas diverge or the job hangs",
+           (PROMISES_OPTIM, OVERFLOW_DP2)),  # the first has the shorter hang guard
+    Mutant("overflow-not-agreed-over-dp", OPT + "clipping.py",
+           "        tp.all_reduce(flag, dist.ReduceOp.MAX)\n        dp.all_reduce(flag, dist.ReduceOp.MAX)",
+           "        tp.all_reduce(flag, dist.ReduceOp.MAX)",
+           "without a global group, ZeRO over DP: one DP rank skips, the other steps; replicas diverge",
+           (PROMISES_OPTIM,)),
+    # ------------------------------------------------------------------ buffers, buckets, groups
+    Mutant("accumulation-overwrites", OPT + "buffers.py", "view.add_(grad)", "view.copy_(grad)",
+           "gradient accumulation keeps only the last micro-batch", (OPTIMIZER,)),
+    Mutant("zero-grad-keeps-gradients", OPT + "buffers.py",
+           "                buf.zero_()", "                pass",
+           "each step's gradients carry into the next", (OPTIMIZER,)),
+    Mutant("dp-all-reduce-dropped", OPT + "buffers.py",
+           "                self.dp.all_reduce(buf)", "                pass",
+           "DP without ZeRO: each rank trains on its own shard of the batch; replicas diverge", (ZERO_DP2,)),
+    Mutant("reduce-scatter-dropped", OPT + "buffers.py",
+           "            elif self.reduce_scatter:\n                self.zero1.reduce_scatter_flat(b.grad_flat)",
+           "            elif self.reduce_scatter:\n                pass",
+           "ZeRO over DP: each rank updates its shard from its own gradients only", (ZERO_DP2,)),
+    Mutant("reduce-scatter-into-chunk-0", OPT + "groups.py",
+           "return _reduce_scatter(flat.chunk(self.size)[self.rank], flat",
+           "return _reduce_scatter(flat.chunk(self.size)[0], flat",
+           "ZeRO over DP: ranks other than 0 update from unreduced gradients", (ZERO_DP2,)),
+    Mutant("shard-range-always-first", OPT + "bucket.py",
+           "self.lo, self.hi = zero1.rank * self.shard, (zero1.rank + 1) * self.shard",
+           "self.lo, self.hi = 0, self.shard",
+           "ZeRO: every rank updates the first shard; the rest of the model never trains", (ZERO_DP2,)),
+    Mutant("publish-skips-all-gather", OPT + "bucket.py",
+           "        self.zero1.all_gather_flat(self.param_flat)", "        pass",
+           "ZeRO: each rank sees only its own shard's updates; replicas diverge", (ZERO_DP2,)),
+    # ------------------------------------------------------------------ master policy, skips
+    Mutant("bf16-masters-lose-compensation", OPT + "master_policy.py",
+           'comp = self.compensation if b.master.dtype == torch.bfloat16 else "none"', 'comp = "none"',
+           "master_compensation=kahan/stochastic does nothing: small updates stall in bf16 masters",
+           ("tests/test_lowp_masters.py",)),
+    Mutant("sgd-run-as-adamw", OPT + "master_policy.py",
+           "return type(optim) is torch.optim.AdamW and not any(", "return not any(",
+           "an SGD (or other) inner optimizer silently takes AdamW steps", ("tests/test_fused_update.py",)),
+    Mutant("skips-never-count-at-min-scale", OPT + "skips.py",
+           'return scaler.scale <= getattr(scaler, "min_scale", math.inf)',
+           'return scaler.scale < getattr(scaler, "min_scale", math.inf)',
+           "fp16: a diverged run skips forever at the minimum scale instead of stopping",
+           ("tests/test_reliability.py::test_fp16_stop_rule_counts_skips_only_at_the_minimum_scale",)),
+    Mutant("skips-not-reset-by-a-clean-step", OPT + "skips.py",
+           "            self.consecutive_skips = 0\n            self.last_grad_norm = grad_norm\n            return",
+           "            self.last_grad_norm = grad_norm\n            return",
+           "isolated skips add up and stop a healthy run (TooManySkippedSteps)",
+           ("tests/test_reliability.py::test_fp16_stop_rule_counts_skips_only_at_the_minimum_scale",)),
+    # ------------------------------------------------------------------ loss scaler
+    Mutant("scaler-no-hysteresis", "tessera/core/grad_scaler.py",
+           "if self._hysteresis_step >= self.hysteresis:", "if True:",
+           "fp16: every lone overflow halves the loss scale", (SCALER,)),
+    Mutant("scaler-overflow-keeps-growth-count", "tessera/core/grad_scaler.py",
+           "            self._growth_step = 0\n            self._hysteresis_step += 1",
+           "            self._hysteresis_step += 1",
+           "fp16: the scale grows right after an overflow", (SCALER,)),
+    Mutant("scaler-backoff-below-min", "tessera/core/grad_scaler.py",
+           "max(self._scale * self.backoff_factor, self.min_scale)", "self._scale * self.backoff_factor",
+           "fp16: the loss scale falls below min_scale (to 0 eventually)", (SCALER,)),
+    Mutant("scaler-resume-drops-hysteresis", "tessera/core/grad_scaler.py",
+           'self._hysteresis_step = int(state.get("hysteresis_step", 0))', "self._hysteresis_step = 0",
+           "fp16: a resumed run backs off later than the uninterrupted one (not bitwise)", (SCALER, PROMISES_OPTIM)),
+    # ------------------------------------------------------------------ precision wrapper and switches
+    Mutant("amp-fp32-output-not-cast-back", "tessera/core/naive_amp.py",
+           "        cast = _cast_floating(output, self.dtype)\n", "        cast = output\n",
+           "an fp32 module's output leaks into the bf16 model: fp32 activations, more memory", (AMP,)),
+    Mutant("amp-fp32-output-in-block-not-cast-back", "tessera/core/naive_amp.py",
+           "    def _cast_back_hook(self, module: nn.Module, args: tuple, output: Any) -> Any:\n        return "
+           "_cast_floating(output, self.dtype)",
+           "    def _cast_back_hook(self, module: nn.Module, args: tuple, output: Any) -> Any:\n        return output",
+           "an fp32 norm inside a block hands fp32 to the bf16 layers after it", (AMP,)),
+    Mutant("amp-fp32-input-not-cast", "tessera/core/naive_amp.py",
+           "return _cast_floating(args, torch.float32), _cast_floating(kwargs, torch.float32)",
+           "return args, kwargs",
+           "an fp32-marked module computes on bf16 inputs (or fails on a dtype mismatch)", (AMP,)),
+    Mutant("amp-head-logits-rounded", "tessera/core/naive_amp.py",
+           "return twin[1] if twin is not None and twin[0] is out else out", "return out",
+           "an fp32 head's logits come back rounded to bf16", (AMP,)),
+    Mutant("amp-marked-weights-cast", "tessera/core/naive_amp.py",
+           "target = torch.float32 if id(module) in fp32_ids else self.dtype", "target = self.dtype",
+           "fp32-marked modules get bf16/fp16 weights", (AMP,)),
+    Mutant("amp-buffers-summed-not-averaged", "tessera/core/naive_amp.py",
+           "buf.copy_(tmp.div_(size))", "buf.copy_(tmp)",
+           "sync_buffer: floating buffers grow by DP size every forward", (OVERFLOW_DP2,)),
+    Mutant("tf32-always-on", "tessera/core/precision.py", "set_tf32(p.tf32)", "set_tf32(True)",
+           "fp32 and mixed runs compute their fp32 GEMMs in TF32 on GPUs", ("tests/test_precision.py",)),
+    Mutant("bf16-reduced-precision-reduction-always-on", "tessera/core/precision.py",
+           "torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = allowed",
+           "torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = True",
+           "bf16 split-K GEMMs reduce in bf16 although the config says fp32", ("tests/test_precision_reductions.py",)),
+    Mutant("fp16-accumulation-on", "tessera/core/precision.py",
+           "torch.backends.cuda.matmul.allow_fp16_accumulation = False",
+           "torch.backends.cuda.matmul.allow_fp16_accumulation = True",
+           "fp16 GEMMs accumulate in fp16 on GPUs", ("tests/test_precision_reductions.py",)),
+    # ------------------------------------------------------------------ vocab-parallel loss
+    Mutant("lse-without-max-shift", "tessera/parallel/loss.py",
+           "row_max = x.max(dim=-1).values", "row_max = x.new_zeros(x.shape[0])",
+           "logits above ~88 overflow exp in fp32: loss inf/NaN", (LAYERS, PROMISES_PARALLEL)),
+    Mutant("lse-max-not-reduced-over-tp", "tessera/parallel/loss.py",
+           "    all_reduce(row_max, group, dist.ReduceOp.MAX)\n", "",
+           "TP>1: each vocab shard shifts by its own max; the loss is wrong", (LAYERS,)),
+    Mutant("target-logit-not-reduced", "tessera/parallel/loss.py",
+           "sum_exp, picked = stacked[0], stacked[1]", "sum_exp, picked = stacked[0], parts[1]",
+           "TP>1: ranks that do not hold the target see its logit as 0; loss differs per rank", (LAYERS,)),
+    Mutant("smoothing-over-local-vocab", "tessera/parallel/loss.py",
+           "label_smoothing * (lse - stacked[2] / vocab)", "label_smoothing * (lse - stacked[2] / v_local)",
+           "TP>1 with label smoothing: the loss differs from TP=1", (LAYERS,)),
+    Mutant("smoothing-left-out-of-gradient", "tessera/parallel/loss.py",
+           "grad = probs.sub_(label_smoothing / vocab) if label_smoothing > 0 else probs", "grad = probs",
+           "label smoothing changes the loss but not the gradient", (CHUNKED_FP64,)),
+    Mutant("ignored-tokens-in-loss", "tessera/parallel/loss.py",
+           "    loss = torch.where(valid, loss, torch.zeros_like(loss))\n", "",
+           "padding tokens (ignore_index) add to the loss", (LAYERS,)),
+    Mutant("ignored-tokens-get-gradient", "tessera/parallel/loss.py",
+           "return grad.mul_((valid * row_scale).unsqueeze(-1))", "return grad.mul_(row_scale.unsqueeze(-1))",
+           "padding tokens (ignore_index) train the model", (CHUNKED_FP64,)),
+    Mutant("mean-over-all-tokens", "tessera/parallel/loss.py",
+           "return loss.sum() / count.clamp(min=1), count", "return loss.sum() / valid.numel(), count",
+           "the mean loss divides by padding tokens too: smaller loss and gradients", (LAYERS,)),
+    Mutant("chunked-weight-grad-last-chunk-only", "tessera/parallel/loss.py",
+           "gw.add_(gw_c)", "gw.copy_(gw_c)",
+           "fused head+loss: the head's weight gradient comes from the last chunk of tokens only", (CHUNKED_FP64,)),
+    Mutant("chunked-backward-first-chunk-lse", "tessera/parallel/loss.py",
+           ".sub_(lse[a:b].unsqueeze(-1))", ".sub_(lse[:b - a].unsqueeze(-1))",
+           "fused head+loss: gradients of every chunk but the first use another chunk's normaliser",
+           (CHUNKED_FP64,)),
+    # ------------------------------------------------------------------ parallel layers and collectives
+    Mutant("row-bias-before-all-reduce", "tessera/parallel/layers.py",
+           "        y = reduce_from_region(self._gemm(x), self.process_group)\n        return y if self.bias is None "
+           "else y + self.bias",
+           "        y = reduce_from_region(self._gemm(x, self.bias), self.process_group)\n        return y",
+           "TP=N: the row-parallel bias is added N times", (LAYERS,)),
+    Mutant("embedding-out-of-range-not-masked", "tessera/parallel/layers.py",
+           "out = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)",
+           "out = F.embedding(local_ids, self.weight)",
+           "TP>1: every token's embedding gets other ranks' row 0 added", (LAYERS,)),
+    Mutant("column-input-grad-not-reduced", "tessera/parallel/layers.py",
+           "            if not input_is_copied:\n                x = copy_to_region(x, self.process_group)",
+           "            pass",
+           "TP>1: the input gradient of a column-parallel layer is one rank's part only", (LAYERS,)),
+    Mutant("copy-to-region-no-backward-all-reduce", "tessera/parallel/comm.py",
+           "return _all_reduce_copy(grad, ctx.group), None", "return grad, None",
+           "TP>1: gradients entering a TP region are partial; TP=N trains differently from TP=1", (LAYERS,)),
+    Mutant("gather-along-first-dim", "tessera/parallel/comm.py",
+           "return gather_tensor(x, -1, group)", "return gather_tensor(x, 0, group)",
+           "gathered outputs (gather_output, parallel_output=False logits) stacked on the batch dim", (LAYERS,)),
+    Mutant("scatter-backward-gathers-first-dim", "tessera/parallel/comm.py",
+           "return gather_tensor(grad, -1, ctx.group), None", "return gather_tensor(grad, 0, ctx.group), None",
+           "a row-parallel layer on a replicated input gets a wrongly shaped/placed input gradient", (LAYERS,)),
+    Mutant("msp-gather-backward-not-summed", "tessera/parallel/sequence.py",
+           "return reduce_scatter_sequence(grad, ctx.group, ctx.dim), None, None",
+           "return sequence_chunk(grad, ctx.group, ctx.dim), None, None",
+           "msp: the fused head+loss passes back one rank's part of its input gradient only",
+           ("tests/test_chunked_loss.py::test_the_decoder_fused_head_loss_matches_its_unfused_path[2-msp-True-fp32]",)),
+    Mutant("msp-row-bias-grad-partial", "tessera/parallel/layers.py",
+           "return y if self.bias is None else y + reduce_grad_over_group(self.bias, self.process_group)",
+           "return y if self.bias is None else y + self.bias",
+           "msp with biases: the row-parallel bias gradient counts one sequence chunk per rank", (MSP_TP2,)),
+    Mutant("msp-linears-input-grad-last-layer-only", "tessera/parallel/sequence.py",
+           "                        stacked[r].add_(gx)", "                        stacked[r].copy_(gx)",
+           "msp: q/k/v (gate/up) share an input whose gradient keeps only the last layer's part", (MSP_TP2,)),
+    Mutant("msp-dropout-same-mask-on-every-chunk", "tessera/parallel/sequence.py",
+           "noise = sequence_chunk(noise, group, dim).div_(1 - p)",
+           "noise = noise.narrow(dim, 0, x.shape[dim]).div_(1 - p)",
+           "msp with dropout: every sequence chunk drops the same positions (not mtp's mask)", (MSP_TP2,)),
+)
+
+EQUIVALENT: tuple[Mutant, ...] = (
+    Mutant("eq-scale-one-multiplied", OPT + "hybrid_zero.py",
+           "(loss if scale == 1.0 else loss * scale).backward", "(loss * scale).backward",
+           "multiplying by 1.0 is exact in every float format: the same gradients; the shortcut only saves a kernel",
+           (LOSS_SCALE,)),
+    Mutant("eq-zero-always-memsets", OPT + "buffers.py",
+           "        if not self.clean:\n            for buf in self.flat_buffers.values():",
+           "        if True:\n            for buf in self.flat_buffers.values():",
+           "zeroing buffers already known to be zero leaves them zero: only a memset is wasted", (OPTIMIZER,)),
+    Mutant("eq-all-reduce-instead-of-reduce-scatter", OPT + "buffers.py",
+           "self.reduce_scatter = 1 < zero1.size == dp.size", "self.reduce_scatter = False",
+           "every rank then holds the whole DP sum and updates the same shard from it: the same numbers (the norm's "
+           "sum runs in another order: rounding only); it costs 1.5x the DP traffic, which the slow "
+           "test_zero_over_the_dp_group_moves_what_one_ddp_all_reduce_moves measures", (ZERO_DP2,)),
+    Mutant("eq-embedding-ids-clamped-not-zeroed", "tessera/parallel/layers.py",
+           "local_ids = (input_ids - self.vocab_start).masked_fill(outside, 0)",
+           "local_ids = (input_ids - self.vocab_start).clamp(0, self.num_embeddings_per_rank - 1)",
+           "an out-of-range id only needs some valid row to look up: the output mask zeroes its embedding and "
+           "so its gradient", (LAYERS,)),
+    Mutant("eq-chunk-end-not-clamped", "tessera/parallel/loss.py",
+           "        b = min(a + spec.chunk_tokens, x.shape[0])\n            logits",
+           "        b = a + spec.chunk_tokens\n            logits",
+           "slices clamp at the end of the tensor: the last, short chunk is the same rows either way", (CHUNKED_FP64,)),
+)
