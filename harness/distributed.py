@@ -74,7 +74,7 @@ def run_distributed(
     fn: Callable[..., Any],
     world_size: int,
     *args: Any,
-    timeout: float = 180.0,
+    timeout: float = 300.0,
     init_process_group: bool = True,
     env: dict[str, str] | None = None,
 ) -> list[Any]:

@@ -172,7 +172,7 @@ def _bad_world_worker(rank, world):
 
 def test_world_size_not_tp_times_dp_fails_on_every_rank():
     # world 2 with tp 4: each rank raises before any rendezvous, so nothing can hang
-    msgs = run_distributed(_bad_world_worker, 2, init_process_group=False, timeout=60)
+    msgs = run_distributed(_bad_world_worker, 2, init_process_group=False, timeout=300)
     for m in msgs:
         assert "world size 2 is not a multiple of parallel.tensor.size=4" in m
 
@@ -229,4 +229,4 @@ def _raising_worker(rank, world):
 
 def test_helper_propagates_failure_without_hanging():
     with pytest.raises(WorkerError, match="boom on rank 1"):
-        run_distributed(_raising_worker, 2, timeout=60)
+        run_distributed(_raising_worker, 2, timeout=300)

@@ -33,7 +33,7 @@ def _worker(rank: int, world_size: int, cache: str) -> dict:
 
 def test_two_ranks_share_one_prepared_corpus(tmp_path):
     cache = str(tmp_path / "cache")
-    out = run_distributed(_worker, 2, cache, timeout=120)
+    out = run_distributed(_worker, 2, cache, timeout=300)
     assert out[0]["source"] == out[1]["source"] and out[0]["waited"] == out[1]["waited"] == 1
     assert len(os.listdir(cache)) == 1  # one prepared corpus, no temporary leftovers
     from tessera.data import build_data

@@ -27,7 +27,7 @@ def _tool() -> ModuleType:
 
 def test_without_a_gpu_it_exits_2_with_one_error_line():
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "gpu_acceptance.py")], capture_output=True,
-                          text=True, timeout=120, cwd=ROOT, env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+                          text=True, timeout=300, cwd=ROOT, env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "error: tools/gpu_acceptance.py needs a CUDA device (torch.cuda.is_available() is False)"]
@@ -54,7 +54,7 @@ def test_pytest_results_are_read_per_test(tmp_path):
         "def test_skip():\n    pytest.skip('flash_attn is not installed')\n")
     junit = tmp_path / "out.xml"
     subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}",
-                    str(tmp_path / "test_three.py")], capture_output=True, timeout=120, cwd=tmp_path)
+                    str(tmp_path / "test_three.py")], capture_output=True, timeout=300, cwd=tmp_path)
     checks = {c.name: c for c in _tool().parse_junit(str(junit))}
     assert [checks[f"test_three::test_{n}"].ok for n in ("ok", "bad", "skip")] == [True, False, None]
     assert "flash_attn is not installed" in checks["test_three::test_skip"].detail

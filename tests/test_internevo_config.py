@@ -127,7 +127,7 @@ def test_pipeline_two_and_isp_are_refused_together_in_one_message(tmp_path):
     # and from the command line, through train.py
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--config", SFT, "--dry-run",
                            "parallel.pipeline.size=2", "parallel.tensor.mode='isp'", "parallel.weight.size=4"],
-                          capture_output=True, text=True, timeout=120, cwd=str(tmp_path))
+                          capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
     assert proc.returncode != 0
     err = proc.stderr
     assert err.count("error:") == 1 and "3 settings" in err

@@ -48,7 +48,7 @@ def _train(workdir, name: str, overrides: list[str], nproc: int, config: str = T
 def _tool_process(name: str, *args: str) -> str:
     """Run ``tools/<name>`` as its own process (the real command line); its stdout."""
     proc = subprocess.run([sys.executable, os.path.join(TOOLS, name), *args], capture_output=True, text=True,
-                          timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                          timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, f"{name} {args} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
     return proc.stdout
 

@@ -31,7 +31,7 @@ COMMON = ["metrics.progress_bar=False", "metrics.tensorboard=False", "data.seq_l
           "parallel.zero1.size=2", "generate.max_new_tokens=0", "lr_scheduler.total_steps=4"]
 
 
-def _train(tmp, *overrides, refuse: str | None = None, script: str = "train.py", extra_args=(), timeout=120):
+def _train(tmp, *overrides, refuse: str | None = None, script: str = "train.py", extra_args=(), timeout=300):
     """train.py (or tests/io_fault_train.py with ``refuse``) on 2 gloo ranks with the tiny config."""
     path = os.path.join(ROOT, "tests", "io_fault_train.py") if refuse else os.path.join(ROOT, script)
     return run_torchrun([path, "--config", os.path.join(ROOT, "configs", "tiny.py"), *extra_args, *COMMON,
@@ -89,7 +89,7 @@ def _run_with_main_raising(tmp_path, exc: str) -> subprocess.CompletedProcess:
             f"def main(): raise {exc}\n"
             f"train.main = main\n"
             f"train.run()\n")
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=str(tmp_path),
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=str(tmp_path),
                           env=dict(os.environ, RANK="3"))
 
 

@@ -172,6 +172,6 @@ def test_cli_tp1_and_tp2_against_itself(tmp_path):
     assert "| **step** |" in text and "step time / " in text
     rendered = tmp_path / "C.md"  # --render writes the same section from the JSON, without measuring
     proc = subprocess.run([sys.executable, "-m", "benchmarks", "roofline", "--render", str(js), "--out", str(rendered)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert rendered.read_text().strip() == text[text.index("<!-- section:roofline"):].strip()
