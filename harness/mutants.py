@@ -40,6 +40,7 @@ LAYERS = "tests/test_parallel_layers.py"
 CHUNKED_FP64 = "tests/test_chunked_loss.py::test_equals_cross_entropy_on_the_full_logits_in_fp64"
 CHUNKED_TP2 = "tests/test_chunked_loss.py::test_vocab_parallel_matches_one_rank[2]"
 MSP_TP2 = "tests/test_sequence_parallel.py::test_msp_matches_mtp_tp2"
+WGRAD = "tests/test_wgrad_fusion.py"
 
 MUTANTS: tuple[Mutant, ...] = (
     # ------------------------------------------------------------------ HybridZeroOptimizer._clip
@@ -253,6 +254,17 @@ MUTANTS: tuple[Mutant, ...] = (
            "noise = sequence_chunk(noise, group, dim).div_(1 - p)",
            "noise = noise.narrow(dim, 0, x.shape[dim]).div_(1 - p)",
            "msp with dropout: every sequence chunk drops the same positions (not mtp's mask)", (MSP_TP2,)),
+    # ------------------------------------------------------------------ weight-gradient accumulation fusion
+    Mutant("wgrad-hook-adds-the-placeholder", OPT + "buffers.py",
+           "            if not take_added(param):", "            if True:",
+           "fused linears: the uninitialized placeholder is added on top of the gradient the GEMM added", (WGRAD,)),
+    Mutant("wgrad-fused-add-dropped", "tessera/parallel/wgrad.py",
+           "        main.addmm_(grad_2d.t().float(), input_2d.float())", "        pass",
+           "fp32 linears: the weights' gradients never reach the optimizer; they stop training", (WGRAD,)),
+    Mutant("wgrad-head-chunks-not-added", "tessera/parallel/loss.py",
+           "            if fused:\n                wgrad_into_main(",
+           "            if False:\n                wgrad_into_main(",
+           "the fused head's weight gets no gradient: the output layer stops training", (WGRAD,)),
 )
 
 EQUIVALENT: tuple[Mutant, ...] = (
