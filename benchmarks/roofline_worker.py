@@ -44,9 +44,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 REPLY = "@@roofline "
 # matmul operators as the dispatcher sees them (F.linear and matmul arrive decomposed into these); matrix-vector
 # products (a norm's backward reduction) are bandwidth-bound reductions, not model FLOPs: they stay in "other"
-GEMM_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "addbmm", "_addmm_activation", "linear", "matmul",
-                      "_int_mm", "_scaled_mm", "mkldnn_linear", "_linear_pointwise"})
-_FIRST_OPERAND_SECOND = frozenset({"addmm", "baddbmm", "addbmm", "_addmm_activation"})  # (input, a, b)
+# (the in-place forms: weight gradients accumulated into the fp32 main gradient, tessera.parallel.wgrad)
+GEMM_OPS = frozenset({"mm", "addmm", "addmm_", "bmm", "baddbmm", "baddbmm_", "addbmm", "addbmm_", "_addmm_activation",
+                      "linear", "matmul", "_int_mm", "_scaled_mm", "mkldnn_linear", "_linear_pointwise"})
+_FIRST_OPERAND_SECOND = frozenset({"addmm", "addmm_", "baddbmm", "baddbmm_", "addbmm", "addbmm_",
+                                   "_addmm_activation"})  # (input, a, b)
 _COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional", "_dtensor"})
 _DIST_FNS = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
              "broadcast", "all_to_all", "all_to_all_single", "reduce", "gather", "scatter", "barrier",
@@ -91,7 +93,7 @@ def gemm_flops(name: str, args: tuple[Any, ...], out: Any) -> float:
     a = args[1] if name in _FIRST_OPERAND_SECOND else args[0]
     result = out[0] if isinstance(out, (tuple, list)) else out
     flops = 2.0 * result.numel() * a.shape[-1]
-    return flops * a.shape[0] if name == "addbmm" else flops  # addbmm also sums over the batch
+    return flops * a.shape[0] if name in ("addbmm", "addbmm_") else flops  # addbmm also sums over the batch
 
 
 # ---------------------------------------------------------------------------------------- recording
