@@ -1,4 +1,5 @@
-"""Shared pytest setup: CUDA-marked tests are skipped where no GPU exists; one thread per process.
+"""Shared pytest setup: CUDA-marked tests are skipped where no GPU exists; the cases of ``tests/quick_run.py``
+are marked slow; one thread per process.
 
 The repository root (``train.py``, ``benchmarks/``, ``tests``) is importable through pytest.ini's
 ``pythonpath = .``; processes the tests spawn inherit that ``sys.path``.
@@ -7,10 +8,16 @@ The repository root (``train.py``, ``benchmarks/``, ``tests``) is importable thr
 import pytest
 import torch
 
+from tests.quick_run import SLOW_IN_QUICK_RUN
+
 torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):
+    slow = pytest.mark.slow
+    for item in items:  # covered in the quick run by a faster case (tests/quick_run.py)
+        if item.nodeid in SLOW_IN_QUICK_RUN:
+            item.add_marker(slow)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

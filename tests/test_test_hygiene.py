@@ -475,3 +475,19 @@ def _check(seen):
                      "24 elapsed < 2 < 3", "31 seen['seconds'] < 60"]
     assert all(p.endswith("(a wall-clock verdict: wait for an event instead, or bound a hang by a HANG_GUARD "
                           "name)") for p in find_wall_clock_verdicts(tests))
+
+
+def test_the_quick_run_list_names_tests_that_exist():
+    """Every case ``tests/quick_run.py`` leaves out of the quick run is a test function of an existing file (a
+    renamed test would otherwise drop back into the quick run unnoticed), and names what keeps its promise."""
+    import ast
+
+    from tests.quick_run import SLOW_IN_QUICK_RUN
+
+    root = Path(__file__).resolve().parent.parent
+    for nodeid, kept_by in SLOW_IN_QUICK_RUN.items():
+        path, name = nodeid.split("::")
+        tree = ast.parse((root / path).read_text())
+        functions = {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
+        assert name.split("[")[0] in functions, nodeid
+        assert kept_by, nodeid
