@@ -188,9 +188,12 @@ MODEL = {"vocab_size": 64, "hidden_size": 32, "num_layers": 2, "num_attention_he
          "num_kv_attention_heads": 2, "mlp_ratio": 2.0, "dtype": "torch.float32"}
 
 
-def _decoder_worker(rank: int, world: int, mode: str, tie: bool) -> None:
-    """The decoder (TP=``world``, ``mode``) built as train.py builds it, fused against unfused: every main
-    gradient after two micro-batches within two fp32 evaluation orders of each other."""
+def _decoder_grads(rank: int, world: int, mode: str, tie: bool, fuse: bool, compile_backend: str | None,
+                   steps: int = 1) -> tuple[dict[str, torch.Tensor], list[int]]:
+    """The decoder (TP=``world``, ``mode``) built as train.py builds it; its main gradients after the last of
+    ``steps`` steps of three micro-batches, and the number of fused adds (``add_wgrad`` calls) per step."""
+    from unittest import mock
+
     from tessera.config import Config
     from tessera.core.job import Job, JobGroups
     from tessera.train.builder import build_training_stack
@@ -198,24 +201,43 @@ def _decoder_worker(rank: int, world: int, mode: str, tie: bool) -> None:
     group = dist.group.WORLD if world > 1 else None
     g = torch.Generator().manual_seed(3)
     data = [(torch.randint(0, 64, (2, 16), generator=g), torch.randint(0, 64, (2, 16), generator=g))
-            for _ in range(2)]
+            for _ in range(3)]
     cu = torch.tensor([0, 5, 16, 32], dtype=torch.int32)
-    grads = {}
-    for fuse in (False, True):
-        cfg = Config.from_dict({"model": {**MODEL, "tie_word_embeddings": tie},
-                                "parallel": {"tensor": {"size": world, "mode": mode}},
-                                "data": {"type": "synthetic", "seq_len": 16},
-                                "hybrid_zero_optimizer": {"fuse_wgrad_accumulation": fuse}})
-        singles = [dist.new_group([r]) for r in range(world)] if world > 1 else [None]
-        groups = JobGroups(tp=group, dp=singles[rank], zero1=singles[rank], world=group)
-        stack = build_training_stack(cfg, Job.of(cfg, groups, seed=5), sync_buffer=False)
-        for ids, labels in data:
-            stack.optimizer.backward(stack.model(ids, cu_seqlens=cu, labels=labels, loss=LossSpec(chunk_tokens=7)))
-        grads[fuse] = {n: stack.optimizer.get_main_grad(p).double() for n, p in stack.inner_model.named_parameters()}
-    rtol = order_rtol(torch.float32, n=64, depth=2 * 9 * 2 + 6)
-    for name, want in grads[False].items():
-        err = float((grads[True][name] - want).norm() / want.norm().clamp(min=1e-30))
+    compiled = {"enabled": compile_backend is not None, "backend": compile_backend or "inductor"}
+    cfg = Config.from_dict({"model": {**MODEL, "tie_word_embeddings": tie, "compile": compiled},
+                            "parallel": {"tensor": {"size": world, "mode": mode}},
+                            "data": {"type": "synthetic", "seq_len": 16},
+                            "hybrid_zero_optimizer": {"fuse_wgrad_accumulation": fuse}})
+    singles = [dist.new_group([r]) for r in range(world)] if world > 1 else [None]
+    groups = JobGroups(tp=group, dp=singles[rank], zero1=singles[rank], world=group)
+    stack = build_training_stack(cfg, Job.of(cfg, groups, seed=5), sync_buffer=False)
+    adds = []
+    with mock.patch.object(lowp, "add_wgrad", wraps=lowp.add_wgrad) as counted:
+        for _ in range(steps):
+            stack.optimizer.zero_grad()
+            counted.reset_mock()
+            for ids, labels in data:
+                loss = stack.model(ids, cu_seqlens=cu, labels=labels, loss=LossSpec(chunk_tokens=7))
+                stack.optimizer.backward(loss)
+            adds.append(counted.call_count)
+    grads = {n: stack.optimizer.get_main_grad(p).double() for n, p in stack.inner_model.named_parameters()}
+    return grads, adds
+
+
+def _assert_same_main_grads(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    """Within two fp32 evaluation orders of each other (the decoder's depth, three micro-batches)."""
+    rtol = order_rtol(torch.float32, n=64, depth=3 * 9 * 2 + 6)
+    for name, ref in want.items():
+        err = float((got[name] - ref).norm() / ref.norm().clamp(min=1e-30))
         assert err <= rtol, f"{name}: {err:.2e} > {rtol:.2e}"
+
+
+def _decoder_worker(rank: int, world: int, mode: str, tie: bool) -> None:
+    """Fused against unfused, eager: every main gradient within two fp32 evaluation orders of each other."""
+    unfused, _ = _decoder_grads(rank, world, mode, tie, fuse=False, compile_backend=None)
+    fused, adds = _decoder_grads(rank, world, mode, tie, fuse=True, compile_backend=None)
+    assert adds[0] > 0
+    _assert_same_main_grads(fused, unfused)
 
 
 @pytest.mark.parametrize("world,mode,tie", [(1, "mtp", True), (2, "msp", False)])
@@ -224,6 +246,74 @@ def test_the_decoder_gets_the_same_main_grads_fused_and_unfused(world, mode, tie
         _decoder_worker(0, 1, mode, tie)
     else:
         run_distributed(_decoder_worker, world, mode, tie)
+
+
+def _compiled_worker(rank: int, world: int, mode: str, backend: str) -> None:
+    """Compiled blocks fuse as many weight gradients as eager code does, from the first compiled step on,
+    and reach the unfused eager main gradients. The first step's first micro-batch warms the blocks up
+    eagerly; the second step runs compiled only."""
+    want, _ = _decoder_grads(rank, world, mode, False, fuse=False, compile_backend=None)
+    _, eager_adds = _decoder_grads(rank, world, mode, False, fuse=True, compile_backend=None)
+    got, adds = _decoder_grads(rank, world, mode, False, fuse=True, compile_backend=backend, steps=2)
+    assert adds == [eager_adds[0]] * 2, (adds, eager_adds)  # every linear of every block, inside the graphs
+    _assert_same_main_grads(got, want)
+
+
+@pytest.mark.skipif(not wgrad.COMPILED_FUSION, reason="this torch has no cudagraph_unsafe tag")
+@pytest.mark.parametrize("world,mode,backend", [(1, "mtp", "aot_eager"), (1, "mtp", "inductor"),
+                                                pytest.param(2, "msp", "aot_eager", marks=pytest.mark.slow)])
+def test_compiled_blocks_add_their_weight_gradients_into_the_main_grads(world, mode, backend):
+    """``tessera::weight_grad`` inside the traced backward (AOTAutograd's graph; inductor's code too)."""
+    if world == 1:
+        _compiled_worker(0, 1, mode, backend)
+    else:
+        run_distributed(_compiled_worker, world, mode, backend)
+
+
+@pytest.mark.skipif(not wgrad.COMPILED_FUSION, reason="this torch has no cudagraph_unsafe tag")
+def test_a_compiled_linear_decides_at_run_time_and_never_recompiles_for_it(upcast_bf16):
+    """The fusion is decided when the compiled backward runs, not when it is traced: the same graph gives
+    autograd the ordinary bf16 gradient before the main gradients are attached and after they are taken
+    away, and adds into them (in fp32, on the upcast path) while they are attached."""
+    from torch._dynamo.utils import counters
+
+    model = NaiveAMPModel(TwoLinears(), dtype=torch.bfloat16, sync_buffer=False).model
+    x, c = _batches(torch.bfloat16)[0]
+    lowp.decide_cpu_kernels()  # before tracing, as compile_blocks does
+    step = torch.compile(lambda inp: (model(inp).float() * c.float()).sum(), backend="aot_eager", fullgraph=True)
+    want = _reference(model, [(x, c)])["down.weight"]
+    step(x).backward()
+    plain = model.down.weight.grad.double()
+    model.zero_grad(set_to_none=True)
+    graphs = counters["stats"]["unique_graphs"]
+    main = torch.zeros_like(model.down.weight, dtype=torch.float32)
+    wgrad.attach_main_grad(model.down.weight, main)
+    step(x).backward()
+    assert wgrad.take_added(model.down.weight)  # added inside the graph, the placeholder handed to autograd
+    fused = main.double()
+    wgrad.attach_main_grad(model.down.weight, None)
+    model.zero_grad(set_to_none=True)
+    step(x).backward()
+    assert not wgrad.take_added(model.down.weight) and torch.equal(model.down.weight.grad.double(), plain)
+    assert counters["stats"]["unique_graphs"] == graphs
+    bound = _entry_bound(model, [(x, c)], "down.weight", TOKENS)
+    assert float(((fused - want).abs() - bound).max()) <= 0.0  # the fp32 GEMM's accuracy
+    assert float((plain - want).abs().max()) > float((fused - want).abs().max())  # the bf16 gradient's rounding
+
+
+def test_resolve_finds_the_attached_parameter_behind_an_alias_only():
+    """Compiled code passes aliases of the parameters: the same storage, shape and dtype resolve to the
+    attached parameter; a copy, another shape of the storage, or a parameter whose storage moved do not."""
+    model = TwoLinears()
+    HybridZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.0))
+    w = model.up.weight
+    assert wgrad.resolve(w.detach()) is w
+    assert wgrad.resolve(w.detach().clone()) is not w
+    assert wgrad.resolve(w.detach().view(-1)) is not w
+    moved = w.detach().clone()
+    alias = w.detach()
+    w.data = moved
+    assert wgrad.resolve(alias) is alias and wgrad.resolve(moved) is moved
 
 
 @pytest.mark.cuda

@@ -17,7 +17,8 @@ Warm-up: a block's first call with a new signature (grad mode, train/eval, input
 eagerly, so choices the code inside makes lazily (kernel selection, log-once messages, caches) are made
 in Python before the tracer sees them, and are constants of the traced code; a checkpoint's
 recomputation of that call runs eagerly as well (it must save what the forward saved). The CPU
-low-precision GEMM choice (``tessera.parallel.lowp``) is made before anything is traced.
+low-precision GEMM choice (``tessera.parallel.lowp``) is made before anything is traced. Weight gradients
+reach the fp32 main gradients inside the graphs through ``tessera::weight_grad`` (``tessera.parallel.wgrad``).
 """
 
 from __future__ import annotations

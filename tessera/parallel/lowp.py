@@ -17,10 +17,12 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from tessera.parallel import wgrad
 from tessera.parallel.wgrad import add_wgrad, fused_main_grad, placeholder
 
 logger = logging.getLogger("tessera")
@@ -111,10 +113,7 @@ class _UpcastLinear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             gx = (g @ weight.float()).to(x.dtype)
         if ctx.needs_input_grad[1]:
-            if wgrad_into_main(grad, x, weight):
-                gw = placeholder(weight)
-            else:
-                gw = (g.reshape(-1, g.shape[-1]).t() @ x.float().reshape(-1, x.shape[-1])).to(weight.dtype)
+            gw = weight_gradient(grad, x, weight)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             gb = g.reshape(-1, g.shape[-1]).sum(0).to(weight.dtype)
         return gx, gw, gb
@@ -154,6 +153,43 @@ def wgrad_into_main(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -
     return True
 
 
+def _weight_gradient_now(g2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``g2^T @ x2`` for autograd: added into ``weight``'s fp32 main gradient when fusion applies (then the
+    placeholder is returned), else computed as the unfused backward computes it (upcast where needed)."""
+    if wgrad_into_main(g2, x2, weight):
+        return placeholder(weight)
+    upcast = needs_upcast(x2) and x2.dtype == weight.dtype
+    if upcast:
+        g2, x2 = g2.float(), x2.float()
+    return (g2.t() @ x2).to(weight.dtype)
+
+
+def _weight_grad_op(weight: torch.Tensor, grad: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
+    """``tessera::weight_grad``: the weight gradient in compiled code, the fusion decided when it runs."""
+    return _weight_gradient_now(grad, input, wgrad.resolve(weight)).contiguous()
+
+
+def _weight_grad_shape(weight: torch.Tensor, grad: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(weight, memory_format=torch.contiguous_format)
+
+
+_weight_grad: Any = None  # the operator, where this torch can tag it (wgrad.COMPILED_FUSION)
+if wgrad.COMPILED_FUSION:
+    _weight_grad = torch.library.custom_op("tessera::weight_grad", _weight_grad_op, mutates_args=(),
+                                           tags=(torch.Tag.cudagraph_unsafe,))
+    _weight_grad.register_fake(_weight_grad_shape)
+
+
+def weight_gradient(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The gradient of ``x W^T`` w.r.t. ``W`` that a backward hands autograd (``grad`` the output's): the
+    placeholder once it is in the fp32 main gradient (``tessera.parallel.wgrad``), else the gradient itself.
+    Traced code calls the ``tessera::weight_grad`` operator, which makes that choice when it runs."""
+    g2, x2 = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
+    if torch.compiler.is_compiling() and _weight_grad is not None and wgrad.fused_in_compiled_code(weight):
+        return _weight_grad(weight, g2, x2)
+    return _weight_gradient_now(g2, x2, weight)
+
+
 def linear_no_autograd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The forward of :func:`linear` for code that writes its own backward (``linear_grads``)."""
     if needs_upcast(x) and x.dtype == weight.dtype:
@@ -174,11 +210,7 @@ def linear_grads(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, has_
     if needs[0]:
         gx = (g @ w).to(x.dtype)
     if needs[1]:
-        if wgrad_into_main(grad, x, weight):
-            gw = placeholder(weight)
-        else:
-            x2 = x.float() if upcast else x
-            gw = (g.reshape(-1, g.shape[-1]).t() @ x2.reshape(-1, x.shape[-1])).to(weight.dtype)
+        gw = weight_gradient(grad, x, weight)
     if has_bias and needs[2]:
         gb = g.reshape(-1, g.shape[-1]).sum(0).to(weight.dtype)
     return gx, gw, gb
@@ -188,7 +220,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """``F.linear``, with bf16/fp16 on CPUs lacking native kernels computed as described above."""
     if needs_upcast(x) and x.dtype == weight.dtype:
         return _UpcastLinear.apply(x, weight, bias)
-    if torch.is_grad_enabled() and fused_main_grad(weight, x.dtype) is not None:
+    if torch.is_grad_enabled() and (fused_main_grad(weight, x.dtype) is not None or (
+            torch.compiler.is_compiling() and _weight_grad is not None and wgrad.fused_in_compiled_code(weight))):
         return _FusedWgradLinear.apply(x, weight, bias)
     return F.linear(x, weight, bias)
 

@@ -21,8 +21,16 @@ Which GEMM does the add, per (device type, operand dtype), decided on first use 
 Only the weights of the column/row-parallel linears are eligible (``mark_fusable``): a weight that also
 receives a gradient elsewhere (a head tied to the embedding) must not be fused, because autograd would
 add the other gradient to the placeholder. A weight with a gradient hook of its own (``register_hook``)
-is not fused either, so the hook sees the gradient and may change it. Inside ``torch.compile``'d code
-nothing is fused: the traced linear is autograd's own and its gradient goes through the hook.
+is not fused either, so the hook sees the gradient and may change it.
+
+Inside ``torch.compile``'d code (the decoder blocks, compiled by default on CUDA) the Python lookups
+above cannot be traced, so the traced backward of an eligible weight calls one opaque operator,
+``tessera::weight_grad`` (``tessera.parallel.lowp``), which runs the same decision when the compiled
+backward runs: it finds the parameter by its storage (``resolve``), adds into its main gradient and
+returns the placeholder, or returns the ordinary weight gradient. The decision is never baked into the
+graph, so a graph traced before the optimizer attached its buffers stays right. The operator is tagged
+``cudagraph_unsafe`` (its bookkeeping is Python, which a CUDA graph replay would skip); a torch without
+that tag gets no fusion inside compiled code (``COMPILED_FUSION``).
 """
 
 from __future__ import annotations
@@ -32,13 +40,15 @@ import weakref
 
 import torch
 
-__all__ = ["add_wgrad", "attach_main_grad", "fused_main_grad", "is_fusable", "mark_fusable", "placeholder",
-           "take_added"]
+__all__ = ["COMPILED_FUSION", "add_wgrad", "attach_main_grad", "fused_in_compiled_code", "fused_main_grad",
+           "is_fusable", "mark_fusable", "placeholder", "resolve", "take_added"]
 
 logger = logging.getLogger("tessera")
 
 _FUSABLE = "_tessera_wgrad_fusable"
 _LOW = (torch.bfloat16, torch.float16)
+# fusion inside compiled code needs an operator CUDA graphs leave alone (see the module docstring)
+COMPILED_FUSION = hasattr(torch, "Tag") and hasattr(torch.Tag, "cudagraph_unsafe")
 
 
 class _Attached:
@@ -46,13 +56,25 @@ class _Attached:
     the parameter (``copy.deepcopy`` of a model) is not attached, and the entry goes when the parameter does."""
 
     def __init__(self, param: torch.Tensor, main_grad: torch.Tensor) -> None:
-        key = id(param)
-        self.param = weakref.ref(param, lambda _: _ATTACHED.pop(key, None))
+        self.key, self.where = id(param), _storage_key(param)
+        self.param = weakref.ref(param, lambda _: self.forget())
         self.main_grad = main_grad
         self.added = False  # a backward added the gradient; the hook has not yet seen it
 
+    def forget(self) -> None:
+        """Leave both indexes (where they still hold this entry, not a newer one)."""
+        if _ATTACHED.get(self.key) is self:
+            del _ATTACHED[self.key]
+        if _BY_STORAGE.get(self.where) is self:
+            del _BY_STORAGE[self.where]
 
-_ATTACHED: dict[int, _Attached] = {}
+
+def _storage_key(t: torch.Tensor) -> tuple[str, int]:
+    return str(t.device), t.data_ptr()
+
+
+_ATTACHED: dict[int, _Attached] = {}  # id(param) -> its entry
+_BY_STORAGE: dict[tuple[str, int], _Attached] = {}  # (device, data_ptr) -> the entry (what compiled code passes)
 _KERNELS: dict[tuple[str, torch.dtype], str] = {}  # (device type, operand dtype) -> "addmm_out" | "mm_add" | "none"
 
 
@@ -67,13 +89,36 @@ def is_fusable(param: torch.Tensor) -> bool:
 
 def attach_main_grad(param: torch.Tensor, main_grad: torch.Tensor | None) -> None:
     """Give ``param`` its fp32 main-gradient view to accumulate into (None: take fusion away)."""
+    old = _ATTACHED.get(id(param))
+    if old is not None:
+        old.forget()
     if main_grad is None:
-        _ATTACHED.pop(id(param), None)
         return
     if main_grad.dtype != torch.float32 or main_grad.shape != param.shape:
         raise ValueError(f"attach_main_grad: an fp32 view of shape {tuple(param.shape)} is needed, got "
                          f"{main_grad.dtype} {tuple(main_grad.shape)}")
-    _ATTACHED[id(param)] = _Attached(param, main_grad)
+    entry = _Attached(param, main_grad)
+    _ATTACHED[id(param)] = entry
+    if param.data_ptr():  # meta tensors have no storage (and are never compiled)
+        _BY_STORAGE[entry.where] = entry
+
+
+def resolve(weight: torch.Tensor) -> torch.Tensor:
+    """The attached parameter whose storage ``weight`` is (compiled code hands its operators aliases of the
+    parameters, not the parameter objects), else ``weight`` itself: never attached, attached before its
+    storage moved (``param.data = ...``), or a copy. Only the same storage, shape and dtype count."""
+    entry = _BY_STORAGE.get(_storage_key(weight))
+    param = entry.param() if entry is not None else None
+    if entry is None or param is None or param.shape != weight.shape or param.dtype != weight.dtype \
+            or _storage_key(param) != entry.where:
+        return weight
+    return param
+
+
+def fused_in_compiled_code(weight: torch.Tensor) -> bool:
+    """Whether traced code should route ``weight``'s gradient through ``tessera::weight_grad`` (which decides
+    at run time); a constant of the trace, read from the weight's tag (no per-weight guard, no recompile)."""
+    return COMPILED_FUSION and is_fusable(weight) and weight.requires_grad
 
 
 def _entry(param: torch.Tensor) -> _Attached | None:
