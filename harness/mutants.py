@@ -265,6 +265,14 @@ MUTANTS: tuple[Mutant, ...] = (
            "            if fused:\n                wgrad_into_main(",
            "            if False:\n                wgrad_into_main(",
            "the fused head's weight gets no gradient: the output layer stops training", (WGRAD,)),
+    Mutant("wgrad-compiled-never-resolves", "tessera/parallel/wgrad.py",
+           "        return weight\n    return param", "        return weight\n    return weight",
+           "compiled blocks (the CUDA default): no weight gradient of a block is fused; the fp32 accumulation "
+           "and the saved pass are silently lost", (WGRAD,)),
+    Mutant("wgrad-compiled-op-bypassed", "tessera/parallel/lowp.py",
+           "        return _weight_grad(weight, g2, x2)", "        return (g2.t() @ x2).to(weight.dtype)",
+           "compiled blocks compute their weight gradients unfused although the decoder is meant to fuse them",
+           (WGRAD,)),
 )
 
 EQUIVALENT: tuple[Mutant, ...] = (
