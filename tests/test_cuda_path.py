@@ -63,7 +63,8 @@ def test_memory_check_bounds_the_real_peak():
     """bf16 steps of a small decoder (8 layers of 1024, 2 x 2048 tokens) through SDPA (packed rows: the
     mask path; GQA: the K/V expansion), built and trained on the GPU: the real allocator peak is within
     the check's prediction (it must not undercount, or a run it admits can still run out of memory) and
-    not far below it."""
+    not far below it: within [0.95, 1.05] of it. Where it is not, ``python tools/memory_phases.py`` on the
+    same config shows which part of the prediction misses."""
     cfg = Config.from_file(TINY, [
         "model.dtype=bf16", "model.hidden_size=1024", "model.num_layers=8", "model.num_attention_heads=16",
         "model.num_kv_attention_heads=4", "model.vocab_size=32000", "model.max_position_embeddings=2048",
@@ -80,8 +81,8 @@ def test_memory_check_bounds_the_real_peak():
     measured = torch.cuda.max_memory_allocated(device) - base
     predicted = plan_persistent_state(cfg, 1, 1, 1, device_type="cuda").need
     print(f"predicted {predicted / 2**30:.2f} GiB, measured {measured / 2**30:.2f} GiB")
-    assert measured <= predicted * 1.05
-    assert measured >= predicted * 0.75
+    assert measured <= predicted * 1.05  # an undercount admits runs that run out of memory
+    assert measured >= predicted * 0.95  # an overcount refuses layouts that fit
 
 
 def test_matmul_probe_stays_below_the_datasheet_peak():

@@ -58,6 +58,7 @@ class StatePlan:
     attention_bytes: float = 0.0  # CUDA: SDPA's packed-row masks and expanded GQA K/V (memory_extras)
     runtime_bytes: float = 0.0  # CUDA: NCCL communicators + cuBLAS workspaces, a stated allowance
     communicators: int = 0  # NCCL communicators in runtime_bytes
+    activation_kept: float = 0.0  # what the activations hold at the end of a forward (closed form's ``kept``)
 
     @property
     def need(self) -> float:
@@ -131,11 +132,12 @@ def plan_persistent_state(cfg: Mapping[str, Any], world_size: int, tp: int, zero
     per_param = closed_form_bytes(precision, zero1, low, fp32)
     checkpoint = model_cfg.get("checkpoint", False) if checkpoint is None else checkpoint
     data, mode = cfg.get("data") or {}, ((cfg.get("parallel") or {}).get("tensor") or {}).get("mode", "mtp")
-    act = 0.0
+    act = kept = 0.0
     if checkpoint in (False, True, "selective") and not precision.fp8.enabled and data:
         chunk = int((cfg.get("loss") or {}).get("chunk_tokens", default_of("loss.chunk_tokens")))
-        act = activation_bytes(model_cfg, data["micro_bsz"], data["seq_len"], tp, mode, checkpoint,
-                               precision.dtype, chunk, head_wgrad_fused(cfg, device_type, precision))["peak"]
+        forms = activation_bytes(model_cfg, data["micro_bsz"], data["seq_len"], tp, mode, checkpoint,
+                                 precision.dtype, chunk, head_wgrad_fused(cfg, device_type, precision))
+        act, kept = forms["peak"], forms["kept"]
     attention = 0.0
     if device_type == "cuda" and data:
         flash = flash_attn_available() if flash_installed is None else flash_installed
@@ -144,7 +146,7 @@ def plan_persistent_state(cfg: Mapping[str, Any], world_size: int, tp: int, zero
     runtime = sum(runtime_allowance(world_size, tp, dp, zero1, device_type).values())
     comms = communicators(world_size, tp, dp, zero1) if device_type == "cuda" else 0
     return StatePlan(tp, zero1, low + fp32, per_param["total"] * (low + fp32), act, checkpoint, attention, runtime,
-                     comms)
+                     comms, kept)
 
 
 def available_bytes(device: torch.device) -> tuple[float, str]:
