@@ -7,6 +7,9 @@ Four variants in one process, interleaved by the harness (one step each per roun
 
 - ``tessera eager`` / ``tessera compiled``: ``build_training_stack`` of the config (bf16 by default, packed
   documents, the fused head and loss), ``model.compile.enabled`` False / True;
+- ``tessera compiled, one document a row`` (``data.pack_sample_into_one=True``: attention over the whole row,
+  no document boundaries, what a packed row must not cost more than) and ``tessera compiled, fusion off``
+  (``hybrid_zero_optimizer.fuse_wgrad_accumulation=False``: what the fp32 weight-gradient GEMMs save);
 - ``hf eager`` / ``hf compiled``: transformers' ``LlamaForCausalLM`` of the same dims (``tessera.checkpoint
   .hf_config``), fp32 parameters, bf16 autocast, SDPA attention, ``torch.optim.AdamW`` (fused on CUDA), and
   the same ``torch.compile(model)``; it sees the same tokens, without keeping packed documents apart.
@@ -28,13 +31,18 @@ from benchmarks import harness
 from tessera.cli_args import positive_int
 
 TITLE = "## 17. GPU peers: tessera against Hugging Face LlamaForCausalLM at the same dims"
-VARIANTS = ("tessera eager", "tessera compiled", "hf eager", "hf compiled")
+ONE_DOC, FUSION_OFF = "tessera compiled, one document a row", "tessera compiled, fusion off"
+VARIANTS = ("tessera eager", "tessera compiled", ONE_DOC, FUSION_OFF, "hf eager", "hf compiled")
 BASELINE = "hf compiled"
 
 
-def _tessera_step(cfg: Any, device: str, compiled: bool) -> Callable[[], float]:
+def _tessera_step(cfg: Any, device: str, compiled: bool, *, one_document_a_row: bool = False,
+                  fuse_wgrad: bool = True) -> Callable[[], float]:
     c = copy.deepcopy(cfg)
     c.model.compile.enabled = compiled
+    if one_document_a_row:
+        c.data.pack_sample_into_one = True
+    c.hybrid_zero_optimizer.fuse_wgrad_accumulation = fuse_wgrad
     stack = harness.build(c, device=device)
     batches = harness.batches(c)
     return lambda: stack.trainer.train_step(batches).loss
@@ -101,6 +109,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     cfg = harness.load_config(config, ["data.type='synthetic'", "parallel.tensor.size=1", *args.overrides])
     builders = {"tessera eager": lambda: _tessera_step(cfg, args.device, False),
                 "tessera compiled": lambda: _tessera_step(cfg, args.device, True),
+                ONE_DOC: lambda: _tessera_step(cfg, args.device, True, one_document_a_row=True),
+                FUSION_OFF: lambda: _tessera_step(cfg, args.device, True, fuse_wgrad=False),
                 "hf eager": lambda: _hf_step(cfg, args.device, False),
                 "hf compiled": lambda: _hf_step(cfg, args.device, True)}
     peaks: dict[str, float] = {}
