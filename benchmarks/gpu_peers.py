@@ -7,8 +7,8 @@ Four variants in one process, interleaved by the harness (one step each per roun
 
 - ``tessera eager`` / ``tessera compiled``: ``build_training_stack`` of the config (bf16 by default, packed
   documents, the fused head and loss), ``model.compile.enabled`` False / True;
-- ``tessera compiled, one document a row`` (``data.pack_sample_into_one=True``: attention over the whole row,
-  no document boundaries, what a packed row must not cost more than) and ``tessera compiled, fusion off``
+- ``tessera compiled (one document a row)`` (``data.pack_sample_into_one=True``: attention over the whole row,
+  no document boundaries, what a packed row must not cost more than) and ``tessera compiled (fusion off)``
   (``hybrid_zero_optimizer.fuse_wgrad_accumulation=False``: what the fp32 weight-gradient GEMMs save);
 - ``hf eager`` / ``hf compiled``: transformers' ``LlamaForCausalLM`` of the same dims (``tessera.checkpoint
   .hf_config``), fp32 parameters, bf16 autocast, SDPA attention, ``torch.optim.AdamW`` (fused on CUDA), and
@@ -31,7 +31,7 @@ from benchmarks import harness
 from tessera.cli_args import positive_int
 
 TITLE = "## 17. GPU peers: tessera against Hugging Face LlamaForCausalLM at the same dims"
-ONE_DOC, FUSION_OFF = "tessera compiled, one document a row", "tessera compiled, fusion off"
+ONE_DOC, FUSION_OFF = "tessera compiled (one document a row)", "tessera compiled (fusion off)"
 VARIANTS = ("tessera eager", "tessera compiled", ONE_DOC, FUSION_OFF, "hf eager", "hf compiled")
 BASELINE = "hf compiled"
 

@@ -85,8 +85,8 @@ def _peers_result(ours: float, hf: float, one_doc: float, off: float, peak: floa
     """A gpu-peers result of three rounds with the given median step times (s), 16,384 tokens a step."""
     rounds = lambda s: [s * 0.99, s, s * 1.01]  # noqa: E731 - three rounds around a median
     return {"wall": {"tessera compiled": rounds(ours), "hf compiled": rounds(hf),
-                     "tessera compiled, one document a row": rounds(one_doc),
-                     "tessera compiled, fusion off": rounds(off)},
+                     "tessera compiled (one document a row)": rounds(one_doc),
+                     "tessera compiled (fusion off)": rounds(off)},
             "tokens": 16384, "flops_per_token": 10e9, "peak_tflops": peak, "device": "NVIDIA H200"}
 
 

@@ -289,12 +289,12 @@ def judge_peers(res: dict[str, Any], target: float, mfu_target: float) -> list[C
                                                       f"median step {step:.3f} s)"))
     else:
         checks.append(Check(name, None, f"no datasheet row for {res['device']} ({tflops:.0f} TFLOP/s)"))
-    one_doc = "tessera compiled, one document a row"
+    one_doc = "tessera compiled (one document a row)"
     if one_doc in wall:
         ratio, low, high = _paired(ours, wall[one_doc])
         checks.append(Check(f"packed rows within {PACKED_MARGIN - 1:.0%} of one document a row (step time)",
                             ratio <= PACKED_MARGIN, f"{ratio:.3f}x ({low:.3f}-{high:.3f}, paired by round)"))
-    off = "tessera compiled, fusion off"
+    off = "tessera compiled (fusion off)"
     if off in wall:
         ratio, low, high = _paired(wall[off], ours)
         checks.append(Check("step time with the weight-gradient fusion off / on", True,
