@@ -31,6 +31,7 @@ from tessera.model.args import ModelArgs
 from tessera.model.compile import compile_blocks, compiled_blocks
 from tessera.model.documents import check_cu_seqlens
 from tessera.model.transformer import Transformer
+from tessera.parallel import wgrad
 from tests.tolerances import mean_loss_rtol, order_rtol, requantize_rtol, transformer_depth
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -227,7 +228,8 @@ def test_fp8_linears(backend):
 
 def test_selective_checkpoint_keeps_gemm_outputs_when_compiled():
     """Compiled, the selective policy runs on the traced graph: backward runs each of a layer's 7 GEMMs twice
-    (input and weight gradients) and recomputes none of them (q, k, v, gate, up are kept, as in eager)."""
+    (input and weight gradients) and recomputes none of them (q, k, v, gate, up are kept, as in eager). The
+    weight gradients' GEMMs are ``tessera::weight_grad`` calls (``tessera.parallel.wgrad``), one per weight."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
@@ -251,6 +253,8 @@ def test_selective_checkpoint_keeps_gemm_outputs_when_compiled():
     DecoderLayer.forward(layer, x, ctx)  # eager first, as compile_blocks does (log-once messages)
     torch.compile(DecoderLayer.forward, backend=backend, dynamic=False)(layer, x, ctx).sum().backward()
     gemms = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+    if wgrad.COMPILED_FUSION:
+        gemms += (torch.ops.tessera.weight_grad.default,)
     counts = [sum(n.op == "call_function" and n.target in gemms for n in gm.graph.nodes) for gm in backward_graphs]
     assert counts == [14], counts
     assert _graph_breaks() == 0

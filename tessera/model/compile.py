@@ -33,6 +33,7 @@ import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import is_fake
 
+from tessera.model import cpu_attention
 from tessera.model.attention import select_backend
 from tessera.model.context import ForwardContext
 from tessera.model.transformer import DecoderLayer
@@ -179,6 +180,7 @@ def compile_blocks(model: nn.Module, *, backend: str = "inductor", mode: str = "
     if any(isinstance(layer.forward, _CompiledForward) for layer in layers):
         raise ValueError("model.compile: the blocks of this model are compiled already")
     lowp.decide_cpu_kernels()  # a per-process constant before anything is traced
+    cpu_attention.outside_graphs()  # the packed CPU kernel's graph-break wrapper, made before tracing
     device = params[0].device
     _probe(backend, mode, device)
     fn = torch.compile(_block_forward, backend=backend, dynamic=False, mode=mode if backend == "inductor" else None)

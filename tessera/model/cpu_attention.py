@@ -32,6 +32,7 @@ Attention dropout is not handled here (``tessera.model.attention`` keeps SDPA fo
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -185,7 +186,9 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, buckets:
                      compute: torch.dtype | None = None) -> torch.Tensor:
     """Causal attention within documents: q ``[B, S, Hq, d]``, k/v ``[B, S, Hkv, d]`` -> ``[B, S, Hq, d]``,
     each bucket computed in ``compute_dtype`` of its length (``compute``: in that dtype for all)."""
-    return _packed_eager(q, k, v, buckets, compute)
+    if torch.compiler.is_compiling():
+        return outside_graphs()(q, k, v, buckets, compute)
+    return _packed(q, k, v, buckets, compute)
 
 
 def _packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, buckets: list[DocumentBucket],
@@ -196,8 +199,16 @@ def _packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, buckets: list[Doc
     return _PackedFlash.apply(*flat, buckets, computes).view(b, s, hq, d)
 
 
-# the buckets are host-side data of each batch: one graph break under torch.compile, not a recompile per batch
-_packed_eager = torch.compiler.disable(_packed)
+_OUTSIDE_GRAPHS: list[Callable[..., torch.Tensor]] = []
+
+
+def outside_graphs() -> Callable[..., torch.Tensor]:
+    """The packed kernel as compiled code calls it: the buckets are host-side data of each batch, so one graph
+    break under torch.compile, not a recompile per batch. Made on first use, not at import: wrapping it
+    imports Dynamo (a second per process that never compiles); ``compile_blocks`` makes it before tracing."""
+    if not _OUTSIDE_GRAPHS:
+        _OUTSIDE_GRAPHS.append(torch.compiler.disable(_packed))
+    return _OUTSIDE_GRAPHS[0]
 
 
 class _CausalFlash(torch.autograd.Function):
