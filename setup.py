@@ -28,7 +28,7 @@ setup(
         "hf": ["transformers", "tokenizers"],
         # heat maps of the precision telemetry (tools/precision_telemetry.py)
         "plots": ["matplotlib"],
-        "test": ["pytest", "pytest-timeout", "transformers", "tokenizers", "matplotlib", "pyarrow", "zstandard",
-                 "sentencepiece"],
+        "test": ["pytest", "pytest-timeout", "pytest-xdist", "transformers", "tokenizers", "matplotlib", "pyarrow",
+                 "zstandard", "sentencepiece"],
     },
 )

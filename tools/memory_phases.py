@@ -33,8 +33,6 @@ from contextlib import ExitStack
 from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
 
 GIB = 2**30
 
