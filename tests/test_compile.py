@@ -354,23 +354,26 @@ def test_build_training_stack_compiles_the_blocks_and_a_dry_run_does_not(monkeyp
 
 
 # ---------------------------------------------------------------------------------------------- TP = 2 (gloo)
-def _tp2_worker(rank: int, world: int, modes: list[str], checkpoints: list[Any], shm: bool) -> dict[str, Any]:
+def _tp2_worker(rank: int, world: int, modes: list[str], checkpoints: list[Any], shm_for: list[Any]) -> dict[str, Any]:
+    """Compiled against eager at TP=2 for each mode and checkpointing; the cases in ``shm_for`` run over the
+    node-local shared-memory route (train.py's CPU default), the others over gloo's functional collectives."""
     import torch.distributed as dist
 
     from tessera.parallel.comm import use_fast_collectives
 
     group = dist.new_group([0, 1])
     route = None
-    if shm:
+    if shm_for:
         from tessera.parallel.shm_comm import ShmCollectives
 
         route, why = ShmCollectives.create(group)
         assert route is not None, why
-        use_fast_collectives(group, route)
     out: dict[str, Any] = {}
     try:
         for mode in modes:
             for checkpoint in checkpoints:
+                routed = route is not None and checkpoint in shm_for
+                use_fast_collectives(group, route if routed else None)
                 torch._dynamo.reset()
                 torch._dynamo.utils.counters.clear()
                 eager = _model("bfloat16", checkpoint, group=group, mode=mode)
@@ -378,7 +381,7 @@ def _tp2_worker(rank: int, world: int, modes: list[str], checkpoints: list[Any],
                 compile_blocks(compiled, backend=_backend())
                 worst = _compare(eager, compiled, _tol("bfloat16"), PACKED, evaluate=checkpoint is False)
                 calls: dict[str, Any] = {}
-                if route is not None:  # every TP collective of a compiled step takes the route, as eager ones do
+                if routed:  # every TP collective of a compiled step takes the route, as eager ones do
                     for name, model in (("eager", eager), ("compiled", compiled)):
                         calls[name] = _route_calls(route, lambda model=model: _step(model, 0, PACKED))
                     calls["layers"] = compiled_blocks(compiled)
@@ -431,20 +434,17 @@ def _check_tp2(results: list[dict[str, Any]]) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["mtp", "msp"])
 def test_tp2_compiled_matches_eager(mode):
-    """Both tensor modes, no / full / selective checkpointing, packed documents: the collectives are traced
-    (torch.distributed calls become functional collectives), so no graph break anywhere."""
-    _check_tp2(run_distributed(_tp2_worker, 2, [mode], [False, True, "selective"], False, timeout=900))
-
-
-@pytest.mark.slow
-def test_tp2_shared_memory_route_inside_compiled_blocks():
-    """The node-local shared-memory route (train.py's default on CPU) is one custom op per collective inside the
-    graph, in both tensor modes (msp's all-gathers and reduce-scatters go through it too)."""
+    """Both tensor modes, no / full / selective checkpointing, packed documents: the collectives are traced, so
+    no graph break anywhere. Full and selective checkpointing go through gloo (torch.distributed calls become
+    functional collectives, as NCCL's do on a GPU); no checkpointing goes through the node-local shared-memory
+    route (train.py's CPU default), one custom op per collective inside the graph (msp's all-gathers and
+    reduce-scatters too), and every TP collective of a compiled step takes the route as eager ones do."""
     from tessera.parallel.shm_comm import shm_unavailable_reason
 
-    if shm_unavailable_reason(2) is not None:
-        pytest.skip(str(shm_unavailable_reason(2)))
-    _check_tp2(run_distributed(_tp2_worker, 2, ["mtp", "msp"], [False], True, timeout=900))
+    shm_for = [False] if shm_unavailable_reason(2) is None else []
+    results = run_distributed(_tp2_worker, 2, [mode], [False, True, "selective"], shm_for, timeout=900)
+    _check_tp2(results)
+    assert all(bool(per_rank[f"{mode} False"][3]) == bool(shm_for) for per_rank in results)
 
 
 # ---------------------------------------------------------------------------------------------- CUDA
