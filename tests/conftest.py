@@ -1,9 +1,5 @@
 """Shared pytest setup: CUDA-marked tests are skipped where no GPU exists; the cases of ``tests/quick_run.py``
-are marked slow; slow tests run first; one thread per process.
-
-Slow tests first: under ``-n 2`` (pytest-xdist hands tests out in collection order) the long multi-process
-tests then start while both workers are busy and the short ones fill the end, instead of one worker
-finishing a 40 s test alone while the other is idle.
+are marked slow; one thread per process.
 
 The repository root (``train.py``, ``benchmarks/``, ``tests``) is importable through pytest.ini's
 ``pythonpath = .``; processes the tests spawn inherit that ``sys.path``.
@@ -22,7 +18,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:  # covered in the quick run by a faster case (tests/quick_run.py)
         if item.nodeid in SLOW_IN_QUICK_RUN:
             item.add_marker(slow)
-    items.sort(key=lambda item: "slow" not in item.keywords)  # stable: the order within each part is kept
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
