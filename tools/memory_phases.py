@@ -19,7 +19,7 @@ and last the whole step's peak over what was allocated before the model was buil
 predicts (``need``). On CUDA the figures are the caching allocator's (``torch.cuda.memory_allocated`` and
 ``max_memory_allocated``: the blocks handed to tensors, rounded as the allocator rounds them); on the CPU,
 the storages created while the tool runs (``tessera.plan.tracker.LiveBytes``). The exit status is 0 when
-the tool ran (whatever the ratios), 1 on a bad argument or config.
+the tool ran (whatever the ratios), 1 on a bad config, 2 on a bad argument.
 """
 
 from __future__ import annotations
@@ -32,6 +32,10 @@ from collections.abc import Callable
 from contextlib import ExitStack
 from typing import Any
 
+import torch
+
+from tessera.cli_args import positive_int
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 GIB = 2**30
@@ -41,8 +45,6 @@ class Meter:
     """Bytes allocated now, and their peak since the last ``reset``, on one device."""
 
     def __init__(self, device: Any, stack: ExitStack) -> None:
-        import torch
-
         self.device = device
         self.cuda = device.type == "cuda"
         if self.cuda:
@@ -56,25 +58,17 @@ class Meter:
 
     def sync(self) -> None:
         if self.cuda:
-            import torch
-
             torch.cuda.synchronize(self.device)
 
     def current(self) -> int:
-        import torch
-
         self.sync()
         return torch.cuda.memory_allocated(self.device) if self.cuda else self.live.current  # type: ignore[union-attr]
 
     def peak(self) -> int:
-        import torch
-
         self.sync()
         return torch.cuda.max_memory_allocated(self.device) if self.cuda else self.live.peak  # type: ignore[union-attr]
 
     def reset(self) -> None:
-        import torch
-
         self.sync()
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -85,8 +79,6 @@ class Meter:
 def measure(cfg: Any, device: Any, warmup: int, meter_factory: Callable[[Any, ExitStack], Meter] = Meter,
             ) -> dict[str, float]:
     """The phases of one step (bytes; see the module docstring), after ``warmup`` ordinary steps."""
-    import torch
-
     from tessera.core.job import Job
     from tessera.data.loader import build_data
     from tessera.train.batch import to_device
@@ -165,22 +157,16 @@ def to_markdown(rows: list[tuple[str, float | None, float]], phases: dict[str, f
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=os.path.join(ROOT, "configs", "1B.py"), help="the run's config")
-    p.add_argument("--warmup", type=int, default=2, help="ordinary steps before the measured one (default 2)")
+    p.add_argument("--warmup", type=positive_int, default=2, help="ordinary steps before the measured one (default 2)")
     p.add_argument("--json", default=None, help="also write the phases and rows (bytes) here")
     p.add_argument("overrides", nargs="*", help="key.sub=value pairs")
     args = p.parse_intermixed_args(argv)
-    import torch
-
     from tessera.config import Config, ConfigError
 
     try:
         cfg = Config.from_file(args.config, args.overrides)
     except (ConfigError, OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1
-    if args.warmup < 1:
-        print(f"error: --warmup={args.warmup}: at least 1 (the first step creates the optimizer's moments)",
-              file=sys.stderr)
         return 1
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     phases = measure(cfg, device, args.warmup)

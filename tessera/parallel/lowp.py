@@ -180,12 +180,17 @@ if wgrad.COMPILED_FUSION:
     _weight_grad.register_fake(_weight_grad_shape)
 
 
+def _traced_fusion(weight: torch.Tensor) -> bool:
+    """Inside traced code: whether ``weight``'s gradient goes through ``tessera::weight_grad``."""
+    return torch.compiler.is_compiling() and _weight_grad is not None and wgrad.fused_in_compiled_code(weight)
+
+
 def weight_gradient(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """The gradient of ``x W^T`` w.r.t. ``W`` that a backward hands autograd (``grad`` the output's): the
     placeholder once it is in the fp32 main gradient (``tessera.parallel.wgrad``), else the gradient itself.
     Traced code calls the ``tessera::weight_grad`` operator, which makes that choice when it runs."""
     g2, x2 = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
-    if torch.compiler.is_compiling() and _weight_grad is not None and wgrad.fused_in_compiled_code(weight):
+    if _traced_fusion(weight):
         return _weight_grad(weight, g2, x2)
     return _weight_gradient_now(g2, x2, weight)
 
@@ -220,8 +225,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """``F.linear``, with bf16/fp16 on CPUs lacking native kernels computed as described above."""
     if needs_upcast(x) and x.dtype == weight.dtype:
         return _UpcastLinear.apply(x, weight, bias)
-    if torch.is_grad_enabled() and (fused_main_grad(weight, x.dtype) is not None or (
-            torch.compiler.is_compiling() and _weight_grad is not None and wgrad.fused_in_compiled_code(weight))):
+    if torch.is_grad_enabled() and (fused_main_grad(weight, x.dtype) is not None or _traced_fusion(weight)):
         return _FusedWgradLinear.apply(x, weight, bias)
     return F.linear(x, weight, bias)
 
