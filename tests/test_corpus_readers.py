@@ -18,6 +18,7 @@ import sys
 import numpy as np
 import pytest
 
+from harness.failure import explain
 from tessera.data import SentencePieceTokenizer, load_tokenizer
 from tests.test_data_format import ROOT, _prepare_module, read_raw
 
@@ -155,7 +156,7 @@ def test_the_command_line_prints_one_error_line(tmp_path):
     proc = subprocess.run([sys.executable, f"{ROOT}/tools/prepare_data.py", "--input", str(tmp_path / "blob.dat"),
                            "--output", str(tmp_path / "out"), "--quiet"], capture_output=True, text=True, cwd=ROOT,
                           env={**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])})
-    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.returncode == 2 and proc.stdout == "", explain(proc)
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and proc.stderr.startswith("error: ")
     assert str(tmp_path / "blob.dat") in proc.stderr and "NUL" in proc.stderr
 

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from harness.distributed import run_distributed, run_torchrun
+from harness.failure import explain
 from tessera.checkpoint import (
     CheckpointError,
     Layout,
@@ -180,15 +181,15 @@ def test_train_py_stops_on_every_rank_when_the_checkpoint_disk_fills(tmp_path):
         ckpt = os.path.join(mnt, "ckpt")
         proc = _train(tmp_path, "ckpt.enable_save_ckpt=True", f"ckpt.save_ckpt_folder='{ckpt}'",
                       "ckpt.checkpoint_every=1", "data.total_steps=3")
-        assert proc.returncode not in (0, 124), (proc.returncode, proc.stderr[-4000:])
+        assert proc.returncode not in (0, 124), explain(proc)
         for rank in (0, 1):
             lines = _error_lines(proc, rank)
-            assert len(lines) == 1, proc.stderr[-4000:]
+            assert len(lines) == 1, explain(proc)
             line = lines[0]
             assert f"cannot save step 2 in {ckpt}" in line and "No space left on device" in line, line
             assert "needs at least" in line and "free" in line, line
             assert line.endswith(f"the last complete checkpoint is {ckpt}/step_1"), line
-        assert "training failed" not in proc.stderr, proc.stderr[-4000:]
+        assert "training failed" not in proc.stderr, explain(proc)
         assert sorted(os.listdir(ckpt)) == ["step_1"]
         step1 = os.path.join(ckpt, "step_1")
         meta = read_meta(step1)
@@ -244,10 +245,10 @@ def test_every_output_folder_is_checked_naming_its_key(tmp_path, key):
 
 def test_train_py_reports_an_unwritable_checkpoint_folder_on_every_rank_before_training(tmp_path):
     proc = _train(tmp_path, "ckpt.enable_save_ckpt=True", "ckpt.save_ckpt_folder='/proc/x'", "data.total_steps=2")
-    assert proc.returncode not in (0, 124), (proc.returncode, proc.stderr[-3000:])  # 124: a hang (HANG_GUARD_S)
+    assert proc.returncode not in (0, 124), explain(proc)  # 124: a hang (HANG_GUARD_S)
     for rank in (0, 1):
         assert _error_lines(proc, rank) == [f"[rank {rank}] error: ckpt.save_ckpt_folder=/proc/x: cannot create "
-                                            "/proc/x: No such file or directory"], proc.stderr[-3000:]
+                                            "/proc/x: No such file or directory"], explain(proc)
     assert "step 1 |" not in proc.stdout + proc.stderr  # nothing trained
 
 

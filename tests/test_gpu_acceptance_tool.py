@@ -12,6 +12,8 @@ from types import ModuleType
 
 import pytest
 
+from harness.failure import explain
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "tiny.py")
 
@@ -28,7 +30,7 @@ def _tool() -> ModuleType:
 def test_without_a_gpu_it_exits_2_with_one_error_line():
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "gpu_acceptance.py")], capture_output=True,
                           text=True, timeout=300, cwd=ROOT, env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
-    assert proc.returncode == 2
+    assert proc.returncode == 2, explain(proc)
     assert proc.stderr.strip().splitlines() == [
         "error: tools/gpu_acceptance.py needs a CUDA device (torch.cuda.is_available() is False)"]
 

@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from harness.failure import explain
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -19,7 +21,7 @@ def test_gpu_peers_runs_on_tiny_dims(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "benchmarks", "gpu-peers", "--tiny", "--device", "cpu", "--rounds",
                            "2", "--warmup", "1", "--only", "tessera eager,hf eager", "--out", str(out),
                            "--json", str(tmp_path / "r.json")], cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.returncode == 0, explain(proc)
     text = out.read_text()
     assert "<!-- section:gpu-peers -->" in text and "| tessera eager |" in text and "| hf eager |" in text
     assert "tokens/s vs hf eager" in text and "**1.00x**" in text  # hf eager against itself

@@ -18,6 +18,7 @@ import sys
 import pytest
 
 from harness.distributed import run_torchrun
+from harness.failure import explain
 from tessera.config import Config, ConfigError, load_python_file
 from tessera.config.internevo import KEYS, translate_internevo
 from tessera.config.internevo_table import markdown_table
@@ -103,7 +104,7 @@ def test_train_py_dry_run_plans_them_at_full_size(path, kv_heads, vocab, ffn, tm
     env = dict(os.environ, WORLD_SIZE="8")
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--config", path, "--dry-run"],
                           capture_output=True, text=True, timeout=300, cwd=str(tmp_path), env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, explain(proc)
     assert "world 8 = tp 1 x dp 8, zero1 8, tensor mode mtp" in proc.stdout
     params = decoder_parameters(vocab, 4096, 32, 32, kv_heads, ffn, attention_bias=path == SFT)
     assert f"{params:,} parameters on rank 0" in proc.stdout
@@ -128,7 +129,7 @@ def test_pipeline_two_and_isp_are_refused_together_in_one_message(tmp_path):
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--config", SFT, "--dry-run",
                            "parallel.pipeline.size=2", "parallel.tensor.mode='isp'", "parallel.weight.size=4"],
                           capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
-    assert proc.returncode != 0
+    assert proc.returncode != 0, explain(proc)
     err = proc.stderr
     assert err.count("error:") == 1 and "3 settings" in err
     for fragment in ("parallel.pipeline.size=2", "parallel.tensor.mode='isp'", "parallel.weight.size=4"):
@@ -344,7 +345,7 @@ def test_train_py_trains_a_shrunk_internevo_config(tmp_path):
              "data.seq_len=64", "data.micro_num=2", "data.total_steps=3", "data.valid_micro_num=1",
              "metrics.progress_bar=False", f"log_folder='{tmp_path / 'logs'}'"]
     proc = run_torchrun([os.path.join(ROOT, "train.py"), "--config", SFT, *small], 2, timeout=240, cwd=str(tmp_path))
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.returncode == 0, explain(proc)
     with open(tmp_path / "logs" / "7b_train" / "metrics.jsonl") as f:
         rows = [json.loads(line) for line in f]
     losses = [r["loss"] for r in rows if r["kind"] == "train"]

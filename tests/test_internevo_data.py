@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from harness.distributed import run_torchrun
+from harness.failure import explain
 from tessera.data import DataError, build_data
 from tessera.data.internevo_packing import InternEvoPacks
 
@@ -240,7 +241,7 @@ def _train(tmp_path, folder, ckpt, steps, logs):
     args = [os.path.join(ROOT, "train.py"), "--config", SFT, *SMALL, f"data.train_folder='{folder}'",
             f"data.total_steps={steps}", f"ckpt.save_ckpt_folder='{ckpt}'", f"log_folder='{logs}'"]
     proc = run_torchrun(args, 2, timeout=300, cwd=str(tmp_path))
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.returncode == 0, explain(proc)
     with open(os.path.join(logs, "7b_train", "metrics.jsonl")) as f:
         return {r["step"]: r["loss"] for r in map(json.loads, f) if r["kind"] == "train"}
 

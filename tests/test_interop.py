@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from harness.distributed import run_torchrun
+from harness.failure import explain
 from harness.tools import run_tool
 from tessera.checkpoint import Layout, TrainState, load_checkpoint, read_meta
 from tessera.checkpoint.optim_shards import OptimizerShards
@@ -39,7 +40,7 @@ def _train(workdir, name: str, overrides: list[str], nproc: int, config: str = T
     args = [os.path.join(ROOT, "train.py"), "--config", config, *QUIET, f"log_folder='{logs}'", f"job_name='{name}'",
             *overrides]
     proc = run_torchrun(args, nproc, timeout=240, cwd=str(workdir))
-    assert proc.returncode == 0, f"train.py failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    assert proc.returncode == 0, explain(proc)
     with open(os.path.join(logs, name, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     return {r["step"]: r["loss"] for r in rows if r["kind"] == "train"}
@@ -49,7 +50,7 @@ def _tool_process(name: str, *args: str) -> str:
     """Run ``tools/<name>`` as its own process (the real command line); its stdout."""
     proc = subprocess.run([sys.executable, os.path.join(TOOLS, name), *args], capture_output=True, text=True,
                           timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert proc.returncode == 0, f"{name} {args} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, explain(proc)
     return proc.stdout
 
 

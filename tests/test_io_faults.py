@@ -22,6 +22,7 @@ import sys
 import pytest
 
 from harness.distributed import run_torchrun
+from harness.failure import explain
 from tessera.checkpoint import read_meta, read_tree, verify_files
 from tessera.config import Config, ConfigError
 from tests.test_env_faults import small_tmpfs
@@ -41,11 +42,11 @@ def _train(tmp, *overrides, refuse: str | None = None, script: str = "train.py",
 
 def _only_error_lines(proc, expected: str) -> None:
     """Exactly one error line per rank, the same on both, equal to ``expected``; no traceback."""
-    assert proc.returncode not in (0, 124), (proc.returncode, proc.stderr[-4000:])
+    assert proc.returncode not in (0, 124), explain(proc)
     for rank in (0, 1):
         lines = [line for line in proc.stderr.splitlines() if line.startswith(f"[rank {rank}] error:")]
-        assert lines == [f"[rank {rank}] error: {expected}"], proc.stderr[-4000:]
-    assert "training failed" not in proc.stderr, proc.stderr[-4000:]  # no worker traceback
+        assert lines == [f"[rank {rank}] error: {expected}"], explain(proc)
+    assert "training failed" not in proc.stderr, explain(proc)  # no worker traceback
 
 
 def _trained_steps(proc) -> list[int]:
@@ -118,10 +119,10 @@ def test_a_failed_stdlib_preparation_on_rank_0_stops_every_rank(tmp_path):
     cache = tmp_path / "cache"
     proc = _train(tmp_path, "data.type='stdlib'", f"data.cache_folder='{cache}'", "data.total_steps=1",
                   refuse="0:28:open:tokens.bin")
-    assert proc.returncode not in (0, 124), proc.stderr[-4000:]
+    assert proc.returncode not in (0, 124), explain(proc)
     for rank in (0, 1):
         lines = [line for line in proc.stderr.splitlines() if line.startswith(f"[rank {rank}] error:")]
-        assert len(lines) == 1, proc.stderr[-4000:]
+        assert len(lines) == 1, explain(proc)
         assert lines[0].startswith(f"[rank {rank}] error: rank 0: data.cache_folder={cache}: {cache}/"), lines
         assert lines[0].endswith("tokens.bin: No space left on device"), lines
     assert "training failed" not in proc.stderr and _trained_steps(proc) == []
@@ -146,7 +147,7 @@ def test_a_metrics_file_that_cannot_be_opened_stops_every_rank_before_training(t
 
 def _check_stopped_after_saving(proc, ckpt: str, why: str) -> None:
     steps = _trained_steps(proc)
-    assert steps, proc.stderr[-4000:]
+    assert steps, explain(proc)
     last = os.path.join(ckpt, f"step_{steps[-1]}")
     _only_error_lines(proc, f"rank 0: {why}; stopped after step {steps[-1]}, last checkpoint: {last}")
     assert steps[-1] < 40 and sorted(os.listdir(ckpt)) == [f"step_{steps[-1]}"]

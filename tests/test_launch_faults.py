@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from harness.distributed import free_port, run_torchrun
+from harness.failure import explain
 from tessera.core.rendezvous import LaunchError, Rendezvous
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -72,10 +73,10 @@ def _finish(proc: subprocess.Popen) -> subprocess.CompletedProcess:
 
 def _one_error(proc: subprocess.CompletedProcess, rank: str) -> str:
     """The launch failed and rank ``rank`` said why in exactly one ``error:`` line, with no traceback."""
-    assert proc.returncode not in (0, None), (proc.returncode, proc.stderr[-4000:])
+    assert proc.returncode not in (0, None), explain(proc)
     lines = [line for line in proc.stderr.splitlines() if line.startswith(f"[rank {rank}] error: ")]
-    assert len(lines) == 1, proc.stderr[-4000:]
-    assert "Traceback" not in proc.stderr and "training failed" not in proc.stderr, proc.stderr[-4000:]
+    assert len(lines) == 1, explain(proc)
+    assert "Traceback" not in proc.stderr and "training failed" not in proc.stderr, explain(proc)
     assert "step 1 |" not in proc.stdout
     return lines[0].split(" error: ", 1)[1]
 
@@ -174,19 +175,19 @@ def test_master_addr_that_does_not_resolve_and_its_traceback_at_debug_level(tmp_
     assert line.startswith("MASTER_ADDR=no-such-host.invalid does not resolve ("), line
     assert line.endswith("set it to the host name or address of the node that runs rank 0"), line
     debug_run = _finish(debug)
-    assert debug_run.returncode != 0
+    assert debug_run.returncode != 0, explain(debug_run)
     assert f"[rank 1] error: {line}" in debug_run.stderr
-    assert "Traceback" in debug_run.stderr and "gaierror" in debug_run.stderr, debug_run.stderr[-3000:]
+    assert "Traceback" in debug_run.stderr and "gaierror" in debug_run.stderr, explain(debug_run)
 
 
 @pytest.mark.skipif(torch.cuda.is_available() and dist.is_nccl_available(), reason="NCCL runs here")
 def test_nccl_without_cuda_under_torchrun_stops_every_rank(tmp_path):
     proc = run_torchrun([os.path.join(ROOT, "train.py"), "--config", TINY, *COMMON, f"log_folder='{tmp_path}/logs'",
                          "dist.backend='nccl'"], nproc_per_node=2, timeout=HANG_GUARD_S, cwd=str(tmp_path), env=_env())
-    assert proc.returncode not in (0, 124), proc.stderr[-4000:]  # 124: the hang guard
+    assert proc.returncode not in (0, 124), explain(proc)  # 124: the hang guard
     for rank in (0, 1):
         lines = [line for line in proc.stderr.splitlines() if line.startswith(f"[rank {rank}] error: ")]
-        assert len(lines) == 1, proc.stderr[-4000:]
+        assert len(lines) == 1, explain(proc)
         assert lines[0].endswith("error: backend nccl (dist.backend) is not available: "
                                  + ("this torch is built without NCCL" if not dist.is_nccl_available() else
                                     "no CUDA device is visible to this process")

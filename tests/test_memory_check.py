@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from harness.distributed import run_torchrun
+from harness.failure import explain
 from tessera.config import Config, ConfigError
 from tessera.core.job import Job
 from tessera.core.layout import Layout
@@ -105,7 +106,7 @@ def test_train_py_refuses_7b_on_every_rank_before_allocating(tmp_path):
     proc = run_torchrun([os.path.join(ROOT, "train.py"), "--config", os.path.join(ROOT, "configs", "7B.py"),
                          "data.type=synthetic", "parallel.tensor.size=2", "metrics.progress_bar=False",
                          f"log_folder='{tmp_path}'"], 2, timeout=hang_guard_s, cwd=str(tmp_path))
-    assert proc.returncode not in (0, 124), (proc.returncode, proc.stderr[-3000:])
+    assert proc.returncode not in (0, 124), explain(proc)
     reports = [line for line in proc.stderr.splitlines() if " error: training needs" in line]
     # one whole line per rank (ranks writing at once must not interleave their reports)
     assert sorted(line.split("]")[0] for line in reports) == ["[rank 0", "[rank 1"]

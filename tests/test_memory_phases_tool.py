@@ -10,6 +10,8 @@ import os
 import subprocess
 import sys
 
+from harness.failure import explain
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOL = os.path.join(ROOT, "tools", "memory_phases.py")
 TINY = os.path.join(ROOT, "configs", "tiny.py")
@@ -19,7 +21,7 @@ def test_the_phases_of_a_step_meet_the_checks_parts(tmp_path):
     out = tmp_path / "phases.json"
     proc = subprocess.run([sys.executable, TOOL, "--config", TINY, "--json", str(out), "data.micro_num=2"],
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.returncode == 0, explain(proc)
     report = json.loads(out.read_text())
     rows = {r["part"].split(":")[0].split(" (")[0]: r for r in report["rows"]}
     phases = report["phases"]
@@ -35,6 +37,6 @@ def test_the_phases_of_a_step_meet_the_checks_parts(tmp_path):
 def test_a_bad_config_is_one_error_line(tmp_path):
     proc = subprocess.run([sys.executable, TOOL, "--config", str(tmp_path / "missing.py")], capture_output=True,
                           text=True, timeout=300, cwd=ROOT)
-    assert proc.returncode == 1
+    assert proc.returncode == 1, explain(proc)
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and "missing.py" in lines[0], proc.stderr

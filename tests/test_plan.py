@@ -17,6 +17,7 @@ import sys
 import pytest
 
 from harness.distributed import run_distributed
+from harness.failure import explain
 from harness.peak_rss import run_measured
 from tessera.config import Config
 from tessera.plan import dry_run, make_plan, search_layouts
@@ -291,7 +292,7 @@ def test_7b_plan_is_small_and_exact():
     hang_guard_s = 600
     run = run_measured(os.path.join(ROOT, "tools", "plan.py"), [os.path.join(ROOT, "configs", "7B.py"), "--json"],
                        preload=("torch",), timeout=hang_guard_s, cwd=ROOT)
-    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.returncode == 0, explain(run)
     plan = json.loads(run.stdout)
     assert run.peak_bytes < 2 * 2**30, f"peak RSS {run.peak_bytes / 2**30:.2f} GiB"
     assert plan["layout"]["world_size"] == 8 and plan["layout"]["tp_size"] == 8
@@ -323,5 +324,5 @@ def test_search_ranks_layouts_that_fit():
 def test_train_py_dry_run_prints_the_plan():
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--config", TINY, "--dry-run",
                            "parallel.tensor.size=2"], capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, explain(proc)
     assert "world 2 = tp 2 x dp 1" in proc.stdout and "= persistent state" in proc.stdout

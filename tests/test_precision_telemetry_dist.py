@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from harness.distributed import run_distributed, run_torchrun
+from harness.failure import explain
 from tests.tolerances import element_order_rtol, order_rtol, transformer_depth
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -130,7 +131,7 @@ def test_train_py_writes_the_figures_to_metrics_jsonl_and_tensorboard(tmp_path):
             "model.dtype='bf16'", "data.seq_len=32", "data.total_steps=4", "parallel.tensor.size=2",
             "metrics.precision_every=2", f"log_folder='{log_folder}'", "job_name='tel'"]
     proc = run_torchrun(args, 2, timeout=240, cwd=str(tmp_path))
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.returncode == 0, explain(proc)
     lines = [json.loads(line) for line in open(log_folder / "tel" / "metrics.jsonl")]
     precision = [r for r in lines if r["kind"] == "precision"]
     assert [r["step"] for r in precision] == [2, 4]

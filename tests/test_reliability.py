@@ -30,6 +30,7 @@ import pytest
 import torch
 from torch import nn
 
+from harness.failure import explain
 from harness.state import HeldState
 from tessera.checkpoint import (
     LOCK_FILE,
@@ -83,7 +84,7 @@ class Run:
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.stdout, self.stderr = self.proc.communicate()
-            pytest.fail(f"torchrun did not finish within {timeout}s (a hang):\n{self.stderr[-4000:]}")
+            pytest.fail(f"torchrun did not finish within {timeout}s (a hang):\n{explain(self)}")
         return self
 
     @property
@@ -91,7 +92,7 @@ class Run:
         return self.proc.returncode
 
     def check_ok(self) -> Run:
-        assert self.rc == 0, f"launch failed ({self.rc}):\n{self.stdout[-2000:]}\n{self.stderr[-5000:]}"
+        assert self.rc == 0, explain(self)
         return self
 
     def rows(self, kind="train"):
@@ -400,7 +401,7 @@ def test_flipped_bytes_in_a_shard_are_reported_and_the_run_falls_back(tmp_path, 
     flip_bytes(damaged)
     run = launch(tmp_path, "damaged", ["ckpt.checkpoint_every=1"], ckpt=str(ckpt)).check_ok()
     rank0_warnings = [line for line in run.stderr.splitlines() if "rank0 WARNING" in line]
-    assert any(str(damaged) in line and "falling back" in line for line in rank0_warnings), run.stderr[-3000:]
+    assert any(str(damaged) in line and "falling back" in line for line in rank0_warnings), explain(run)
     assert [os.path.basename(p) for p in resumed_from(run)] == ["step_2"]
     assert sorted(run.losses()) == list(range(3, N + 1))
     assert_continues_like_reference(run, ref, 3)
@@ -554,7 +555,7 @@ def test_nan_loss_in_bf16_skips_on_both_ranks_then_stops_naming_step_and_checkpo
     expected = "stopping at step 6: 3 optimizer steps in a row had inf/NaN gradients"
     reports = [line for line in run.stderr.splitlines() if line.startswith("[rank ") and "] error: " in line]
     assert any(expected in line and f"last good checkpoint: {os.path.join(ckpt, 'step_4')}" in line
-               and "max_consecutive_skips" in line for line in reports), run.stderr[-4000:]
+               and "max_consecutive_skips" in line for line in reports), explain(run)
     rows = {r["step"]: r for r in run.rows()}
     assert sorted(rows) == [1, 2, 3, 4, 5]
     assert [rows[s]["success"] for s in range(1, 6)] == [True, False, True, False, False]
@@ -629,12 +630,12 @@ def test_a_hung_rank_is_caught_by_the_collective_timeout(tmp_path, route):
                  env={"TESSERA_FAULT_HANG": "1:3"})
     assert run.rc not in (0, 124), run.rc
     assert "hanging mid-step 3" in run.stderr
-    assert "[rank 0] training failed" in run.stderr, run.stderr[-4000:]
+    assert "[rank 0] training failed" in run.stderr, explain(run)
     if route == "gloo":
-        assert f"Timed out waiting {timeout_s * 1000}ms" in run.stderr, run.stderr[-4000:]
+        assert f"Timed out waiting {timeout_s * 1000}ms" in run.stderr, explain(run)
     else:
         assert f"timed out after {timeout_s} s (dist.timeout_s) waiting for global rank(s) [1]" in run.stderr, \
-            run.stderr[-4000:]
+            explain(run)
 
 
 # ------------------------------------------------------------------------------------------ stop requests
@@ -659,14 +660,14 @@ def test_sigterm_and_stop_file_save_and_exit_then_resume(tmp_path, ref):
     wait_for_file(ready, a)
     a.proc.send_signal(signal.SIGTERM)
     a.wait()
-    assert stops_reported(a) == [("SIGTERM", 3)], (events(a), a.stderr[-3000:])
+    assert stops_reported(a) == [("SIGTERM", 3)], (events(a), explain(a))
     stop_a = 3
     assert max(a.losses()) == stop_a  # nothing trained past the reported step
     assert [os.path.basename(p) for p in list_checkpoints(ckpt)] == [f"step_{stop_a}"]
     # torchrun itself exits 1 when signalled (SignalException); its workers saved and returned cleanly
     for rank in (0, 1):
-        assert f"[fault_train rank {rank} attempt 0] main returned 0" in a.stderr, a.stderr[-3000:]
-    assert "forcefully exiting" not in a.stderr, a.stderr[-3000:]  # no SIGKILL after torchrun's grace period
+        assert f"[fault_train rank {rank} attempt 0] main returned 0" in a.stderr, explain(a)
+    assert "forcefully exiting" not in a.stderr, explain(a)  # no SIGKILL after torchrun's grace period
     assert "training failed" not in a.stderr and "] error:" not in a.stderr
 
     # 2. resume, then a stop file once the run reports step stop_a + 2 done

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from harness.distributed import run_distributed, run_torchrun
+from harness.failure import explain
 from harness.state import HeldState
 from tessera.checkpoint import (
     CheckpointError,
@@ -283,7 +284,7 @@ def saved(tmp_path_factory):
     """Checkpoints of steps 1 and 2 of the tiny model at DP=2, ZeRO=2 (one optimizer file per rank)."""
     tmp = tmp_path_factory.mktemp("saved")
     proc = _train(tmp, str(tmp / "ckpt"), 2)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.returncode == 0, explain(proc)
     assert os.path.isfile(tmp / "ckpt" / "step_2" / "optim_tp0_zero1.safetensors")
     return str(tmp / "ckpt")
 
@@ -300,10 +301,10 @@ def test_train_py_falls_back_when_rank1s_rng_file_is_damaged(saved, tmp_path):
     bad = os.path.join(ckpt, "step_2", "rng_rank1.safetensors")
     _flip(bad)
     proc = _train(tmp_path, ckpt, 3)
-    assert proc.returncode == 0, (proc.returncode, proc.stderr[-4000:])  # 124: a hang (HANG_GUARD_S)
+    assert proc.returncode == 0, explain(proc)  # 124: a hang (HANG_GUARD_S)
     for rank in (0, 1):
         assert any(f"rank{rank} WARNING" in line and f"rank 1: {bad}" in line and "falling back" in line
-                   for line in proc.stderr.splitlines()), proc.stderr[-4000:]
+                   for line in proc.stderr.splitlines()), explain(proc)
     assert f"resumed from {os.path.join(ckpt, 'step_1')} at step 1" in proc.stderr
 
 
@@ -312,11 +313,11 @@ def test_train_py_stops_with_one_error_line_when_no_step_is_readable_by_rank1(sa
     os.remove(os.path.join(ckpt, "step_2", "rng_rank1.safetensors"))
     _flip(os.path.join(ckpt, "step_1", "optim_tp0_zero1.safetensors"))
     proc = _train(tmp_path, ckpt, 3)
-    assert proc.returncode not in (0, 124), (proc.returncode, proc.stderr[-4000:])  # 124: a hang (HANG_GUARD_S)
+    assert proc.returncode not in (0, 124), explain(proc)  # 124: a hang (HANG_GUARD_S)
     for rank in (0, 1):
         lines = [line for line in proc.stderr.splitlines() if line.startswith(f"[rank {rank}] error:")]
-        assert len(lines) == 1, proc.stderr[-4000:]
+        assert len(lines) == 1, explain(proc)
         assert "no usable checkpoint" in lines[0] and "step_2" in lines[0] and "step_1" in lines[0], lines[0]
         assert "rank 1: " + os.path.join(ckpt, "step_2", "rng_rank1.safetensors") + " is missing" in lines[0]
         assert os.path.join(ckpt, "step_1", "optim_tp0_zero1.safetensors") + " is damaged" in lines[0]
-    assert "training failed" not in proc.stderr, proc.stderr[-4000:]
+    assert "training failed" not in proc.stderr, explain(proc)

@@ -18,6 +18,7 @@ import torch
 
 from benchmarks.roofline import PLANS, _summary, variant_overrides, variants
 from benchmarks.roofline_worker import OpCall, Recorder, TensorSpec, Worker, _fresh, replay
+from harness.failure import explain
 from tessera.config import load_python_file
 from tessera.model.flops import matmul_parameters
 
@@ -134,7 +135,7 @@ def test_cli_policies_write_the_optimizer_share_section(tmp_path):
            "model.num_kv_attention_heads=4", "data.seq_len=32", "data.micro_bsz=2"]
     proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True,
                           timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, explain(proc)
     res = json.loads(js.read_text())
     rows = res["layouts"]["tp1"]["ours"]
     assert list(rows) == ["bf16 fp32 masters (default)", "bf16 bf16 masters + Kahan"]
@@ -156,7 +157,7 @@ def test_cli_tp1_and_tp2_against_itself(tmp_path):
            "--layouts", "tp1,msp", "--config", "configs/tiny.py", "--against", ROOT, "--out", str(out), "--json", str(js), *dims]
     env = {**os.environ, "PYTHONPATH": ROOT}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, explain(proc)
     res = json.loads(js.read_text())
     tp1, msp = res["layouts"]["tp1"], res["layouts"]["msp"]
     assert [d["gemm_flops"] for d in msp["ours"]["fp32"]["decomposition"]] == \
@@ -173,5 +174,5 @@ def test_cli_tp1_and_tp2_against_itself(tmp_path):
     rendered = tmp_path / "C.md"  # --render writes the same section from the JSON, without measuring
     proc = subprocess.run([sys.executable, "-m", "benchmarks", "roofline", "--render", str(js), "--out", str(rendered)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, explain(proc)
     assert rendered.read_text().strip() == text[text.index("<!-- section:roofline"):].strip()

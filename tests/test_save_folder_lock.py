@@ -26,6 +26,7 @@ from types import ModuleType
 import pytest
 
 from harness.distributed import run_torchrun
+from harness.failure import explain
 from tessera.checkpoint import LOCK_FILE, CheckpointError, folder_lock, hold_folder, list_checkpoints
 from tessera.checkpoint import lock as lock_mod
 
@@ -223,10 +224,10 @@ def test_two_runs_on_one_folder_the_second_refuses_on_every_rank_and_the_first_f
     open(stop, "w").close()
     code_a, out_a, err_a = _finish(a)
 
-    assert b.returncode not in (0, 124), b.stderr[-4000:]  # 124: the hang guard
+    assert b.returncode not in (0, 124), explain(b)  # 124: the hang guard
     for rank in (0, 1):
         lines = [line for line in _error_lines(b.stderr) if line.startswith(f"[rank {rank}]")]
-        assert len(lines) == 1, b.stderr[-4000:]
+        assert len(lines) == 1, explain(b)
         assert f"ckpt.save_ckpt_folder={_in_use(ckpt, a.pid)}" in lines[0], lines
     assert "step 1 |" not in b.stdout + b.stderr, "B trained"
 

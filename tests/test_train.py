@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from harness.distributed import free_port, run_torchrun
+from harness.failure import explain
 from tests.tolerances import gamma, order_rtol, transformer_depth
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -41,7 +42,7 @@ def train(tmp_path, name, overrides, nproc=2, timeout=HANG_GUARD_S, expect_ok=Tr
             f"log_folder='{log_folder}'", f"job_name='{name}'", *overrides]
     proc = run_torchrun(args, nproc, timeout=timeout, cwd=str(tmp_path))
     if expect_ok:
-        assert proc.returncode == 0, f"train.py failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+        assert proc.returncode == 0, explain(proc)
     return proc, os.path.join(log_folder, name)
 
 
@@ -213,6 +214,6 @@ def test_plain_python_without_torchrun_runs_as_one_process(tmp_path):
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--config", TINY, *COMMON,
                            "data.total_steps=2", f"log_folder='{log_folder}'", "job_name='plain'"],
                           cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, explain(proc)
     assert "running as a single process, world size 1" in proc.stdout + proc.stderr
     assert sorted(losses(os.path.join(log_folder, "plain"))) == [1, 2]
