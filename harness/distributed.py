@@ -7,6 +7,7 @@ a collective; this helper bounds the whole run by a timeout and kills the surviv
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import pickle
@@ -46,6 +47,9 @@ def _worker(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size)
     )
     try:
+        import faulthandler
+
+        faulthandler.enable()  # a worker killed as hung (SIGABRT first) prints its stacks
         import torch
 
         torch.set_num_threads(1)
@@ -109,7 +113,9 @@ def run_distributed(
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 missing = sorted(set(range(world_size)) - set(outputs))
-                raise WorkerError(f"distributed run timed out after {timeout:.0f}s; ranks {missing} did not finish")
+                _dump_stacks([procs[r] for r in missing])
+                raise WorkerError(f"distributed run timed out after {timeout:.0f}s; ranks {missing} did not finish "
+                                  "(their Python stacks are in the captured stderr)")
             try:
                 rank, ok, payload = results.get(timeout=min(remaining, 1.0))
             except queue.Empty:
@@ -137,6 +143,19 @@ def run_distributed(
     return [outputs[r] for r in range(world_size)]
 
 
+def _dump_stacks(procs: Sequence[Any], grace_s: float = 3.0) -> None:
+    """SIGABRT each live worker: ``faulthandler`` (enabled in ``_worker``) prints its stacks to the inherited stderr."""
+    import signal
+
+    for p in procs:
+        if p.is_alive() and p.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGABRT)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(p.is_alive() for p in procs):
+        time.sleep(0.1)
+
+
 def run_torchrun(
     args: Sequence[str],
     nproc_per_node: int = 2,
@@ -152,11 +171,10 @@ def run_torchrun(
     worker in a session of its own, so killing torchrun's process group alone would leave hung workers
     holding the output pipes open) and reported with exit code 124.
     """
-    import signal
     import subprocess
     import sys
 
-    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1")
     full_env.update(env or {})
     cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args, f"--nproc_per_node={nproc_per_node}", *args]
     proc = subprocess.Popen(cmd, cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -165,16 +183,42 @@ def run_torchrun(
         out, err = proc.communicate(timeout=timeout)
         code = proc.returncode
     except subprocess.TimeoutExpired:
-        below = descendants(proc.pid)
-        os.killpg(proc.pid, signal.SIGKILL)
-        for pid in below:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_with_stacks(proc.pid)
         out, err = proc.communicate()
+        err += f"\n[harness] killed after {timeout:g} s (a hang): the Python stacks above were dumped at the kill\n"
         code = 124
     return subprocess.CompletedProcess(cmd, code, out, err)
+
+
+def kill_with_stacks(pid: int, grace_s: float = 3.0) -> None:
+    """Kill ``pid`` and every process below it, after asking each to dump its Python stacks.
+
+    A hung run says nothing about where it hangs; with ``PYTHONFAULTHANDLER=1`` in their environment, Python
+    processes print every thread's stack on SIGABRT, so the test's failure message shows where each rank waited.
+    """
+    import signal
+
+    below = descendants(pid)
+    for child in below:  # the workers first (torchrun's agent would otherwise tear them down on its own abort)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signal.SIGABRT)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(_alive(child) for child in below):
+        time.sleep(0.1)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
+    for child in below:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        return stat[stat.rindex(b")") + 2:][:1] not in (b"Z", b"X")
+    except OSError:
+        return False
 
 
 def descendants(pid: int) -> list[int]:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
+from harness.distributed import kill_with_stacks
 from harness.failure import explain, first_error
 
 WARNINGS = "\n".join(f"[12:00:0{i} rank0 WARNING] config note {i}: " + "x" * 300 for i in range(20))
@@ -33,3 +35,18 @@ def test_no_error_is_said_plainly_and_objects_with_rc_work():
 
     message = explain(Run())
     assert message.startswith("exit code 3") and "first error: none found" in message
+
+
+def test_a_hung_run_is_killed_with_its_python_stacks(tmp_path):
+    ready = tmp_path / "ready"
+    child = f"import pathlib, time\ndef waits_forever():\n    pathlib.Path({str(ready)!r}).touch()\n    time.sleep(600)\nwaits_forever()"
+    parent = f"import subprocess, sys\nsubprocess.run([sys.executable, '-c', {child!r}])"
+    proc = subprocess.Popen([sys.executable, "-c", parent], stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={"PYTHONFAULTHANDLER": "1", "PATH": "/usr/bin:/bin"})
+    deadline = time.monotonic() + 120
+    while not ready.exists():
+        assert time.monotonic() < deadline and proc.poll() is None, "the child never started"
+        time.sleep(0.05)
+    kill_with_stacks(proc.pid)
+    _, err = proc.communicate(timeout=60)
+    assert "in waits_forever" in err, err

@@ -30,6 +30,7 @@ import pytest
 import torch
 from torch import nn
 
+from harness.distributed import kill_with_stacks
 from harness.failure import explain
 from harness.state import HeldState
 from tessera.checkpoint import (
@@ -70,7 +71,8 @@ class Run:
                 f"job_name='{name}'"]
         if ckpt:
             args += ["ckpt.enable_save_ckpt=True", f"ckpt.save_ckpt_folder='{ckpt}'"]
-        full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TESSERA_FAULT_TRACE=self.trace_dir)
+        full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1",
+                        TESSERA_FAULT_TRACE=self.trace_dir)
         full_env.update(env or {})
         self.cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", *torchrun_args,
                     "--nproc_per_node=2", *args, *overrides]
@@ -82,7 +84,7 @@ class Run:
         try:
             self.stdout, self.stderr = self.proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
+            kill_with_stacks(self.proc.pid)
             self.stdout, self.stderr = self.proc.communicate()
             pytest.fail(f"torchrun did not finish within {timeout}s (a hang):\n{explain(self)}")
         return self
