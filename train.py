@@ -33,9 +33,9 @@ from tessera.checkpoint import (
 )
 from tessera.checkpoint.lock import release_held_folders
 from tessera.config import Config, ConfigError
-from tessera.core.context import LaunchError, gpc, launch_from_slurm, launch_from_torch
+from tessera.core.context import gpc, launch_from_slurm, launch_from_torch
 from tessera.core.job import Job
-from tessera.core.rendezvous import wait_for_peers_to_report
+from tessera.core.rendezvous import LaunchError, wait_for_peers_to_report
 from tessera.data import DataBundle, build_data
 from tessera.data.errors import DataError
 from tessera.data.stdlib_corpus import prepare_stdlib_corpus

@@ -234,7 +234,7 @@ def test_selective_checkpoint_keeps_gemm_outputs_when_compiled():
     from torch._dynamo.backends.common import aot_autograd
 
     from tessera.model.attention import plan_attention
-    from tessera.model.context import ForwardContext
+    from tessera.model.forward_info import ForwardContext
     from tessera.model.rotary import rotary_cos_sin
     from tessera.model.transformer import DecoderLayer
 

@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from harness.distributed import WorkerError, free_port, run_distributed
 from tessera.config import ConfigError
-from tessera.core.context import expand_slurm_nodelist
+from tessera.core.launch import expand_slurm_nodelist
 
 
 def cfg_dict(tp=1, zero1=-1, dtype="torch.float32"):
@@ -43,14 +43,17 @@ def combos(world):
 
 def _groups_worker(rank, world):
     """Build every layout; read each group's membership by a real all_gather over that group."""
-    from tessera.core.context import Job, Layout, ParallelMode, gpc, launch_from_torch
+    from tessera.core.context import ParallelMode, gpc, launch_from_torch
+    from tessera.core.job import Job
+    from tessera.core.launch import new_groups
+    from tessera.core.layout import Layout
 
     results = {}
     for i, (tp, zero1) in enumerate(combos(world)):
         if i == 0:
             launch_from_torch(cfg_dict(tp, zero1), seed=7)
         else:  # the same job relaid: new groups, and the run description that holds them
-            gpc.job = Job.of(cfg_dict(tp, zero1), gpc.new_groups(tp, zero1), layout=Layout.of(world, tp, zero1, rank))
+            gpc.job = Job.of(cfg_dict(tp, zero1), new_groups(tp, zero1), layout=Layout.of(world, tp, zero1, rank))
         seen = {}
         for mode in ParallelMode:
             group = gpc.get_group(mode)
@@ -106,7 +109,7 @@ def test_the_rank_layout_type_gives_the_same_groups():
     """``tessera.core.layout.Layout`` (what the checkpoint code and the plan take) places each rank in the groups
     ``gpc`` builds, and checkpoint/plan use that one type."""
     from tessera.checkpoint import Layout as CheckpointLayout
-    from tessera.core.context import Layout, ParallelMode
+    from tessera.core.layout import Layout, ParallelMode
 
     assert CheckpointLayout is Layout
     for world in (1, 2, 4, 8):

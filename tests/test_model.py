@@ -30,6 +30,7 @@ from tessera.model.rotary import apply_rotary
 from tessera.parallel import ColumnParallelLinear, MetaGroup, RowParallelLinear, vocab_parallel_cross_entropy
 from tessera.parallel.attrs import partition_dim
 from tessera.parallel.comm import gather_tensor
+from tessera.train.builder import build_training_stack
 from tests.tolerances import allclose_tols, order_rtol, precision_rtol, sgd_rtol, transformer_depth
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -144,10 +145,12 @@ def _tp_worker(rank: int, world_size: int) -> None:
     # see only this rank's heads, so their gradients must be summed over TP to match TP=1
     _compare_tp_run(whole, {**FAMILY_FEATURES, "checkpoint": "selective"})
     _compare_tp_run(pair, {**FAMILY_FEATURES, "bias": True, "mlp_bias": False, "checkpoint": True})
-    # build_model's defaults come from gpc after a launch: its TENSOR group, its seed, its TENSOR stream
+    # after a launch the builder passes gpc's TENSOR group, its seed and its TENSOR stream; build_model reads
+    # nothing launched itself (the same call without a group is no TP, launched or not)
     launch_from_torch({"model": SMALL, "parallel": {"tensor": {"size": 2}}, "data": {"type": "synthetic"}}, seed=77)
-    model = build_model(gpc.config.model)
+    model = build_training_stack(gpc.config).inner_model
     assert model.tp_size == 2 and model.layers[0].attention.tensor_rng is not None
+    assert build_model(gpc.config.model).tp_size == 1
     explicit = build_model(_model_cfg(), tp_group=pair, seed=77)
     for (name, p), q in zip(model.named_parameters(), explicit.parameters()):
         assert torch.equal(p, q), name

@@ -9,7 +9,6 @@ def test_the_design_import_block_runs_and_names_the_real_objects():
     import tessera.core.context
     import tessera.core.grad_scaler
     import tessera.core.naive_amp
-    import tessera.core.parallel_context
     import tessera.optim.hybrid_zero
     from tessera.core.config import Config, ConfigError
     from tessera.core.context import ParallelMode, gpc, launch_from_slurm, launch_from_torch
@@ -26,7 +25,7 @@ def test_the_design_import_block_runs_and_names_the_real_objects():
     )
 
     assert (Config, ConfigError) == (tessera.config.Config, tessera.config.ConfigError)
-    assert gpc is tessera.core.parallel_context.gpc
+    assert gpc is tessera.core.context.gpc and type(gpc).__module__ == "tessera.core.context"
     assert ParallelMode is tessera.core.layout.ParallelMode
     assert launch_from_torch.__module__ == launch_from_slurm.__module__ == "tessera.core.context"
     assert parse_dtype is tessera.config.precision.parse_dtype  # the one dtype parser
@@ -54,9 +53,12 @@ def test_gpc_reads_the_launched_job():
         assert gpc.get_world_size(ParallelMode.TENSOR) == job.layout.tp_size == 1
         assert gpc.get_group(ParallelMode.DATA) is job.groups.dp
         from tessera.model import build_model
+        from tessera.train.builder import build_training_stack
 
-        # DESIGN.md: build_model's defaults are the launched job's, its tensor mode included
-        assert build_model(dict(job_model)).tensor_mode == "msp"
+        # the builder passes the launched job's tensor mode; build_model itself reads nothing launched, so the
+        # same call builds the same model launched or not (issue 45: no provider registered at import time)
+        assert build_training_stack(gpc.config).inner_model.tensor_mode == "msp"
+        assert build_model(dict(job_model)).tensor_mode == "mtp"
     finally:
         gpc.destroy()
     assert gpc.job is None

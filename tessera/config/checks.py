@@ -2,7 +2,7 @@
 
 ``check_config`` runs from ``Config.from_dict`` (so from every ``Config.from_file``), after the key-by-key
 validation; it also fills the defaults derived from other keys. ``check_world_size`` needs the launch
-size and runs in ``tessera.core.context`` before the process joins anything. Rules shared with other
+size and runs in ``tessera.core.launch`` before the process joins anything. Rules shared with other
 layers are stated once and called from both sides: the model's size rules are ``tessera.model.args``'s
 (the model checks them again at build time); the layout rules are ``parallel_sizes`` /
 ``resolve_zero1_size`` here, for the group layout and the optimizer to call as well.

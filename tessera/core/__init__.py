@@ -2,8 +2,10 @@
 
     job.py               Job: layout, process groups, tensor mode, device, seed and precision of a run
     layout.py            Layout: one rank's place in the TP x DP x ZeRO-1 grid; ParallelMode
-    parallel_context.py  ParallelContext / gpc: the launched Job and the RNG streams (InternEvo's getters)
-    context.py           launch, launch_from_torch, launch_from_slurm: join a job, build its groups and Job
+    rendezvous.py        Rendezvous, LaunchError: meeting the other ranks, every failure one line
+    launch.py            join_job: join a job, build its groups and Job, TP route, precision switches (no gpc)
+    context.py           ParallelContext / gpc (InternEvo's getters, RNG streams) and the launchers that fill it:
+                         launch, launch_from_torch, launch_from_slurm
     config.py            as_config: the config a launch takes (file, dict or Config), validated
     precision.py         RunPrecision (dtypes as torch dtypes, fp32 marks, fp8) and the backend switches
     naive_amp.py         NaiveAMPModel and the fp32 marks

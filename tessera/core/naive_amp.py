@@ -21,7 +21,7 @@ from torch import nn
 
 from tessera.config import ConfigError
 from tessera.config.precision import Precision, resolve_precision
-from tessera.core.parallel_context import ParallelMode, gpc
+from tessera.core.context import ParallelMode, gpc
 from tessera.core.precision import RunPrecision
 from tessera.model.transformer import DecoderLayer
 from tessera.parallel.fp8 import RECIPES

@@ -37,7 +37,6 @@ from einops import rearrange
 
 from tessera.model import cpu_attention, flash_probe
 from tessera.model.args import check_sizes
-from tessera.model.context import ForwardContext
 from tessera.model.documents import (
     AttentionPlan,
     KVCacheLike,
@@ -46,6 +45,7 @@ from tessera.model.documents import (
     check_max_seqlen,
     plan_attention,
 )
+from tessera.model.forward_info import ForwardContext
 from tessera.model.norm import RMSNorm
 from tessera.model.recompute import keep_gemm_outputs
 from tessera.model.rotary import apply_rotary

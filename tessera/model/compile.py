@@ -35,7 +35,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from tessera.model import cpu_attention
 from tessera.model.attention import select_backend
-from tessera.model.context import ForwardContext
+from tessera.model.forward_info import ForwardContext
 from tessera.model.transformer import DecoderLayer
 from tessera.parallel import lowp
 

@@ -20,7 +20,6 @@ of (seed, parameter name) only.
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -32,19 +31,16 @@ import torch.nn.functional as F
 
 from tessera.model.args import ModelArgs, check_tensor_parallel_sizes
 from tessera.model.attention import Attention
-from tessera.model.context import ForwardContext
 from tessera.model.documents import KVCacheLike, check_max_seqlen, plan_attention
+from tessera.model.forward_info import ForwardContext
 from tessera.model.mlp import FeedForward
 from tessera.model.norm import RMSNorm
 from tessera.model.recompute import full_checkpoint, selective_checkpoint
 from tessera.model.rotary import positions_from_cu_seqlens, rotary_cos_sin
 from tessera.parallel.comm import copy_to_region, group_size
-from tessera.parallel.defaults import launch_defaults
 from tessera.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from tessera.parallel.loss import LossSpec, linear_cross_entropy, vocab_parallel_cross_entropy
 from tessera.parallel.sequence import TENSOR_MODES, gather_from_sequence_region, sequence_dropout
-
-logger = logging.getLogger("tessera")
 
 __all__ = ["DecoderLayer", "Transformer", "build_model", "check_tensor_parallel_sizes", "logits_are_vocab_sharded"]
 
@@ -275,32 +271,18 @@ def build_model(
     model_cfg: Any,
     tp_group: Any = None,
     *,
-    seed: int | None = None,
-    device: torch.device | str | None = None,
+    seed: int = 1024,
+    device: torch.device | str = "cpu",
     tensor_rng: TensorRNG | None = None,
-    tensor_mode: str | None = None,
+    tensor_mode: str = "mtp",
 ) -> Transformer:
-    """Build the decoder from the config's ``model`` section, fp32, sharded over ``tp_group``.
+    """Build the decoder from the config's ``model`` section, fp32, sharded over ``tp_group`` (None: no TP).
 
-    Defaults come from the launched job (``tessera.parallel.defaults``, filled from the launched ``gpc.job``):
-    ``tp_group`` = its TENSOR group, ``seed`` = its seed (else 1024), ``device`` = its device (else
-    the CPU), ``tensor_rng`` = its TENSOR RNG stream, ``tensor_mode`` = its ``parallel.tensor.mode``
-    (else "mtp"; "msp" is sequence parallelism, see ``Transformer``). Pass
-    ``tessera.parallel.MetaGroup(tp)`` with ``device="meta"`` to get TP shard shapes without any process
-    group or allocation.
+    Every input is an argument, so one call builds one model whatever was launched or imported before: a
+    launched job's caller passes its pieces (``tessera.train.builder`` passes the job's TENSOR group, seed,
+    device and tensor mode, and ``gpc``'s TENSOR RNG stream as ``tensor_rng``). ``tensor_mode`` "msp" is
+    sequence parallelism (see ``Transformer``). Pass ``tessera.parallel.MetaGroup(tp)`` with
+    ``device="meta"`` to get TP shard shapes without any process group or allocation.
     """
-    job = launch_defaults()
-    if tp_group is None and job.tp_group is not None:
-        tp_group = job.tp_group
-        logger.info("build_model: no tp_group given; using the launched job's tensor-parallel group (%d ranks)",
-                    group_size(tp_group))
-    if seed is None:
-        seed = job.seed if job.seed is not None else 1024
-    if device is None:
-        device = job.device if job.device is not None else torch.device("cpu")
-    if tensor_rng is None:
-        tensor_rng = job.tensor_rng
-    if tensor_mode is None:
-        tensor_mode = job.tensor_mode if job.tensor_mode is not None else "mtp"
     return Transformer(ModelArgs.from_config(model_cfg), tp_group, seed=seed, device=device, tensor_rng=tensor_rng,
                        tensor_mode=tensor_mode)

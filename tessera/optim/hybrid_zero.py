@@ -34,9 +34,9 @@ import torch.distributed as dist
 from torch import nn
 
 from tessera.config.precision import Precision
+from tessera.core.context import gpc
 from tessera.core.grad_scaler import BaseGradScaler, build_grad_scaler
 from tessera.core.job import Job, JobGroups
-from tessera.core.parallel_context import gpc
 from tessera.core.precision import RunPrecision
 from tessera.optim.bucket import Bucket
 from tessera.optim.buffers import GradientBuffers

@@ -39,10 +39,9 @@ import torch.distributed as dist
 from tessera.checkpoint import Progress, RngStreams, TrainState, find_resumable_checkpoint, save_checkpoint
 from tessera.checkpoint.tree import prepare_tree
 from tessera.config import Config
-from tessera.core.context import launch
+from tessera.core.context import gpc, launch
 from tessera.core.job import Job
 from tessera.core.layout import ParallelMode
-from tessera.core.parallel_context import gpc
 from tessera.data import build_data
 from tessera.plan.tracker import CollectiveTraffic, LiveBytes
 from tessera.train.builder import build_training_stack

@@ -12,15 +12,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
 
 from tessera.config import Config
+from tessera.core.context import ParallelMode, gpc
 from tessera.core.job import Job
 from tessera.core.naive_amp import NaiveAMPModel, naive_amp_for, unwrap_model
-from tessera.core.parallel_context import gpc
 from tessera.model import build_model
 from tessera.model.compile import compile_blocks
 from tessera.optim.hybrid_zero import HybridZeroOptimizer
@@ -68,7 +69,8 @@ def build_training_stack(
     cfg = cfg if isinstance(cfg, Config) else Config.from_dict(cfg)  # validated, defaults filled
     job = job or gpc.job or Job.single_process(cfg)
     groups = job.groups
-    model = build_model(cfg.model, tp_group=groups.tp, seed=job.seed, device=job.device, tensor_mode=job.tensor_mode)
+    model = build_model(cfg.model, tp_group=groups.tp, seed=job.seed, device=job.device, tensor_mode=job.tensor_mode,
+                        tensor_rng=partial(gpc.seed, ParallelMode.TENSOR))  # a no-op stream until a launch seeds it
     if before_cast is not None:
         before_cast(model)
     amp = naive_amp_for(model, job.precision, sync_buffer=sync_buffer, parallel_mode=groups.dp)

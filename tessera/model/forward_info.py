@@ -1,4 +1,4 @@
-"""``ForwardContext``: what every decoder block of one forward shares, built once by ``Transformer.forward``.
+"""What every decoder block of one forward shares (``ForwardContext``), built once by ``Transformer.forward``.
 
 The rotary angles, the attention layout, the KV cache and the dataflow switches are the same for every
 layer of a forward; passing them as one frozen object instead of seven positional arguments keeps the
