@@ -85,8 +85,9 @@ def _keys(cls: type) -> set[str]:
 
 def test_every_schema_section_and_key_is_a_field_and_nothing_else():
     for prefix, cls, spec in _sections(RunConfig, SCHEMA):
-        assert dataclasses.is_dataclass(cls), f"{prefix or 'the config'}: a section must be a dataclass"
-        assert _keys(cls) == set(spec.keys), f"{prefix or 'the config'}: fields differ from the schema's keys"
+        where = prefix.rstrip(".") or "the config"
+        assert dataclasses.is_dataclass(cls), f"{where}: a section must be a dataclass"
+        assert _keys(cls) == set(spec.keys), f"{where}: fields differ from the schema's keys"
 
 
 def test_every_field_type_is_its_keys_accepted_types():
