@@ -32,7 +32,7 @@ from tessera.checkpoint import (
     save_checkpoint,
 )
 from tessera.checkpoint.lock import release_held_folders
-from tessera.config import Config, ConfigError
+from tessera.config import Config, ConfigError, RunConfig
 from tessera.core.context import gpc, launch_from_slurm, launch_from_torch
 from tessera.core.job import Job
 from tessera.core.rendezvous import LaunchError, wait_for_peers_to_report
@@ -97,22 +97,23 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging(int(os.environ.get("RANK" if args.launcher == "torch" else "SLURM_PROCID", "0")))
     with doing(f"reading the config {args.config}"):  # every config mistake is reported before any group exists
-        cfg = Config.from_file(args.config, args.overrides)
+        config = Config.from_file(args.config, args.overrides)
+    cfg = config.typed  # what this script reads: mypy checks every key (Config hands whole sections down)
     if args.dry_run:
-        return dry_run_report(cfg, args.config)
+        return dry_run_report(config, args.config)
     with doing("launching"):
-        job = launch_job(cfg, args)
+        job = launch_job(config, args)
     with doing("checking the output folders"):
         check_output_folders(cfg)
         hold_save_folder(cfg, job)
     peak = mfu_peak(cfg, job)
     if not args.skip_memory_check:
-        check_it_fits(cfg, job)
+        check_it_fits(config, job)
     with doing(f"reading the data ({_data_keys(cfg)})"):
         data = load_data(cfg, job)
     with doing("building the model and optimizer"):
         stack = build_training_stack(cfg, job, before_cast=lambda model: weights_only_start(cfg, job, model))
-    run = Run(cfg, job, stack, data, peak)
+    run = Run(config, job, stack, data, peak)
     with doing(f"resuming from ckpt.save_ckpt_folder={cfg.ckpt.save_ckpt_folder}"):
         resume(run)
     open_metrics(run)
@@ -124,13 +125,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def launch_job(cfg: Config, args: argparse.Namespace) -> Job:
+def launch_job(config: Config, args: argparse.Namespace) -> Job:
     """Join the job (process groups, RNG streams, precision switches); its description, built once."""
-    seed = cfg.seed if args.seed is None else args.seed
+    seed = config.typed.seed if args.seed is None else args.seed
     if args.launcher == "slurm":
-        launch_from_slurm(cfg, host=args.host, port=args.port, seed=seed)
+        launch_from_slurm(config, host=args.host, port=args.port, seed=seed)
     else:
-        launch_from_torch(cfg, seed=seed)
+        launch_from_torch(config, seed=seed)
     job = gpc.job
     assert job is not None
     lay = job.layout
@@ -139,13 +140,13 @@ def launch_job(cfg: Config, args: argparse.Namespace) -> Job:
     return job
 
 
-def check_output_folders(cfg: Config) -> None:
+def check_output_folders(cfg: RunConfig) -> None:
     """The folders the run writes (logs, checkpoints, data cache): a problem on any rank stops every rank now,
     not at the first save."""
     _exit_on(agree_on_errors(output_folder_problem(cfg)))
 
 
-def hold_save_folder(cfg: Config, job: Job) -> None:
+def hold_save_folder(cfg: RunConfig, job: Job) -> None:
     """One run per save folder: rank 0 takes ``ckpt.save_ckpt_folder``'s lock for the whole run (it saves there, or
     tidies up interrupted saves when resuming) and every rank stops when another run holds it. The OS drops the
     lock when rank 0 exits, however it exits, so a requeued run takes it at once. A run that only resumes takes it
@@ -167,7 +168,7 @@ def hold_save_folder(cfg: Config, job: Job) -> None:
     _exit_on(agree_on_errors(problem))
 
 
-def mfu_peak(cfg: Config, job: Job) -> tuple[float, str]:
+def mfu_peak(cfg: RunConfig, job: Job) -> tuple[float, str]:
     """The MFU denominator, found before the model takes its memory (the run's peak memory leaves the probe out)."""
     peak = peak_tflops_per_device(cfg, job)
     if job.device.type == "cuda":
@@ -175,7 +176,7 @@ def mfu_peak(cfg: Config, job: Job) -> tuple[float, str]:
     return peak
 
 
-def peak_tflops_per_device(cfg: Config, job: Job) -> tuple[float, str]:
+def peak_tflops_per_device(cfg: RunConfig, job: Job) -> tuple[float, str]:
     """The config's override, the GPU table (exact device name), or matmuls measured here in the run's dtype (a
     CPU, or a GPU the table does not list)."""
     device = job.device
@@ -190,15 +191,15 @@ def peak_tflops_per_device(cfg: Config, job: Job) -> tuple[float, str]:
     return measure_matmul_tflops(job.dtype, device), f"measured {job.dtype} matmul"
 
 
-def check_it_fits(cfg: Config, job: Job) -> None:
+def check_it_fits(config: Config, job: Job) -> None:
     """The persistent state of this layout (counted on the meta device) against this rank's memory; every rank
     reaches the same verdict and each says so before any exits (torchrun stops the rest at the first exit)."""
-    problem = check_memory(cfg, job)
+    problem = check_memory(config, job)
     if problem:
         _exit_together(problem)
 
 
-def load_data(cfg: Config, job: Job) -> DataBundle:
+def load_data(cfg: RunConfig, job: Job) -> DataBundle:
     """The loaders of this DP rank; a problem on any rank (missing, unreadable, a disk full while preparing)
     stops every rank. The stdlib corpus is prepared by rank 0 while the others wait in the agreement."""
     if cfg.data.type == "stdlib":
@@ -207,7 +208,7 @@ def load_data(cfg: Config, job: Job) -> DataBundle:
         _exit_on(agree_on_errors(problem))
     lay = job.layout
     data, problem = _data_step(cfg, lambda: build_data(
-        cfg.data, vocab_size=cfg.model.vocab_size, max_seq_len=cfg.model.max_position_embeddings,
+        cfg.data.as_dict(), vocab_size=cfg.model.vocab_size, max_seq_len=cfg.model.max_position_embeddings,
         dp_rank=lay.dp_rank, dp_size=lay.dp_size, seed=job.seed, barrier=dist.barrier, is_main=job.is_rank0,
         progress=job.is_rank0))
     _exit_on(agree_on_errors(problem))
@@ -216,28 +217,32 @@ def load_data(cfg: Config, job: Job) -> DataBundle:
     return data
 
 
-def weights_only_start(cfg: Config, job: Job, model: torch.nn.Module) -> None:
+def weights_only_start(cfg: RunConfig, job: Job, model: torch.nn.Module) -> None:
     """``ckpt.load_ckpt_folder``: the fp32, TP-sharded decoder starts from those weights (before the precision
     cast), unless the run already saved checkpoints of its own to resume from."""
-    if not cfg.ckpt.load_ckpt_folder or _has_checkpoint(cfg):
+    folder = cfg.ckpt.load_ckpt_folder
+    if not folder or _has_checkpoint(cfg):
         return
-    with doing(f"loading ckpt.load_ckpt_folder={cfg.ckpt.load_ckpt_folder}"):
+    with doing(f"loading ckpt.load_ckpt_folder={folder}"):
         try:
-            load_checkpoint(cfg.ckpt.load_ckpt_folder, TrainState(model), layout=job.layout, load_optimizer=False,
+            load_checkpoint(folder, TrainState(model), layout=job.layout, load_optimizer=False,
                             load_components=False)
         except CheckpointError as e:  # name the key the path came from
-            raise CheckpointError(f"ckpt.load_ckpt_folder={cfg.ckpt.load_ckpt_folder}: {e}",
-                                  every_rank=e.every_rank) from None
-    logger.info("initialized weights from %s", cfg.ckpt.load_ckpt_folder)
+            raise CheckpointError(f"ckpt.load_ckpt_folder={folder}: {e}", every_rank=e.every_rank) from None
+    logger.info("initialized weights from %s", folder)
 
 
 class Run:
-    """What the loop works on: the config, the job, the stack, the data, and what a checkpoint holds (one
-    registry: saving and resuming iterate it). A plain class, not a dataclass: tests load this script from
-    its path without registering it as a module, which a dataclass's annotations need."""
+    """What the loop works on: the config (``cfg``, its typed view, is what the loop reads), the job, the stack,
+    the data, and what a checkpoint holds (one registry: saving and resuming iterate it). A plain class, not a
+    dataclass: tests load this script from its path without registering it as a module, which a dataclass's
+    annotations need."""
 
-    def __init__(self, cfg: Config, job: Job, stack: TrainingStack, data: DataBundle, peak: tuple[float, str]) -> None:
-        self.cfg, self.job, self.stack, self.data = cfg, job, stack, data
+    def __init__(self, config: Config, job: Job, stack: TrainingStack, data: DataBundle,
+                 peak: tuple[float, str]) -> None:
+        self.config, self.cfg = config, config.typed
+        self.job, self.stack, self.data = job, stack, data
+        cfg = self.cfg
         self.peak = peak  # MFU denominator (TFLOP/s per device) and where it came from
         self.last_ckpt: str | None = None
         self.metrics: MetricsWriter | None = None
@@ -260,9 +265,10 @@ class Run:
     def save(self) -> str:
         """A checkpoint of this step (none written twice for the same step)."""
         folder, step = self.cfg.ckpt.save_ckpt_folder, self.progress.step
+        assert folder is not None, "check_config: ckpt.enable_save_ckpt needs ckpt.save_ckpt_folder"
         if self.last_ckpt == os.path.join(folder, f"step_{step}"):
             return self.last_ckpt  # saved (or resumed from) at this very step: same state, nothing to write
-        self.last_ckpt = save_checkpoint(folder, step, self.state, config=self.cfg.to_dict(), layout=self.job.layout,
+        self.last_ckpt = save_checkpoint(folder, step, self.state, config=self.config.to_dict(), layout=self.job.layout,
                                          keep_last=self.cfg.ckpt.keep_last)
         self.log.log_event(f"saved checkpoint {self.last_ckpt}", checkpoint=self.last_ckpt)
         return self.last_ckpt
@@ -317,8 +323,8 @@ def train_loop(run: Run, stop_file: str | None) -> None:
         if (cfg.ckpt.enable_save_ckpt and cfg.ckpt.checkpoint_every and step % cfg.ckpt.checkpoint_every == 0
                 and step < cfg.data.total_steps):
             run.save()
-        requested, reason = stop.should_stop(problem=run.metrics_problem())  # one agreement for both
-        if requested:
+        _, reason = stop.should_stop(problem=run.metrics_problem())  # one agreement for both
+        if reason is not None:  # a reason exactly when a stop was agreed
             stop_now(run, stop, reason, stop_file)
             break
 
@@ -389,20 +395,20 @@ def finish(run: Run) -> None:
                               f"checkpoint: {run.last_ckpt or 'none'}", every_rank=True)
 
 
-def dry_run_report(cfg: Config, config_name: str) -> int:
+def dry_run_report(config: Config, config_name: str) -> int:
     """``--dry-run``: rank 0 of the launch prints the plan of this job (tools/plan.py) and says whether it fits."""
     if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) != "0":
         return 0  # one plan per job: every rank of a layout is planned alike
     from tessera.plan import gpu_for_device_name, make_plan
 
-    world = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", cfg.parallel.tensor.size)))
+    world = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", config.typed.parallel.tensor.size)))
     gpu = gpu_for_device_name(torch.cuda.get_device_name()) if torch.cuda.is_available() else None
-    plan = make_plan(cfg, world, config_name=config_name, gpu=gpu)
+    plan = make_plan(config, world, config_name=config_name, gpu=gpu)
     print(plan.format(), flush=True)
     return 1 if plan.fits is False else 0
 
 
-def output_folder_problem(cfg: Config) -> str | None:
+def output_folder_problem(cfg: RunConfig) -> str | None:
     """Every folder the run will write — logs, checkpoints, the data cache when it has to be filled — is
     created if missing and written to once; the first that fails, as ``key=path: what failed``, or None."""
     from tessera.data.stdlib_corpus import stdlib_corpus_ready
@@ -420,17 +426,17 @@ def output_folder_problem(cfg: Config) -> str | None:
     return None
 
 
-def _data_keys(cfg: Config) -> str:
+def _data_keys(cfg: RunConfig) -> str:
     """The config keys naming where the data comes from, for error lines."""
     if cfg.data.type == "stdlib":
         return f"data.cache_folder={cfg.data.cache_folder}"
     if cfg.data.type == "tokens":
-        return ", ".join(f"data.{k}={getattr(cfg.data, k)}" for k in ("train_folder", "valid_folder")
-                         if getattr(cfg.data, k))
+        return ", ".join(f"data.{k}={folder}" for k, folder in (("train_folder", cfg.data.train_folder),
+                                                                 ("valid_folder", cfg.data.valid_folder)) if folder)
     return f"data.type={cfg.data.type}"
 
 
-def _data_step(cfg: Config, step: Callable[[], T], run_here: bool = True) -> tuple[T | None, str | None]:
+def _data_step(cfg: RunConfig, step: Callable[[], T], run_here: bool = True) -> tuple[T | None, str | None]:
     """``(step(), None)``, or ``(None, its error as one line)``: a data error names its file already, a failed
     file operation gets the data keys. With ``run_here`` False nothing runs (another rank does it)."""
     if not run_here:
@@ -443,7 +449,7 @@ def _data_step(cfg: Config, step: Callable[[], T], run_here: bool = True) -> tup
         return None, f"{_data_keys(cfg)}: {os_error_text(e)}"
 
 
-def _has_checkpoint(cfg: Config) -> bool:
+def _has_checkpoint(cfg: RunConfig) -> bool:
     """A run that already saved checkpoints resumes from them instead of re-loading load_ckpt_folder."""
     return bool(cfg.ckpt.auto_resume and cfg.ckpt.save_ckpt_folder and list_checkpoints(cfg.ckpt.save_ckpt_folder))
 

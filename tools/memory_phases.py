@@ -30,11 +30,14 @@ import os
 import sys
 from collections.abc import Callable
 from contextlib import ExitStack
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from tessera.cli_args import positive_int
+
+if TYPE_CHECKING:  # the tool imports the package's heavier modules only once it runs
+    from tessera.config import Config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -76,7 +79,7 @@ class Meter:
             self.live.reset_peak()  # type: ignore[union-attr]
 
 
-def measure(cfg: Any, device: Any, warmup: int, meter_factory: Callable[[Any, ExitStack], Meter] = Meter,
+def measure(cfg: Config, device: Any, warmup: int, meter_factory: Callable[[Any, ExitStack], Meter] = Meter,
             ) -> dict[str, float]:
     """The phases of one step (bytes; see the module docstring), after ``warmup`` ordinary steps."""
     from tessera.core.job import Job
@@ -88,7 +91,9 @@ def measure(cfg: Any, device: Any, warmup: int, meter_factory: Callable[[Any, Ex
         meter = meter_factory(device, stack)
         before = meter.current()
         built = build_training_stack(cfg, Job.of(cfg, seed=0, device=device), sync_buffer=False)
-        data = build_data(cfg.data, vocab_size=cfg.model.vocab_size, max_seq_len=cfg.model.max_position_embeddings)
+        run_cfg = cfg.typed  # the keys read here, checked by mypy
+        data = build_data(run_cfg.data.as_dict(), vocab_size=run_cfg.model.vocab_size,
+                          max_seq_len=run_cfg.model.max_position_embeddings)
         trainer, optimizer = built.trainer, built.optimizer
         for _ in range(warmup):
             trainer.train_step(data.train.next_step_batches())
@@ -124,7 +129,7 @@ def measure(cfg: Any, device: Any, warmup: int, meter_factory: Callable[[Any, Ex
     return out
 
 
-def compare(cfg: Any, phases: dict[str, float], device_type: str) -> list[tuple[str, float | None, float]]:
+def compare(cfg: Config, phases: dict[str, float], device_type: str) -> list[tuple[str, float | None, float]]:
     """(part, the check's figure or None, measured) rows, bytes."""
     from tessera.train.memory_check import plan_persistent_state
 

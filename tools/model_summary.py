@@ -17,11 +17,12 @@ import torch
 
 from tessera.cli_args import positive_int
 from tessera.config import Config, ConfigError
+from tessera.config.typed import ModelConfig
 from tessera.model import build_model, count_parameters, flops_per_token
 from tessera.parallel import MetaGroup, partition_dim
 
 
-def _meta_model(model_cfg: Config, tp: int) -> torch.nn.Module:
+def _meta_model(model_cfg: ModelConfig, tp: int) -> torch.nn.Module:
     return build_model(model_cfg, tp_group=MetaGroup(tp), seed=0, device="meta", tensor_rng=None)
 
 
@@ -32,7 +33,7 @@ def _full_count(model: torch.nn.Module, tp: int) -> int:
 
 def summarize(config_path: str, tp: int | None = None, seq_len: int | None = None) -> str:
     """The summary text; raises SystemExit when the built model disagrees with ``count_parameters``."""
-    cfg = Config.from_file(config_path)
+    cfg = Config.from_file(config_path).typed
     tp = cfg.parallel.tensor.size if tp is None else tp
     seq_len = cfg.data.seq_len if seq_len is None else seq_len
     expected = count_parameters(cfg.model)

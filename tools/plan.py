@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    world = args.world or args.gpus or cfg.parallel.tensor.size
+    world = args.world or args.gpus or cfg.typed.parallel.tensor.size
     if args.search:
         gpus = args.gpus or world
         memory = args.memory or GPUS[args.gpu][0]

@@ -82,20 +82,21 @@ def _report(args: argparse.Namespace, cfg: Config, emit) -> int:
     except ImportError as e:
         print(f"error: tessera.model.build_model is not available ({e})", file=sys.stderr)
         return 2
-    model_cfg = cfg.model
+    run_cfg = cfg.typed  # the keys read here, checked by mypy
+    model_cfg = run_cfg.model
     dtype = RunPrecision.from_config(cfg).model
-    fp32_modules = model_cfg.fp32_modules if args.fp32_modules is None else args.fp32_modules
+    fp32_modules = list(model_cfg.fp32_modules) if args.fp32_modules is None else args.fp32_modules
     use_fp32_norm = model_cfg.use_fp32_norm if args.use_fp32_norm is None else args.use_fp32_norm
-    reduce_dtype = args.reduce_dtype or cfg.hybrid_zero_optimizer.reduce_dtype
+    reduce_dtype = args.reduce_dtype or run_cfg.hybrid_zero_optimizer.reduce_dtype
     g = torch.Generator().manual_seed(0)
-    seq = min(cfg.data.seq_len, 64)  # memory per parameter does not depend on the batch
+    seq = min(run_cfg.data.seq_len, 64)  # memory per parameter does not depend on the batch
     batch = torch.randint(0, model_cfg.vocab_size, (1, seq), generator=g)
     if args.policies:
-        text, rows = policy_table(functools.partial(build_model, model_cfg, tp_group=None, seed=cfg.seed, device="cpu"),
-                                  args.zero1 or 2, batch=batch)
+        text, rows = policy_table(functools.partial(build_model, model_cfg, tp_group=None, seed=run_cfg.seed,
+                                                    device="cpu"), args.zero1 or 2, batch=batch)
         emit(json.dumps(rows, indent=1) if args.json else text)
         return 0
-    model = build_model(model_cfg, tp_group=None, seed=cfg.seed, device="cpu")
+    model = build_model(model_cfg, tp_group=None, seed=run_cfg.seed, device="cpu")
     try:
         report = precision_report(model, dtype, args.zero1 or 1, batch=batch, fp32_modules=fp32_modules,
                                   use_fp32_norm=use_fp32_norm, reduce_dtype=reduce_dtype)

@@ -8,13 +8,13 @@ import torch
 
 from tessera.checkpoint.convert import load_consolidated_state
 from tessera.checkpoint.source import CheckpointSource
-from tessera.model import build_model
+from tessera.model import Transformer, build_model
 
 __all__ = ["load_for_inference"]
 
 
 def load_for_inference(path: str, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                       verify: bool = True) -> tuple[torch.nn.Module, dict[str, Any]]:
+                       verify: bool = True) -> tuple[Transformer, dict[str, Any]]:
     """``(model in eval mode, meta.json)`` for checkpoint ``path`` (a step folder or a save folder).
 
     The model is built on the meta device (no random init: a 7B model would spend minutes drawing

@@ -6,6 +6,7 @@
     loading.py    Config, running a Python config file, ``key.sub=value`` overrides
     internevo.py  InternEvo's configs as they are: each of its keys mapped, a no-op, or refused (all at once);
                   the table is internevo_table.py, its handlers internevo_keys.py, file rules internevo_rules.py
+    typed.py      RunConfig: the typed view of a validated config (frozen dataclasses per section, for mypy)
     precision.py  ``model.dtype`` names -> storage dtype + TF32 switch
     errors.py     ConfigError
 """
@@ -22,6 +23,7 @@ from tessera.config.errors import ConfigError
 from tessera.config.internevo import translate_internevo
 from tessera.config.loading import Config, apply_overrides, load_python_file, parse_override
 from tessera.config.schema import SCHEMA, Key, Section
+from tessera.config.typed import RunConfig, typed_config
 from tessera.config.validate import validate_config, validate_section
 
 __all__ = [
@@ -30,6 +32,8 @@ __all__ = [
     "SCHEMA",
     "Key",
     "Section",
+    "RunConfig",
+    "typed_config",
     "load_python_file",
     "parse_override",
     "apply_overrides",

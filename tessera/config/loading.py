@@ -27,6 +27,7 @@ from tessera.config.checks import check_config
 from tessera.config.errors import ConfigError, where
 from tessera.config.internevo import internevo_names, is_internevo_path, translate_internevo
 from tessera.config.schema import SCHEMA, Key, Section
+from tessera.config.typed import RunConfig, typed_config
 from tessera.config.validate import suggest, validate_config
 
 __all__ = ["Config", "load_python_file", "parse_override", "apply_overrides"]
@@ -56,6 +57,12 @@ class Config(dict):
     @property
     def source(self) -> str | None:
         return object.__getattribute__(self, "_source")
+
+    @property
+    def typed(self) -> RunConfig:
+        """The typed view (``tessera.config.typed``): what train.py, the builder and the tools read, so that mypy
+        checks every key they read. Built anew on each access: a copy, which later edits of this dict miss."""
+        return typed_config(self, self.source)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain, JSON-friendly dict (torch dtypes become their names)."""

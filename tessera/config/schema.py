@@ -22,7 +22,7 @@ from tessera.model.compile import MODES as COMPILE_MODES
 from tessera.model.rotary import rope_scaling_problem
 from tessera.parallel.sequence import TENSOR_MODES
 
-__all__ = ["Key", "Section", "SCHEMA", "default_of", "REQUIRED", "NORM_TYPES", "PRECISION_GROUPS",
+__all__ = ["Key", "Section", "OneOf", "SCHEMA", "default_of", "REQUIRED", "NORM_TYPES", "PRECISION_GROUPS",
            "DEFAULT_MEMORY_HEADROOM"]
 
 REQUIRED: Any = object()  # the default of a key the file must set
@@ -61,11 +61,20 @@ def _fraction(v: Any) -> str | None:
     return None if 0 <= v <= 1 else "must be in [0, 1]"
 
 
-def _one_of(*choices: Any) -> Callable[[Any], str | None]:
-    def check(v: Any) -> str | None:
-        return None if v in choices else f"must be one of {list(choices)}"
+@dataclass(frozen=True)
+class OneOf:
+    """A key's check that accepts only ``choices``; introspectable, so the typed view's ``Literal`` of the key
+    can be checked against it (``tests/test_config_typed.py``)."""
 
-    return check
+    choices: tuple[Any, ...]
+    problem: str = ""  # the error text; default: the list of choices
+
+    def __call__(self, v: Any) -> str | None:
+        return None if v in self.choices else self.problem or f"must be one of {list(self.choices)}"
+
+
+def _one_of(*choices: Any) -> OneOf:
+    return OneOf(choices)
 
 
 def _size_or_all(v: Any) -> str | None:
@@ -109,16 +118,14 @@ def _headroom(v: Any) -> str | None:
     return None if 0 <= v < 1 else "must be in [0, 1): the fraction of memory left unplanned"
 
 
-def _norm_type(v: Any) -> str | None:
-    return None if v in NORM_TYPES else f"only {list(NORM_TYPES)} is implemented (the decoder uses RMSNorm)"
+_norm_type = OneOf(NORM_TYPES, f"only {list(NORM_TYPES)} is implemented (the decoder uses RMSNorm)")
 
 
 def _rope_scaling(v: Any) -> str | None:
     return rope_scaling_problem(v)
 
 
-def _tensor_mode(v: Any) -> str | None:
-    return None if v in TENSOR_MODES else f"must be one of {list(TENSOR_MODES)}"
+_tensor_mode = OneOf(TENSOR_MODES)
 
 
 _MODEL_ARG_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelArgs)}

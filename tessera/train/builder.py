@@ -18,11 +18,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from tessera.config import Config
+from tessera.config import Config, RunConfig
 from tessera.core.context import ParallelMode, gpc
 from tessera.core.job import Job
 from tessera.core.naive_amp import NaiveAMPModel, naive_amp_for, unwrap_model
-from tessera.model import build_model
+from tessera.model import Transformer, build_model
 from tessera.model.compile import compile_blocks
 from tessera.optim.hybrid_zero import HybridZeroOptimizer
 from tessera.optim.params import build_param_groups
@@ -46,28 +46,31 @@ class TrainingStack:
     job: Job
 
     @property
-    def inner_model(self) -> nn.Module:
+    def inner_model(self) -> Transformer:
         """The decoder inside the wrapper (parameter names without the wrapper's prefix)."""
-        return unwrap_model(self.model)
+        decoder = unwrap_model(self.model)
+        if not isinstance(decoder, Transformer):
+            raise TypeError(f"the training stack wraps a {type(decoder).__name__}, not the tessera decoder")
+        return decoder
 
 
 def build_training_stack(
-    cfg: Config | Mapping[str, Any],
+    cfg: RunConfig | Config | Mapping[str, Any],
     job: Job | None = None,
     *,
     sync_buffer: bool = True,
     before_cast: Callable[[nn.Module], None] | None = None,
     trainer_cls: type[Trainer] = Trainer,
 ) -> TrainingStack:
-    """Build the whole stack for ``cfg`` (a ``Config`` or its dict) as ``job`` describes the run.
+    """Build the whole stack for ``cfg`` (its typed view, a ``Config`` or its dict) as ``job`` describes the run.
 
     ``job`` defaults to the launched job (``gpc.job``), else a single process on the CPU.
     ``before_cast(model)`` runs on the fp32, TP-sharded decoder before the precision wrapper casts it
     (train.py loads a weights-only start there). ``sync_buffer`` is NaiveAMPModel's (average floating
     buffers over DP). ``trainer_cls`` lets tests drive a subclass of the one Trainer.
     """
-    cfg = cfg if isinstance(cfg, Config) else Config.from_dict(cfg)  # validated, defaults filled
-    job = job or gpc.job or Job.single_process(cfg)
+    cfg = typed_view(cfg)
+    job = job or gpc.job or Job.single_process(cfg.as_dict())
     groups = job.groups
     model = build_model(cfg.model, tp_group=groups.tp, seed=job.seed, device=job.device, tensor_mode=job.tensor_mode,
                         tensor_rng=partial(gpc.seed, ParallelMode.TENSOR))  # a no-op stream until a launch seeds it
@@ -89,10 +92,18 @@ def build_training_stack(
     return TrainingStack(amp, optimizer, scheduler, trainer, job)
 
 
-def compile_enabled(cfg: Config, job: Job) -> bool:
+def typed_view(cfg: RunConfig | Config | Mapping[str, Any]) -> RunConfig:
+    """The typed view the builder reads: as given, a ``Config``'s, or a plain dict's after validation."""
+    if isinstance(cfg, RunConfig):
+        return cfg
+    return (cfg if isinstance(cfg, Config) else Config.from_dict(cfg)).typed  # validated, defaults filled
+
+
+def compile_enabled(cfg: RunConfig | Config, job: Job) -> bool:
     """``model.compile.enabled``: True / False as set; ``"auto"`` compiles on CUDA and stays eager on the CPU
     (where compiling a short run costs more than it saves), and stays eager where the precision telemetry
     hooks module outputs inside the blocks. The choice is logged once."""
+    cfg = typed_view(cfg)
     setting = cfg.model.compile.enabled
     if setting != "auto":
         return bool(setting)
@@ -114,7 +125,7 @@ def _log_once(message: str) -> None:
         logger.info(message)
 
 
-def build_optimizer(amp: NaiveAMPModel, cfg: Config, job: Job) -> HybridZeroOptimizer:
+def build_optimizer(amp: NaiveAMPModel, cfg: RunConfig, job: Job) -> HybridZeroOptimizer:
     """AdamW from the config's ``adam`` section on the cast model, wrapped in a HybridZeroOptimizer over the
     job's groups and precision, whose state is keyed by the decoder's own parameter names."""
     adam = cfg.adam
@@ -122,5 +133,5 @@ def build_optimizer(amp: NaiveAMPModel, cfg: Config, job: Job) -> HybridZeroOpti
         build_param_groups(amp, adam.weight_decay, adam.decay_norm_and_bias), lr=adam.lr,
         betas=(adam.adam_beta1, adam.adam_beta2), eps=adam.adam_eps, weight_decay=adam.weight_decay,
     )
-    return HybridZeroOptimizer(inner, grad_scal_cfg=cfg.grad_scaler, zero_cfg=cfg.hybrid_zero_optimizer, job=job,
-                               param_names=unwrap_model(amp))
+    return HybridZeroOptimizer(inner, grad_scal_cfg=cfg.grad_scaler.as_dict(),
+                               zero_cfg=cfg.hybrid_zero_optimizer.as_dict(), job=job, param_names=unwrap_model(amp))

@@ -10,6 +10,8 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from tessera.config.typed import AdamConfig, LrSchedulerConfig
+
 
 class WarmupCosineLR:
     """lr(step): 0 -> base_lr linearly over ``warmup_ratio * total_steps``, then cosine to ``eta_min``.
@@ -30,10 +32,11 @@ class WarmupCosineLR:
         self._apply(self.lr_at(last_epoch + 1))
 
     @classmethod
-    def from_config(cls, param_groups: Iterable[dict[str, Any]], adam_cfg: Mapping[str, Any],
-                    sched_cfg: Mapping[str, Any]) -> WarmupCosineLR:
-        return cls(param_groups, adam_cfg["lr"], sched_cfg["total_steps"], sched_cfg["warmup_ratio"],
-                   sched_cfg["eta_min"], sched_cfg["init_steps"], sched_cfg["last_epoch"])
+    def from_config(cls, param_groups: Iterable[dict[str, Any]], adam_cfg: AdamConfig,
+                    sched_cfg: LrSchedulerConfig) -> WarmupCosineLR:
+        """From the config's typed ``adam`` (the base lr) and ``lr_scheduler`` sections."""
+        return cls(param_groups, adam_cfg.lr, sched_cfg.total_steps, sched_cfg.warmup_ratio, sched_cfg.eta_min,
+                   sched_cfg.init_steps, sched_cfg.last_epoch)
 
     def lr_at(self, step: int) -> float:
         """Learning rate used by optimizer step ``step`` (0-based)."""

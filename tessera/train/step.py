@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from tessera.model.transformer import logits_are_vocab_sharded
+from tessera.optim.hybrid_zero import HybridZeroOptimizer
 from tessera.parallel import vocab_parallel_cross_entropy
 from tessera.parallel.comm import reduce_scalars, to_host
 from tessera.parallel.loss import LossSpec
@@ -46,7 +47,7 @@ def _labelled_tokens(batch: Mapping[str, Any]) -> float:
 class Trainer:
     """Forward/backward/step for a TP x DP model wrapped in NaiveAMPModel + HybridZeroOptimizer."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: Any, *, tp_group: dist.ProcessGroup | None,
+    def __init__(self, model: torch.nn.Module, optimizer: HybridZeroOptimizer, *, tp_group: dist.ProcessGroup | None,
                  dp_group: dist.ProcessGroup | None, device: torch.device, label_smoothing: float = 0.0,
                  dp_size: int = 1, telemetry: PrecisionTelemetry | None = None, chunk_tokens: int = 1024):
         self.model = model
