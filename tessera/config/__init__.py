@@ -6,7 +6,7 @@
     loading.py    Config, running a Python config file, ``key.sub=value`` overrides
     internevo.py  InternEvo's configs as they are: each of its keys mapped, a no-op, or refused (all at once);
                   the table is internevo_table.py, its handlers internevo_keys.py, file rules internevo_rules.py
-    precision.py  ``model.dtype`` names -> storage dtype + TF32 switch
+    dtypes.py     the one table of dtype names and their parsing; ``model.dtype`` -> ModelDtype (storage + TF32)
     errors.py     ConfigError
 """
 
