@@ -10,8 +10,8 @@ hooks, so the surrounding low-precision code never sees an fp32 activation it di
 The one exception is the head, the module whose output is the model's (``model_head``): when it is
 marked and the wrapper returns fp32 outputs, its output is already what the caller asked for, so it is
 returned as computed, never rounded to the model dtype on the way. Whether the head computes in fp32 is
-decided once here (``NaiveAMPModel.head_dtype``) and handed to a model that applies its head itself
-(tessera's decoder fuses the head with the loss, bypassing the head module's hooks) as its ``head_dtype``.
+decided once here (``NaiveAMPModel.head_dtype``) and handed to tessera's decoder as its ``head_dtype``
+(it fuses the head with the loss, where the head module and its hooks are not called).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from tessera.config import ConfigError
 from tessera.config.dtypes import ModelDtype, resolve_model_dtype
 from tessera.core.parallel_context import ParallelMode, gpc
 from tessera.core.precision import Precision
+from tessera.model.transformer import Transformer
 from tessera.parallel.fp8 import RECIPES
 from tessera.parallel.layers import ColumnParallelLinear, RowParallelLinear
 
@@ -175,7 +176,7 @@ class NaiveAMPModel(nn.Module):
     ``fp32_modules`` / ``use_fp32_norm`` mark modules by name before casting (config keys of the same
     name). The wrapped model is ``.model``, so names without the wrapper prefix are
     ``wrapper.model.named_parameters()``. ``head_dtype``: what the head (``model_head``) computes in, fp32
-    when it is marked, else the model dtype; set on a model with a ``head_dtype`` attribute.
+    when it is marked, else the model dtype; handed to a ``Transformer`` as its ``head_dtype``.
     """
 
     def __init__(
@@ -208,12 +209,12 @@ class NaiveAMPModel(nn.Module):
         self._convert(model)
 
     def _decide_head_dtype(self, model: nn.Module) -> torch.dtype:
-        """The head's compute dtype (fp32 when it or an ancestor is marked), decided once and handed to a
-        model that applies its head itself (it has a ``head_dtype`` attribute: tessera's decoder)."""
+        """The head's compute dtype (fp32 when it or an ancestor is marked), decided once and handed to
+        tessera's decoder, which applies its head itself when it fuses it with the loss."""
         head = model_head(model)
         in_fp32 = {id(m) for _, root in _fp32_roots(model) for m in root.modules()}
         head_dtype = torch.float32 if head is not None and id(head[1]) in in_fp32 else self.dtype
-        if hasattr(model, "head_dtype"):
+        if isinstance(model, Transformer):
             model.head_dtype = head_dtype
         if head is not None and head_dtype != self.dtype and self.output_to_fp32:
             logger.info("NaiveAMPModel: the head %r computes in fp32 and its output is returned in fp32 as "
