@@ -87,7 +87,7 @@ def measure(size: Size) -> dict[str, Any]:
     import torch
 
     from benchmarks.plain import PlainDecoder, PlainStep
-    from tessera.core.precision import RunPrecision
+    from tessera.core.precision import Precision
     from tessera.model import ModelArgs, build_model, flops_per_token
     from tessera.parallel import lowp
     from tessera.train.metrics import measure_matmul_tflops
@@ -103,7 +103,7 @@ def measure(size: Size) -> dict[str, Any]:
         stack = harness.build(cfg)
         optimizers.setdefault(name, stack.optimizer)
 
-        precision = RunPrecision.from_config(cfg)
+        precision = Precision.from_config(cfg)
 
         def before() -> None:
             precision.apply()

@@ -60,7 +60,7 @@ def _slug(name: str) -> str:
 
 def _bytes_per_param(config: str, overrides: list[str]) -> float:
     from tessera.config.checks import parallel_sizes
-    from tessera.core.precision import RunPrecision
+    from tessera.core.precision import Precision
     from tessera.model import build_model
     from tessera.train.precision_report import closed_form_bytes
 
@@ -68,7 +68,7 @@ def _bytes_per_param(config: str, overrides: list[str]) -> float:
     tp = cfg.parallel.tensor.size
     _, _, zero1 = parallel_sizes(tp, tp, cfg.parallel.zero1.size)
     n = sum(p.numel() for p in build_model(cfg.model, tp_group=None, device="meta").parameters())
-    return closed_form_bytes(RunPrecision.from_config(cfg), zero1, n, 0)["total"]  # the overrides are in cfg
+    return closed_form_bytes(Precision.from_config(cfg), zero1, n, 0)["total"]  # the overrides are in cfg
 
 
 def picture(name: str, log_dir: str, out: str) -> dict[str, Any]:

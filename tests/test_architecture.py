@@ -4,15 +4,16 @@
   imports only from its own layer or lower ones. Every tessera import counts: top-level and
   function-local, ``import x``, ``from x import y``, relative imports, ``if TYPE_CHECKING:`` blocks and
   ``importlib.import_module("tessera...")`` with a literal name. ``core`` (the run description,
-  launch, precision) sits between ``config`` and the packages that take the run description. Its one
-  upward name, ``tessera.core.optimizer.HybridZeroOptimizer`` (DESIGN.md's path), resolves lazily on
-  first use: checked below to import nothing of ``optim`` at load time.
+  launch, precision) sits between ``config`` and the packages that take the run description, with no
+  upward name: the optimizer's documented path is ``tessera.optim`` itself.
 - No import cycle among tessera's packages (``tessera.<name>``, leaf modules included), and none among
   its modules, not even between two files of one folder (every import counts, as for the layers).
 - No function in the package longer than ``MAX_FUNCTION_LINES``; no length cap on files (a file is split
   where it holds two jobs, not at a line count).
 - One reader of the run's precision: outside ``config/`` and ``core/``, nothing calls the model-precision
-  parsers (``resolve_precision``, ``parse_dtype``) or reads ``model.dtype`` from a config.
+  parsers (``resolve_model_dtype``, ``parse_dtype``) or reads ``model.dtype`` from a config.
+- One name per precision concept: one module named ``precision.py`` in the package, and no two classes
+  there about precision or dtypes whose names differ only by a prefix (``Precision`` beside ``RunPrecision``).
 - No ``sys.path`` edits in ``tools/``, ``tests/``, ``benchmarks/``, ``harness/`` or ``train.py``: the
   package is installed (``pip install -e .``), pytest puts the repository root on ``sys.path``
   (pytest.ini), and ``python -m benchmarks`` runs from the root.
@@ -34,8 +35,6 @@ from __future__ import annotations
 import ast
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -48,7 +47,8 @@ LAYERS = ("leaf", "parallel", "model", "config", "core", "data", "optim", "train
 LEAF_MODULES = frozenset({"__init__", "files", "cli_args"})
 MAX_FUNCTION_LINES = 80
 PRECISION_READERS = ("tessera/config/", "tessera/core/")  # the only places that resolve the run's precision
-PRECISION_PARSERS = frozenset({"resolve_precision", "parse_dtype"})
+PRECISION_PARSERS = frozenset({"resolve_model_dtype", "parse_dtype"})
+PRECISION_WORDS = ("precision", "dtype")  # a class whose name holds one of these names a precision concept
 SCRIPT_PLACES = ("tools", "tests", "benchmarks", "harness", "train.py")
 # top-level names of the repository that are not installed: the package must not import them
 UNINSTALLED = ("harness", "benchmarks", "tests", "tools", "train")
@@ -310,10 +310,29 @@ def precision_rederivations(root: Path, places=("tessera", "train.py", "tools"))
             tree = _parse(path, root, out)
             for node in ast.walk(tree) if tree is not None else ():
                 if isinstance(node, ast.ImportFrom) and any(a.name in PRECISION_PARSERS for a in node.names):
-                    out.append(f"{rel}:{node.lineno}: imports a precision parser (take the run's RunPrecision)")
+                    out.append(f"{rel}:{node.lineno}: imports a precision parser (take the run's Precision)")
                 elif _reads_model_dtype(node):
-                    out.append(f"{rel}:{node.lineno}: reads model.dtype from a config (take the run's RunPrecision)")
+                    out.append(f"{rel}:{node.lineno}: reads model.dtype from a config (take the run's Precision)")
     return sorted(set(out))
+
+
+def precision_name_collisions(root: Path) -> list[str]:
+    """Two homes or two names of one precision concept: every ``precision.py`` past the first, and each pair of
+    precision/dtype classes under root/tessera where one name is the other's with a prefix."""
+    out: list[str] = []
+    homes = [p.relative_to(root).as_posix() for p in _py_files(root / "tessera") if p.name == "precision.py"]
+    if len(homes) > 1:
+        out.append(f"{len(homes)} modules named precision.py: {', '.join(homes)}")
+    classes: dict[str, str] = {}
+    for path in _py_files(root / "tessera"):
+        tree = _parse(path, root, out)
+        for node in ast.walk(tree) if tree is not None else ():
+            if isinstance(node, ast.ClassDef) and any(w in node.name.lower() for w in PRECISION_WORDS):
+                classes.setdefault(node.name, f"{path.relative_to(root).as_posix()}:{node.lineno}")
+    for long_name, at in sorted(classes.items()):
+        out += [f"{at}: class {long_name} is {short} ({classes[short]}) with a prefix"
+                for short in sorted(classes) if short != long_name and long_name.endswith(short)]
+    return out
 
 
 # a figure with a unit ("~1-2 ms", "5-60x", "60 GFLOP/s", "12%") ...
@@ -425,15 +444,9 @@ def test_only_config_and_core_resolve_the_run_precision():
     assert not found, f"the run's precision re-derived outside {' and '.join(PRECISION_READERS)}:{_fmt(found)}"
 
 
-def test_the_documented_optimizer_path_loads_no_optimizer_code():
-    """``tessera.core.optimizer`` (below ``optim`` in the layers) names HybridZeroOptimizer lazily: importing it
-    imports nothing of ``tessera.optim``; the name still resolves to the real class."""
-    code = ("import sys, tessera.core.optimizer as m\n"
-            "assert not [k for k in sys.modules if k.startswith('tessera.optim')], 'optim loaded'\n"
-            "from tessera.optim.hybrid_zero import HybridZeroOptimizer\n"
-            "assert m.HybridZeroOptimizer is HybridZeroOptimizer\n")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
+def test_one_name_per_precision_concept():
+    found = precision_name_collisions(ROOT)
+    assert not found, f"a precision concept with two homes or two names:{_fmt(found)}"
 
 
 def test_the_training_stack_is_assembled_in_one_function():
@@ -592,16 +605,28 @@ def test_a_second_stack_builder_is_found(tmp_path):
 
 def test_a_precision_re_derivation_is_found(tmp_path):
     root = _write(tmp_path, {
-        "tessera/train/a.py": "from tessera.config.precision import resolve_precision\n\ndef f(cfg):\n"
+        "tessera/train/a.py": "from tessera.config.dtypes import resolve_model_dtype\n\ndef f(cfg):\n"
                               "    return cfg.model.dtype\n",
         "tessera/plan/b.py": "def g(model_cfg, cfg):\n    return model_cfg.get('dtype'), cfg['model']['dtype']\n",
         "tools/c.py": "def h(run, t):\n    return run.precision.dtype, t.dtype, {'dtype': 1}['dtype']\n",
-        "tessera/core/ok.py": "from tessera.config.precision import resolve_precision\nx = cfg.model.dtype\n",
+        "tessera/core/ok.py": "from tessera.config.dtypes import resolve_model_dtype\nx = cfg.model.dtype\n",
     })
     assert precision_rederivations(root) == [
-        "tessera/plan/b.py:2: reads model.dtype from a config (take the run's RunPrecision)",
-        "tessera/train/a.py:1: imports a precision parser (take the run's RunPrecision)",
-        "tessera/train/a.py:4: reads model.dtype from a config (take the run's RunPrecision)",
+        "tessera/plan/b.py:2: reads model.dtype from a config (take the run's Precision)",
+        "tessera/train/a.py:1: imports a precision parser (take the run's Precision)",
+        "tessera/train/a.py:4: reads model.dtype from a config (take the run's Precision)",
+    ]
+
+
+def test_two_precision_homes_and_prefixed_names_are_found(tmp_path):
+    root = _write(tmp_path, {
+        "tessera/config/precision.py": "class Precision:\n    pass\n",
+        "tessera/core/precision.py": "class RunPrecision:\n    pass\n\n\nclass ModelDtype:\n    pass\n",
+        "tessera/train/report.py": "class PrecisionReport:\n    pass\n\n\nclass Mixer:\n    pass\n",
+    })
+    assert precision_name_collisions(root) == [
+        "2 modules named precision.py: tessera/config/precision.py, tessera/core/precision.py",
+        "tessera/core/precision.py:1: class RunPrecision is Precision (tessera/config/precision.py:1) with a prefix",
     ]
 
 

@@ -16,7 +16,7 @@ from tessera.core.naive_amp import (
     naive_amp_for,
     set_fp32_attr_to_module,
 )
-from tessera.core.precision import RunPrecision
+from tessera.core.precision import Precision
 
 
 class MlpModel(nn.Module):  # verbatim from DESIGN.md
@@ -146,7 +146,7 @@ def test_use_fp32_norm_by_class_and_name():
     assert "norm" in marked and "layers.1.ffn_norm" in marked
     assert all(module_has_fp32_attr(model.get_submodule(n)) for n in marked)
     assert not module_has_fp32_attr(model.output)
-    precision = RunPrecision.from_config({"model": {"dtype": "torch.bfloat16", "use_fp32_norm": True,
+    precision = Precision.from_config({"model": {"dtype": "torch.bfloat16", "use_fp32_norm": True,
                                                     "fp32_modules": ["output"]}})
     amp = naive_amp_for(TinyLM(), precision, sync_buffer=False)
     assert fp32_module_names(amp) >= {"norm", "output", "layers.0.attention_norm"}
@@ -206,7 +206,7 @@ def test_sync_buffer_is_a_no_op_without_distributed(monkeypatch):
 from tessera.model import build_model  # noqa: E402
 from tessera.model.generation import generate_ids  # noqa: E402
 from tessera.model.kv_cache import KVCache, forward_with_cache, generate_ids_cached  # noqa: E402
-from tests.tolerances import allclose_tols, order_rtol, transformer_depth  # noqa: E402
+from tests.tolerances import allclose_tols, order_rtol, precision_rtol, transformer_depth  # noqa: E402
 
 SMALL = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_kv_attention_heads=2, vocab_size=64,
              mlp_ratio=2.0, multiple_of=16, use_flash_attn=False)
@@ -252,6 +252,44 @@ def test_fp32_head_logits_are_not_rounded_to_bf16():
     torch.testing.assert_close(logits, ref, **allclose_tols(order_rtol(torch.float32, SMALL["hidden_size"]),
                                                             float(ref.abs().max())))  # rtol 4.8e-7
     assert not torch.equal(logits, ref.bfloat16().float())  # the old rounding would differ
+
+
+@pytest.mark.parametrize("marks,head_dtype", [(["output"], torch.float32), (["norm"], torch.bfloat16),
+                                              ([], torch.bfloat16)])
+def test_the_head_dtype_is_decided_once_and_handed_to_the_decoder(marks, head_dtype):
+    model = NaiveAMPModel(_decoder(), dtype=torch.bfloat16, fp32_modules=marks, sync_buffer=False)
+    assert model.head_dtype == model.model.head_dtype == head_dtype
+    assert _decoder().head_dtype is None  # unwrapped: the head computes in the hidden state's dtype
+
+
+def test_fp32_head_fused_with_the_loss_computes_in_fp32():
+    """The head fused with the loss never calls the head module (no hooks): it takes the same decision.
+    Independent reference: the per-token cross-entropy in fp64 of the fp32 head applied by hand to the bf16
+    hidden state; the bf16 head's loss lies far outside the bound."""
+    from tessera.parallel.loss import LossSpec
+
+    torch.manual_seed(0)
+    model = NaiveAMPModel(_decoder(), dtype=torch.bfloat16, fp32_modules=["output"], sync_buffer=False)
+    inner = model.model
+    with torch.no_grad():
+        inner.output.weight.mul_(40.0)  # logits of size ~10-20, where bf16 rounding is ~0.06
+    hidden = {}
+    inner.norm.register_forward_hook(lambda m, args, out: hidden.__setitem__("h", out.detach()))
+    ids, labels = torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8))
+    loss = model(ids, labels=labels, loss=LossSpec(reduction="none")).detach()
+    assert loss.dtype == torch.float32
+    weight = inner.output.weight.detach()
+
+    def token_losses(logits):
+        return torch.nn.functional.cross_entropy(logits.double().flatten(0, 1), labels.flatten(), reduction="none")
+
+    ref = token_losses(hidden["h"].double() @ weight.double().t()).view_as(loss)
+    scale = float((hidden["h"].double() @ weight.double().t()).abs().max())
+    # one fp32 GEMM (32-long sums) and a log-sum-exp over the vocabulary, against fp64; atol at the logits' scale
+    tols = allclose_tols(2 * precision_rtol(torch.float32, SMALL["hidden_size"] + SMALL["vocab_size"]), scale)
+    torch.testing.assert_close(loss.double(), ref, **tols)
+    bf16 = token_losses((hidden["h"] @ weight.bfloat16().t()).float()).view_as(loss)
+    assert (bf16 - ref).abs().max() > tols["atol"] + tols["rtol"] * ref.abs().max()  # the test can tell
 
 
 @pytest.mark.parametrize("marks", [["layers.*.attention"], ["layers.1"], ["norm", "output"]])

@@ -333,6 +333,6 @@ def test_settings_enter_through_zero_cfg_only():
 def test_documented_import_paths_are_the_optim_classes():
     from tessera.core.grad_scaler import DynamicGradScaler
     from tessera.core.grad_scaler import DynamicGradScaler as documented_scaler
-    from tessera.core.optimizer import HybridZeroOptimizer as documented_optimizer
+    from tessera.optim import HybridZeroOptimizer as documented_optimizer
 
     assert documented_optimizer is HybridZeroOptimizer and documented_scaler is DynamicGradScaler

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from tessera.config import ConfigError
-from tessera.config.precision import VALID_NAMES, parse_dtype
+from tessera.config.dtypes import MODEL_DTYPE_NAMES, parse_dtype
 from tessera.core.precision import apply_precision
 
 # storage dtype and TF32 state from DESIGN.md's precision table, written out independently here
@@ -52,7 +52,7 @@ def test_unknown_dtype_lists_valid_names():
     assert "torch.float8" in msg and "model.dtype" in msg
     for name in ("torch.bfloat16", "torch.tf32", "fp16"):
         assert name in msg
-    assert set(VALID_NAMES) >= {"torch.float16", "torch.half", "torch.bfloat16", "torch.float32", "torch.tf32"}
+    assert set(MODEL_DTYPE_NAMES) >= {"torch.float16", "torch.half", "torch.bfloat16", "torch.float32", "torch.tf32"}
 
 
 def test_unsupported_torch_dtype():
@@ -65,7 +65,7 @@ def test_one_table_of_dtype_names_agrees_with_torch():
     against torch's own names, and the tables derived from it say the same."""
     from tessera.checkpoint import parse_dtype_name
     from tessera.checkpoint.safetensors_io import DTYPE_NAMES, NAME_DTYPES
-    from tessera.config.precision import DTYPE_TABLE, dtype_from_name, dtype_name, dtypes_by_short_name
+    from tessera.config.dtypes import DTYPE_TABLE, dtype_from_name, dtype_name, dtypes_by_short_name
 
     for row in DTYPE_TABLE:
         assert str(row.dtype) == f"torch.{row.name}" and dtype_name(row.dtype) == row.name

@@ -501,13 +501,13 @@ def test_parallel_output_true_and_false_agree_at_tp2(jobs):
 def test_tf32_keeps_fp32_parameters_and_fp32_numbers_on_cpu():
     """``tf32`` is a CUDA compute mode, not a storage dtype: parameters stay fp32 (marks or not) and a
     CPU forward equals the fp32 model's bitwise."""
-    from tessera.config.precision import parse_dtype, resolve_precision
+    from tessera.config.dtypes import parse_dtype, resolve_model_dtype
     from tessera.core.naive_amp import NaiveAMPModel
     from tessera.model import build_model
 
     for name in ("tf32", "torch.tf32"):
         assert parse_dtype(name) == (torch.float32, True)
-        p = resolve_precision(name)
+        p = resolve_model_dtype(name)
         assert p.dtype == torch.float32 and p.tf32 and not p.is_low_precision and not p.uses_loss_scaling
     assert parse_dtype("torch.float32") == (torch.float32, False)
 
@@ -520,7 +520,7 @@ def test_tf32_keeps_fp32_parameters_and_fp32_numbers_on_cpu():
         model = NaiveAMPModel(build_model(cfg, seed=SEED), dtype="torch.tf32", sync_buffer=False,
                               fp32_modules=marks.get("fp32_modules", ()),
                               use_fp32_norm=bool(marks.get("use_fp32_norm")))
-        assert model.dtype == torch.float32 and model.precision.tf32
+        assert model.dtype == torch.float32 and model.model_dtype.tf32
         assert {p.dtype for p in model.parameters()} == {torch.float32}, marks
         with torch.no_grad():
             got = model(ids)

@@ -1,11 +1,11 @@
 """DESIGN.md's public API block, run as written: every contract path imports, and each name is the object the
 code defines (``tessera.core`` holds the run description, the parallel context, launch and precision itself;
-``tessera.core.optimizer`` names the optimizer, which sits above ``core``, lazily)."""
+the optimizer is ``tessera.optim``'s, above ``core``)."""
 
 
 def test_the_design_import_block_runs_and_names_the_real_objects():
     import tessera.config
-    import tessera.config.precision
+    import tessera.config.dtypes
     import tessera.core.context
     import tessera.core.grad_scaler
     import tessera.core.naive_amp
@@ -14,9 +14,9 @@ def test_the_design_import_block_runs_and_names_the_real_objects():
     from tessera.core.context import ParallelMode, gpc, launch_from_slurm, launch_from_torch
     from tessera.core.grad_scaler import DynamicGradScaler
     from tessera.core.naive_amp import NaiveAMPModel, module_has_fp32_attr, set_fp32_attr_to_module
-    from tessera.core.optimizer import HybridZeroOptimizer
     from tessera.core.precision import parse_dtype
     from tessera.model import RMSNorm, build_model
+    from tessera.optim import HybridZeroOptimizer
     from tessera.parallel import (
         ColumnParallelLinear,
         RowParallelLinear,
@@ -28,7 +28,7 @@ def test_the_design_import_block_runs_and_names_the_real_objects():
     assert gpc is tessera.core.context.gpc and type(gpc).__module__ == "tessera.core.context"
     assert ParallelMode is tessera.core.layout.ParallelMode
     assert launch_from_torch.__module__ == launch_from_slurm.__module__ == "tessera.core.context"
-    assert parse_dtype is tessera.config.precision.parse_dtype  # the one dtype parser
+    assert parse_dtype is tessera.config.dtypes.parse_dtype  # the one dtype parser
     assert NaiveAMPModel.__module__ == "tessera.core.naive_amp"
     assert set_fp32_attr_to_module.__module__ == module_has_fp32_attr.__module__ == "tessera.core.naive_amp"
     assert DynamicGradScaler.__module__ == "tessera.core.grad_scaler"

@@ -37,8 +37,8 @@ from tessera.checkpoint.safetensors_io import SafetensorsReader, SafetensorsWrit
 from tessera.checkpoint.source import CheckpointSource
 from tessera.checkpoint.tree import flat_state_metadata
 from tessera.config import Config
-from tessera.config.precision import dtype_from_name
-from tessera.core.precision import RunPrecision
+from tessera.config.dtypes import dtype_from_name
+from tessera.core.precision import Precision
 from tessera.data.errors import DataError
 from tessera.data.run_tokenizer import tokenizer_for_checkpoint
 from tessera.data.tokenizer import HFTokenizer, write_hf_tokenizer_files
@@ -56,7 +56,7 @@ def parse_dtype_name(name: str) -> torch.dtype:
 
 def run_dtype(model_cfg: Mapping[str, Any]) -> torch.dtype:
     """The storage dtype a run trained in (tf32 is fp32 storage), from its saved ``model`` section."""
-    return RunPrecision.from_config({"model": model_cfg}).dtype
+    return Precision.from_config({"model": model_cfg}).dtype
 
 
 # ---------------------------------------------------------------------------------------- export

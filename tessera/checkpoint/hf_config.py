@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from tessera.checkpoint.errors import CheckpointError
-from tessera.config.precision import dtype_from_name, dtype_name
+from tessera.config.dtypes import dtype_from_name, dtype_name
 from tessera.model.args import ModelArgs
 from tessera.model.mlp import ffn_hidden_size
 from tessera.model.rotary import ROPE_SCALING_TYPES, rope_scaling_problem

@@ -21,12 +21,12 @@ from typing import Any
 
 import torch
 
-from tessera.config.precision import SAFETENSORS_CODES
+from tessera.config.dtypes import SAFETENSORS_CODES
 from tessera.files import publish_file
 
 __all__ = ["DTYPE_NAMES", "SafetensorsReader", "SafetensorsWriter", "read_header", "tensor_bytes"]
 
-# safetensors dtype codes <-> torch dtypes, from the one table of dtype names (tessera.config.precision)
+# safetensors dtype codes <-> torch dtypes, from the one table of dtype names (tessera.config.dtypes)
 DTYPE_NAMES: dict[torch.dtype, str] = SAFETENSORS_CODES
 NAME_DTYPES: dict[str, torch.dtype] = {v: k for k, v in DTYPE_NAMES.items()}
 _MAX_HEADER = 100 * 1024 * 1024

@@ -7,7 +7,7 @@
     internevo.py  InternEvo's configs as they are: each of its keys mapped, a no-op, or refused (all at once);
                   the table is internevo_table.py, its handlers internevo_keys.py, file rules internevo_rules.py
     typed.py      RunConfig: the typed view of a validated config (frozen dataclasses per section, for mypy)
-    precision.py  ``model.dtype`` names -> storage dtype + TF32 switch
+    dtypes.py     the one table of dtype names and their parsing; ``model.dtype`` -> ModelDtype (storage + TF32)
     errors.py     ConfigError
 """
 

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
+from tessera.config.dtypes import resolve_model_dtype
 from tessera.config.errors import ConfigError, where
-from tessera.config.precision import resolve_precision
 from tessera.config.schema import SCHEMA
 from tessera.model.args import ModelArgs, ModelSizeError, check_tensor_parallel_sizes
 from tessera.model.compile import settings_problem as compile_settings_problem
@@ -106,7 +106,7 @@ def check_optimizer_precision(cfg: dict[str, Any], source: str | None = None) ->
     """bf16 masters and fp8 linears only under a bf16 model; a compensation only for bf16 masters."""
     w = where(source)
     opt = cfg["hybrid_zero_optimizer"]
-    model_dtype = resolve_precision(cfg["model"]["dtype"])
+    model_dtype = resolve_model_dtype(cfg["model"]["dtype"])
     if cfg["model"]["fp8"]["enabled"] and model_dtype.dtype != torch.bfloat16:
         raise ConfigError(f"model.fp8.enabled=True needs model.dtype bfloat16, not {model_dtype.name}{w}")
     if opt["master_dtype"] == "bf16" and model_dtype.dtype != torch.bfloat16:

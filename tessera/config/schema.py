@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
+from tessera.config.dtypes import parse_dtype
 from tessera.config.errors import ConfigError
-from tessera.config.precision import parse_dtype
 from tessera.model.args import ModelArgs
 from tessera.model.compile import BACKENDS as COMPILE_BACKENDS
 from tessera.model.compile import MODES as COMPILE_MODES

@@ -7,10 +7,10 @@
     context.py           ParallelContext / gpc (InternEvo's getters, RNG streams) and the launchers that fill it:
                          launch, launch_from_torch, launch_from_slurm
     config.py            as_config: the config a launch takes (file, dict or Config), validated
-    precision.py         RunPrecision (dtypes as torch dtypes, fp32 marks, fp8) and the backend switches
+    precision.py         Precision: the run's dtypes as torch dtypes (model, optimizer), fp32 marks, fp8; the
+                         backend switches
     naive_amp.py         NaiveAMPModel and the fp32 marks
     grad_scaler.py       the loss scalers a precision needs
-    optimizer.py         OptimizerDtypes; the documented path of HybridZeroOptimizer
 
 This package imports nothing of its own here: import the module you need.
 """

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from tessera.config import ConfigError
-from tessera.config.precision import Precision, resolve_precision
+from tessera.config.dtypes import ModelDtype, resolve_model_dtype
 
 __all__ = ["BaseGradScaler", "ConstantGradScaler", "DynamicGradScaler", "build_grad_scaler"]
 
@@ -121,14 +121,14 @@ class DynamicGradScaler(BaseGradScaler):
 
 
 def build_grad_scaler(
-    grad_scaler_cfg: Mapping[str, Any] | None, precision: str | Any | Precision
+    grad_scaler_cfg: Mapping[str, Any] | None, precision: str | Any | ModelDtype
 ) -> BaseGradScaler:
     """The scaler a precision needs: dynamic (from the ``grad_scaler`` config section) for fp16, else 1.
 
     ``grad_scaler_cfg`` uses the config layout: ``fp16=dict(initial_scale, min_scale,
     growth_interval)`` plus ``growth_factor``, ``backoff_factor``, ``max_scale``, ``hysteresis``.
     """
-    p = resolve_precision(precision)
+    p = resolve_model_dtype(precision)
     if not p.uses_loss_scaling:
         return ConstantGradScaler(1.0)
     cfg = dict(grad_scaler_cfg or {})

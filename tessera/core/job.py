@@ -2,7 +2,7 @@
 
 A ``Job`` is built once, after launch, from the config: the rank layout (sizes and ranks of world /
 TP / DP / ZeRO-1), the process groups of this rank, the tensor mode, the device, the seed and the
-precision as torch dtypes (``RunPrecision``). ``train.py`` passes it explicitly to the builder of the
+precision as torch dtypes (``Precision``). ``train.py`` passes it explicitly to the builder of the
 training stack, the memory check, checkpointing and metrics; ``gpc`` (for InternEvo-style user code)
 reads its groups and ranks from it. Nothing below re-parses a dtype name or re-derives a group size
 from the config.
@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from tessera.config.schema import default_of
 from tessera.core.layout import Layout, ParallelMode
-from tessera.core.precision import RunPrecision
+from tessera.core.precision import Precision
 from tessera.parallel.sequence import TENSOR_MODES
 
 __all__ = ["Job", "JobGroups"]
@@ -65,7 +65,7 @@ class Job:
 
     layout: Layout
     groups: JobGroups
-    precision: RunPrecision
+    precision: Precision
     tensor_mode: str = "mtp"
     device: torch.device = torch.device("cpu")
     seed: int = 0
@@ -99,7 +99,7 @@ class Job:
         groups = groups or JobGroups()
         tensor = (cfg.get("parallel") or {}).get("tensor") or {}
         mode = tensor.get("mode") or default_of("parallel.tensor.mode")
-        return cls(layout=layout or groups.layout(), groups=groups, precision=RunPrecision.from_config(cfg),
+        return cls(layout=layout or groups.layout(), groups=groups, precision=Precision.from_config(cfg),
                    tensor_mode=mode, device=torch.device(device),
                    seed=int(cfg.get("seed", default_of("seed"))) if seed is None else seed)
 

@@ -6,6 +6,12 @@ keep fp32 weights and compute in fp32. Those modules are marked by attribute
 (``set_fp32_attr_to_module``), by name pattern (``mark_fp32_modules``) or by the ``use_fp32_norm``
 switch; the wrapper casts their inputs to fp32 and their outputs back to the model dtype with forward
 hooks, so the surrounding low-precision code never sees an fp32 activation it did not ask for.
+
+The one exception is the head, the module whose output is the model's (``model_head``): when it is
+marked and the wrapper returns fp32 outputs, its output is already what the caller asked for, so it is
+returned as computed, never rounded to the model dtype on the way. Whether the head computes in fp32 is
+decided once here (``NaiveAMPModel.head_dtype``) and handed to tessera's decoder as its ``head_dtype``
+(it fuses the head with the loss, where the head module and its hooks are not called).
 """
 
 from __future__ import annotations
@@ -20,10 +26,10 @@ import torch.distributed as dist
 from torch import nn
 
 from tessera.config import ConfigError
-from tessera.config.precision import Precision, resolve_precision
+from tessera.config.dtypes import ModelDtype, resolve_model_dtype
 from tessera.core.context import ParallelMode, gpc
-from tessera.core.precision import RunPrecision
-from tessera.model.transformer import DecoderLayer
+from tessera.core.precision import Precision
+from tessera.model.transformer import Transformer
 from tessera.parallel.fp8 import RECIPES
 from tessera.parallel.layers import ColumnParallelLinear, RowParallelLinear
 
@@ -36,6 +42,7 @@ __all__ = [
     "mark_fp32_modules",
     "mark_fp32_norms",
     "fp32_module_names",
+    "model_head",
     "naive_amp_for",
     "enable_fp8_linears",
     "unwrap_model",
@@ -115,6 +122,13 @@ def fp32_module_names(model: nn.Module) -> set[str]:
     return out
 
 
+def model_head(model: nn.Module) -> tuple[str, nn.Module] | None:
+    """The module whose output is the model's output: its last registered child (tessera's decoder: its
+    ``output``, by the module-name contract of ``tessera.model.transformer``); None without children."""
+    children = list(model.named_children())
+    return children[-1] if children else None
+
+
 def _check_shared_parameters(model: nn.Module) -> None:
     """A parameter shared by an fp32 module and a low-precision one (tied embeddings with only one
     side marked) cannot be both: refuse it, naming the modules, instead of picking one silently."""
@@ -161,7 +175,8 @@ class NaiveAMPModel(nn.Module):
     fp32 and tf32 cast nothing (tf32 is a compute mode, switched on by ``tessera.core.precision``).
     ``fp32_modules`` / ``use_fp32_norm`` mark modules by name before casting (config keys of the same
     name). The wrapped model is ``.model``, so names without the wrapper prefix are
-    ``wrapper.model.named_parameters()``.
+    ``wrapper.model.named_parameters()``. ``head_dtype``: what the head (``model_head``) computes in, fp32
+    when it is marked, else the model dtype; handed to a ``Transformer`` as its ``head_dtype``.
     """
 
     def __init__(
@@ -170,15 +185,15 @@ class NaiveAMPModel(nn.Module):
         output_to_fp32: bool = True,
         parallel_mode: ParallelMode | Any = ParallelMode.DATA,
         sync_buffer: bool = True,
-        dtype: torch.dtype | str | Precision = torch.float16,
+        dtype: torch.dtype | str | ModelDtype = torch.float16,
         fp32_modules: Iterable[str] = (),
         use_fp32_norm: bool = False,
     ) -> None:
         super().__init__()
         if isinstance(model, NaiveAMPModel):
             raise TypeError("NaiveAMPModel: the model is already wrapped in a NaiveAMPModel")
-        self.precision: Precision = resolve_precision(dtype)
-        self.dtype = self.precision.dtype
+        self.model_dtype: ModelDtype = resolve_model_dtype(dtype)
+        self.dtype = self.model_dtype.dtype
         self.output_to_fp32 = output_to_fp32
         self.parallel_mode = parallel_mode
         self._sync_buf = sync_buffer
@@ -188,11 +203,23 @@ class NaiveAMPModel(nn.Module):
             mark_fp32_norms(model)
         self.model = model
         self._hooks: list[Any] = []
-        # fp32 outputs of marked modules, keyed by id of their low-precision cast, for this forward only
-        self._fp32_twins: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         if self.dtype != torch.float32:  # fp32/tf32 store everything in fp32: marks cannot conflict
             _check_shared_parameters(model)
+        self.head_dtype = self._decide_head_dtype(model)
         self._convert(model)
+
+    def _decide_head_dtype(self, model: nn.Module) -> torch.dtype:
+        """The head's compute dtype (fp32 when it or an ancestor is marked), decided once and handed to
+        tessera's decoder, which applies its head itself when it fuses it with the loss."""
+        head = model_head(model)
+        in_fp32 = {id(m) for _, root in _fp32_roots(model) for m in root.modules()}
+        head_dtype = torch.float32 if head is not None and id(head[1]) in in_fp32 else self.dtype
+        if isinstance(model, Transformer):
+            model.head_dtype = head_dtype
+        if head is not None and head_dtype != self.dtype and self.output_to_fp32:
+            logger.info("NaiveAMPModel: the head %r computes in fp32 and its output is returned in fp32 as "
+                        "computed (not rounded to %s)", head[0], self.model_dtype.name)
+        return head_dtype
 
     # ------------------------------------------------------------------ casting
     def _convert(self, model: nn.Module) -> None:
@@ -209,13 +236,14 @@ class NaiveAMPModel(nn.Module):
                     module._buffers[name] = b.to(target)
         if self.dtype == torch.float32:
             return  # fp32 / tf32: marked modules need no casts either
-        # a decoder block's output is never the model's: marked modules inside blocks keep no fp32 twin, which
-        # keeps their hooks free of side effects where a block is compiled under selective recomputation
-        in_blocks = {id(m) for block in model.modules() if isinstance(block, DecoderLayer) for m in block.modules()}
+        # the model's output comes from its head (or the model itself, when that is marked): with fp32 outputs
+        # asked for, it is not rounded to the model dtype on its way out
+        head = model_head(model)
+        output_roots = {id(model), *((id(head[1]),) if head else ())} if self.output_to_fp32 else set()
         for _, root in _fp32_roots(model):
             self._hooks.append(root.register_forward_pre_hook(self._to_fp32_pre_hook, with_kwargs=True))
-            hook = self._cast_back_hook if id(root) in in_blocks else self._to_model_dtype_hook
-            self._hooks.append(root.register_forward_hook(hook))
+            if id(root) not in output_roots:
+                self._hooks.append(root.register_forward_hook(self._cast_back_hook))
 
     @staticmethod
     def _to_fp32_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -223,26 +251,6 @@ class NaiveAMPModel(nn.Module):
 
     def _cast_back_hook(self, module: nn.Module, args: tuple, output: Any) -> Any:
         return _cast_floating(output, self.dtype)
-
-    def _to_model_dtype_hook(self, module: nn.Module, args: tuple, output: Any) -> Any:
-        cast = _cast_floating(output, self.dtype)
-        if self.output_to_fp32 and isinstance(output, torch.Tensor) and cast is not output:
-            self._fp32_twins[id(cast)] = (cast, output)
-        return cast
-
-    def _restore_fp32(self, out: Any) -> Any:
-        """A model output that is exactly a marked module's cast output gets that module's fp32 tensor
-        back (e.g. an fp32 head's logits), instead of the cast rounded to the model dtype and upcast."""
-        if isinstance(out, torch.Tensor):
-            twin = self._fp32_twins.get(id(out))
-            return twin[1] if twin is not None and twin[0] is out else out
-        if isinstance(out, tuple) and hasattr(out, "_fields"):
-            return type(out)(*(self._restore_fp32(x) for x in out))
-        if isinstance(out, (tuple, list)):
-            return type(out)(self._restore_fp32(x) for x in out)
-        if isinstance(out, Mapping):
-            return {k: self._restore_fp32(v) for k, v in out.items()}
-        return out
 
     # ------------------------------------------------------------------ buffers
     def _buffer_group(self) -> Any:
@@ -275,17 +283,11 @@ class NaiveAMPModel(nn.Module):
             self._sync_buffers()
         args = _cast_floating(args, self.dtype)
         kwargs = _cast_floating(kwargs, self.dtype)
-        self._fp32_twins.clear()
-        try:
-            out = self.model(*args, **kwargs)
-            if self.output_to_fp32:
-                out = _cast_floating(self._restore_fp32(out), torch.float32)
-        finally:
-            self._fp32_twins.clear()
-        return out
+        out = self.model(*args, **kwargs)
+        return _cast_floating(out, torch.float32) if self.output_to_fp32 else out
 
 
-def naive_amp_for(model: nn.Module, precision: RunPrecision, *, sync_buffer: bool = True,
+def naive_amp_for(model: nn.Module, precision: Precision, *, sync_buffer: bool = True,
                   parallel_mode: ParallelMode | Any = ParallelMode.DATA) -> NaiveAMPModel:
     """Wrap ``model`` as the run's precision asks: its dtype, fp32 marks (patterns and ``use_fp32_norm``,
     resolved to module names here, once) and fp8 linears. ``parallel_mode``: the group whose floating
@@ -301,8 +303,8 @@ def naive_amp_for(model: nn.Module, precision: RunPrecision, *, sync_buffer: boo
 def enable_fp8_linears(amp: NaiveAMPModel, recipe: str, exclude: Iterable[str] = ("output",)) -> list[str]:
     """Run the GEMMs of the model's parallel linears in fp8 (``tessera.parallel.fp8``), except fp32-marked
     modules and names matching ``exclude``; returns the names converted (logged once)."""
-    if amp.precision.dtype != torch.bfloat16:
-        raise ValueError(f"fp8 linears need a bf16 model, not {amp.precision.name} (model.fp8.enabled)")
+    if amp.model_dtype.dtype != torch.bfloat16:
+        raise ValueError(f"fp8 linears need a bf16 model, not {amp.model_dtype.name} (model.fp8.enabled)")
     if recipe not in RECIPES:
         raise ValueError(f"model.fp8.recipe must be one of {list(RECIPES)}, got {recipe!r}")
     fp32 = fp32_module_names(amp)

@@ -1,9 +1,12 @@
-"""The run's precision, resolved once from the config as torch dtypes, and the backend switches it owns.
+"""The run's precision: ``Precision``, every precision fact of a run resolved once as torch dtypes, and
+the backend switches it owns.
 
-``RunPrecision.from_config`` is the only reader of ``model.dtype`` and the precision keys around it
+``Precision.from_config`` is the only reader of ``model.dtype`` and the precision keys around it
 (``model.allow_reduced_precision_reduction``, ``model.fp32_modules``, ``model.use_fp32_norm``,
-``model.fp8``, and the dtypes of ``hybrid_zero_optimizer``); everything below the launcher takes the
-resolved object. The names themselves are parsed by ``tessera.config.precision`` (the one dtype table).
+``model.fp8``, and the dtypes of ``hybrid_zero_optimizer``: ``OptimizerDtypes``); everything below the
+launcher takes the resolved object (``Job.precision``). Its parts, one name each: ``ModelDtype`` (what
+``model.dtype`` means: storage dtype and TF32, parsed by ``tessera.config.dtypes``, the one dtype table),
+``Fp8Spec`` and ``OptimizerDtypes``.
 
 The switches: ``torch.tf32`` is not a storage type, the parameters stay fp32 and TF32 is a compute
 mode of CUDA matmuls and cuDNN convolutions. It is flipped only through the legacy ``allow_tf32``
@@ -24,12 +27,13 @@ from typing import Any
 
 import torch
 
-from tessera.config.precision import Precision, parse_dtype, resolve_precision
+from tessera.config.dtypes import ModelDtype, dtype_from_name, parse_dtype, resolve_model_dtype
 from tessera.config.schema import default_of
-from tessera.core.optimizer import OptimizerDtypes, optimizer_dtypes
 
-__all__ = ["Fp8Spec", "Precision", "RunPrecision", "apply_precision", "parse_dtype", "precision_of", "set_tf32",
-           "set_reduced_precision_reduction"]
+__all__ = ["Fp8Spec", "ModelDtype", "OptimizerDtypes", "Precision", "apply_precision", "model_dtype_of",
+           "optimizer_dtypes", "parse_dtype", "set_reduced_precision_reduction", "set_tf32"]
+
+_OPTIMIZER_DTYPES = (torch.float32, torch.bfloat16)
 
 
 @dataclass(frozen=True)
@@ -42,11 +46,39 @@ class Fp8Spec:
 
 
 @dataclass(frozen=True)
-class RunPrecision:
+class OptimizerDtypes:
+    """The dtypes HybridZeroOptimizer keeps (``hybrid_zero_optimizer`` keys), as torch dtypes."""
+
+    master: torch.dtype = torch.float32
+    state: torch.dtype = torch.float32  # Adam moments
+    reduce: torch.dtype = torch.float32  # gradient accumulation and the DP reduction
+    compensation: str = "none"  # bf16 masters: "none" | "kahan" | "stochastic"
+
+
+def optimizer_dtypes(section: Mapping[str, Any], model: ModelDtype) -> OptimizerDtypes:
+    """``hybrid_zero_optimizer``'s dtype keys as torch dtypes: ``master_dtype`` and ``optimizer_state_dtype``
+    (fp32 | bf16), ``reduce_dtype`` (fp32 | model: the model's storage dtype)."""
+    def pick(key: str) -> torch.dtype:
+        value = section.get(key) or "fp32"
+        try:
+            return dtype_from_name(value, among=_OPTIMIZER_DTYPES)
+        except ValueError as e:
+            raise ValueError(f"hybrid_zero_optimizer.{key}: {e}") from None
+
+    reduce = section.get("reduce_dtype") or "fp32"
+    return OptimizerDtypes(
+        master=pick("master_dtype"), state=pick("optimizer_state_dtype"),
+        reduce=model.dtype if reduce == "model" else pick("reduce_dtype"),
+        compensation=str(section.get("master_compensation") or "none"),
+    )
+
+
+@dataclass(frozen=True)
+class Precision:
     """Every precision fact of a run, as torch dtypes and flags. ``fp32_modules`` holds the config's patterns
     and ``use_fp32_norm``; the builder resolves them to module names on the built decoder."""
 
-    model: Precision
+    model: ModelDtype
     reduced_precision_reduction: bool = False
     fp32_modules: tuple[str, ...] = ()
     use_fp32_norm: bool = False
@@ -64,39 +96,39 @@ class RunPrecision:
         return self.model.name
 
     @classmethod
-    def of(cls, dtype: str | torch.dtype | Precision, **fields: Any) -> RunPrecision:
+    def of(cls, dtype: str | torch.dtype | ModelDtype, **fields: Any) -> Precision:
         """A precision for code that has no config: the model dtype, other fields as given (defaults else)."""
-        return cls(resolve_precision(dtype), **fields)
+        return cls(resolve_model_dtype(dtype), **fields)
 
     @classmethod
-    def from_config(cls, cfg: Mapping[str, Any]) -> RunPrecision:
+    def from_config(cls, cfg: Mapping[str, Any]) -> Precision:
         """Read a config (a ``Config`` or its dict; absent sections take their defaults) once."""
         model = dict(cfg.get("model") or {})
-        precision = resolve_precision(model.get("dtype") or default_of("model.dtype"))
+        model_dtype = resolve_model_dtype(model.get("dtype") or default_of("model.dtype"))
         fp8 = dict(model.get("fp8") or {})
         fp32 = model.get("fp32_modules") or ()
         return cls(
-            model=precision,
+            model=model_dtype,
             reduced_precision_reduction=bool(model.get("allow_reduced_precision_reduction", False)),
             fp32_modules=(fp32,) if isinstance(fp32, str) else tuple(fp32),
             use_fp32_norm=bool(model.get("use_fp32_norm", False)),
             fp8=Fp8Spec(bool(fp8.get("enabled", False)), str(fp8.get("recipe", "tensorwise")),
                         tuple(fp8.get("exclude", ("output",)))),
-            optimizer=optimizer_dtypes(cfg.get("hybrid_zero_optimizer") or {}, precision),
+            optimizer=optimizer_dtypes(cfg.get("hybrid_zero_optimizer") or {}, model_dtype),
         )
 
-    def with_model_dtype(self, dtype: str | torch.dtype | Precision) -> RunPrecision:
+    def with_model_dtype(self, dtype: str | torch.dtype | ModelDtype) -> Precision:
         """The same run at another model dtype (the precision report compares dtypes)."""
-        return dataclasses.replace(self, model=resolve_precision(dtype))
+        return dataclasses.replace(self, model=resolve_model_dtype(dtype))
 
     def apply(self) -> None:
         """Set the process-wide switches this precision asks for (``apply_precision``)."""
         apply_precision(self.model, reduced_precision_reduction=self.reduced_precision_reduction)
 
 
-def precision_of(dtype: torch.dtype | Precision) -> Precision:
-    """The ``Precision`` of a storage dtype (fp16, bf16 or fp32; never tf32, which no tensor carries)."""
-    return resolve_precision(dtype)
+def model_dtype_of(dtype: torch.dtype | ModelDtype) -> ModelDtype:
+    """The ``ModelDtype`` of a storage dtype (fp16, bf16 or fp32; never tf32, which no tensor carries)."""
+    return resolve_model_dtype(dtype)
 
 
 def set_tf32(enabled: bool) -> None:
@@ -115,14 +147,15 @@ def set_reduced_precision_reduction(allowed: bool) -> None:
         torch.backends.cuda.matmul.allow_fp16_accumulation = False
 
 
-def apply_precision(value: str | torch.dtype | Precision, *, reduced_precision_reduction: bool = False) -> Precision:
+def apply_precision(value: str | torch.dtype | ModelDtype, *,
+                    reduced_precision_reduction: bool = False) -> ModelDtype:
     """Apply the process-wide switches a precision asks for: TF32 on for tf32, IEEE fp32 otherwise, and
     bf16/fp16 GEMM reductions in fp32 unless ``reduced_precision_reduction`` allows them in reduced precision.
 
     fp16/bf16 runs also get TF32 off, so the fp32 parts of a mixed run (marked modules, the loss, the
     optimizer) compute in IEEE fp32 as the precision table promises.
     """
-    p = resolve_precision(value)
+    p = resolve_model_dtype(value)
     set_tf32(p.tf32)
     set_reduced_precision_reduction(reduced_precision_reduction)
     return p

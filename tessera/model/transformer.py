@@ -132,6 +132,10 @@ class Transformer(nn.Module):
     Forwards without autograd (validation under no_grad, generation, KV-cache decoding) run the mtp
     dataflow, the same numbers for any sequence length; a recorded forward whose length does not split
     over tp is an error.
+
+    ``head_dtype``: the dtype the head computes in and returns its logits in (the fused head: computes in),
+    handed down once by the precision wrapper (``tessera.core.naive_amp.NaiveAMPModel``: fp32 for an
+    fp32-marked head, else the model dtype); None, a model used without it: the hidden state's dtype.
     """
 
     def __init__(
@@ -168,6 +172,7 @@ class Transformer(nn.Module):
         )
         if args.tie_word_embeddings:
             self.output.weight = self.embedding.weight
+        self.head_dtype: torch.dtype | None = None
         self.init_weights(seed)
 
     @torch.no_grad()
@@ -230,18 +235,18 @@ class Transformer(nn.Module):
         h = self.norm(h, sequence_parallel=sp)
         if labels is not None:
             return self.head_loss(h, labels, loss or LossSpec(), sequence_parallel=sp)
-        return self.output(h, sequence_parallel=sp)
+        return self.output(self._head_input(h), sequence_parallel=sp)
 
     def head_loss(self, h: torch.Tensor, labels: torch.Tensor, spec: LossSpec, *,
                   sequence_parallel: bool = False) -> torch.Tensor:
         """The head and the vocab-parallel loss of the final hidden states ``h`` against ``labels``, fused in
         chunks of ``spec.chunk_tokens`` tokens: the ``[tokens, vocab]`` logits never exist at once. The head
-        computes in its weight's dtype (fp32 when it is fp32-marked), as its module would; with
+        computes in ``head_dtype`` (fp32 when it is fp32-marked), as its module would; with
         ``parallel_output=False`` the loss is the same, computed on the vocab shards. An fp8 or biased head
         runs unfused (its module, then ``vocab_parallel_cross_entropy``)."""
         head, group = self.output, self.process_group
         if head.fp8_recipe is not None or head.bias is not None:
-            logits = head(h, sequence_parallel=sequence_parallel)
+            logits = head(self._head_input(h), sequence_parallel=sequence_parallel)
             return vocab_parallel_cross_entropy(
                 logits, labels, group if self.args.parallel_output else None, ignore_index=spec.ignore_index,
                 label_smoothing=spec.label_smoothing, reduction=spec.reduction)
@@ -249,7 +254,11 @@ class Transformer(nn.Module):
             x = gather_from_sequence_region(h, group)  # the full sequence; backward: reduce-scatter
         else:
             x = copy_to_region(h, group)  # replicated; backward: the TP all-reduce of the input gradient
-        return linear_cross_entropy(x.to(head.weight.dtype), head.weight, labels, group, spec)
+        return linear_cross_entropy(self._head_input(x), head.weight, labels, group, spec)
+
+    def _head_input(self, h: torch.Tensor) -> torch.Tensor:
+        """``h`` in the dtype the head computes in (``head_dtype``; None: as it comes)."""
+        return h if self.head_dtype is None else h.to(self.head_dtype)
 
     def sequence_parallel_forward(self, cache: KVCacheLike | None = None) -> bool:
         """Whether a forward now runs sequence-parallel: msp over more than one rank, recording autograd,

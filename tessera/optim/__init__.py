@@ -14,6 +14,11 @@
 
 A layer between ``core`` and ``train``: it takes the run description (``tessera.core.job.Job``) for its
 groups, precision and seed, and the loss scalers from ``tessera.core.grad_scaler``. The documented path
-``tessera.core.optimizer.HybridZeroOptimizer`` names the class here; ``tessera.train.builder`` builds one
+``tessera.optim.HybridZeroOptimizer`` is the documented path; ``tessera.train.builder`` builds one
 from a config, as part of the training stack.
 """
+
+from tessera.optim.hybrid_zero import HybridZeroOptimizer
+from tessera.optim.skips import TooManySkippedSteps
+
+__all__ = ["HybridZeroOptimizer", "TooManySkippedSteps"]

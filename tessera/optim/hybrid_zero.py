@@ -33,11 +33,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tessera.config.precision import Precision
+from tessera.config.dtypes import ModelDtype
 from tessera.core.context import gpc
 from tessera.core.grad_scaler import BaseGradScaler, build_grad_scaler
 from tessera.core.job import Job, JobGroups
-from tessera.core.precision import RunPrecision
+from tessera.core.precision import Precision
 from tessera.optim.bucket import Bucket
 from tessera.optim.buffers import GradientBuffers
 from tessera.optim.clipping import GradNorm, clip_factor
@@ -95,12 +95,12 @@ class HybridZeroOptimizer(torch.optim.Optimizer):
         self._params = trainable_params(optimizer)
         # the precision: the caller's dtype, else the job passed, else the parameters' own (not the launched job's:
         # a model may be cast to another dtype than the launch config's)
-        stated = RunPrecision.of(dtype).model if dtype is not None else job.precision.model if job is not None else None
-        self._precision = resolve_optimizer_dtype(stated, self._params)
+        stated = Precision.of(dtype).model if dtype is not None else job.precision.model if job is not None else None
+        self._model_dtype = resolve_optimizer_dtype(stated, self._params)
         if seed is None:  # the run's seed (stochastic rounding of bf16 masters)
             seed = launched.seed if launched is not None else 0
-        self._policy = MasterPolicy.from_settings(self._settings, self._precision, optimizer, seed)
-        self._scaler = grad_scaler if grad_scaler is not None else build_grad_scaler(grad_scal_cfg, self._precision)
+        self._policy = MasterPolicy.from_settings(self._settings, self._model_dtype, optimizer, seed)
+        self._scaler = grad_scaler if grad_scaler is not None else build_grad_scaler(grad_scal_cfg, self._model_dtype)
         self._grads = GradientBuffers(
             optimizer.param_groups, param_name_map(param_names, self._params), dp=self._groups.dp,
             zero1=self._groups.zero1, master_dtype=self._policy.master_dtype,
@@ -131,9 +131,9 @@ class HybridZeroOptimizer(torch.optim.Optimizer):
         return self._settings
 
     @property
-    def precision(self) -> Precision:
-        """The model precision the optimizer works for."""
-        return self._precision
+    def model_dtype(self) -> ModelDtype:
+        """The model dtype the optimizer works for (the run's ``Precision.model``)."""
+        return self._model_dtype
 
     @property
     def policy(self) -> MasterPolicy:
@@ -212,7 +212,7 @@ class HybridZeroOptimizer(torch.optim.Optimizer):
         raise NotImplementedError("HybridZeroOptimizer: build the torch optimizer with all its groups first")
 
     def __repr__(self) -> str:
-        return (f"HybridZeroOptimizer({type(self._optim).__name__}, dtype={self._precision.name}, "
+        return (f"HybridZeroOptimizer({type(self._optim).__name__}, dtype={self._model_dtype.name}, "
                 f"zero1={self.zero1_size}, dp={self.dp_size}, tp={self.tp_size}, "
                 f"clip={self._settings.clip_grad_norm})")
 
@@ -310,7 +310,7 @@ class HybridZeroOptimizer(torch.optim.Optimizer):
 
     def _header(self, **extra: Any) -> dict[str, Any]:
         """What both state forms start with (``extra`` after the ZeRO size, as the formats list it)."""
-        return {"dtype": self._precision.name, "zero1_size": self.zero1_size, **extra,
+        return {"dtype": self._model_dtype.name, "zero1_size": self.zero1_size, **extra,
                 "scaler": self._scaler.state_dict(), "skipped_steps": self.skipped_steps, "num_steps": self.num_steps}
 
     def state_dict(self) -> dict[str, Any]:

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tessera.config.precision import Precision, dtypes_by_short_name
-from tessera.core.precision import precision_of
+from tessera.config.dtypes import ModelDtype, dtypes_by_short_name
+from tessera.core.precision import model_dtype_of
 from tessera.optim.bucket import Bucket
 from tessera.optim.lowp_adamw import COMPENSATIONS, Noise, adamw_step, element_noise, name_key
 from tessera.optim.params import LOW_PRECISION
@@ -35,14 +35,14 @@ _DTYPES = dtypes_by_short_name("fp32", "bf16")
 logger = logging.getLogger("tessera")
 
 
-def resolve_optimizer_dtype(stated: Precision | None, params: list[nn.Parameter]) -> Precision:
+def resolve_optimizer_dtype(stated: ModelDtype | None, params: list[nn.Parameter]) -> ModelDtype:
     """The model precision the optimizer works for: the ``stated`` one when given (checked against the
     parameters), else the parameters' low-precision dtype (fp32 when there is none)."""
     low = {p.dtype for p in params if p.dtype in LOW_PRECISION}
     if len(low) > 1:
         raise TypeError("HybridZeroOptimizer: parameters mix float16 and bfloat16")
     if stated is None:
-        return precision_of(next(iter(low)) if low else torch.float32)
+        return model_dtype_of(next(iter(low)) if low else torch.float32)
     p = stated
     if p.is_low_precision and low and low != {p.dtype}:
         raise TypeError(f"HybridZeroOptimizer: dtype={p.name} but the parameters are {next(iter(low))}")
@@ -70,7 +70,7 @@ class MasterPolicy:
     seed: int = 0
 
     @classmethod
-    def from_settings(cls, settings: ZeroSettings, precision: Precision, optimizer: torch.optim.Optimizer,
+    def from_settings(cls, settings: ZeroSettings, precision: ModelDtype, optimizer: torch.optim.Optimizer,
                       seed: int = 0) -> MasterPolicy:
         """The policy the settings ask for, checked against the model precision and the optimizer."""
         def pick(key: str, allowed: tuple[str, ...]) -> str:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tessera.config import Config, ConfigError, check_model_sizes
-from tessera.core.precision import RunPrecision
+from tessera.core.precision import Precision
 from tessera.model.flash_probe import flash_attn_available
 from tessera.plan.report import (
     Plan,
@@ -107,7 +107,7 @@ def search_layouts(cfg: Config, gpus: int, memory_gib: float, *, gpu: str = "h10
     headroom = headroom_of(cfg) if headroom is None else headroom
     flash = flash_attn_available() if flash_attn is None else flash_attn
     rows = cfg.data.micro_bsz * cfg.data.micro_num * max(1, gpus // cfg.parallel.tensor.size)
-    precision = RunPrecision.from_config(cfg)
+    precision = Precision.from_config(cfg)
     out: list[Candidate] = []
     for tp in [t for t in range(1, gpus + 1) if gpus % t == 0]:
         try:

@@ -17,7 +17,7 @@ from typing import Any
 from tessera.config import Config
 from tessera.config.schema import DEFAULT_MEMORY_HEADROOM
 from tessera.core.layout import Layout
-from tessera.core.precision import RunPrecision
+from tessera.core.precision import Precision
 from tessera.model import flops_per_token
 from tessera.model.activations import activation_bytes
 from tessera.model.args import ModelArgs
@@ -81,17 +81,17 @@ class StepShape:
     seq_len: int
     checkpoint: Any
     mode: str
-    precision: RunPrecision
+    precision: Precision
 
 
 def _layout(cfg: Config, world: int, rank: int = 0) -> tuple[Layout, StepShape]:
     """The rank layout of rank ``rank`` of ``cfg`` on ``world`` ranks, and its step shape."""
     lay = Layout.of(world, cfg.parallel.tensor.size, cfg.parallel.zero1.size, rank)
     return lay, StepShape(cfg.data.micro_bsz, cfg.data.micro_num, cfg.data.seq_len, cfg.model.checkpoint,
-                          cfg.parallel.tensor.mode, RunPrecision.from_config(cfg))
+                          cfg.parallel.tensor.mode, Precision.from_config(cfg))
 
 
-def _param_counts(cfg: Config, tp: int, precision: RunPrecision) -> tuple[int, int]:
+def _param_counts(cfg: Config, tp: int, precision: Precision) -> tuple[int, int]:
     return param_counts(cfg.model, tp, precision)
 
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tessera.core.naive_amp import NaiveAMPModel, fp32_module_names, unwrap_model
-from tessera.core.precision import RunPrecision
+from tessera.core.precision import Precision
 from tessera.optim.hybrid_zero import HybridZeroOptimizer
 from tessera.optim.params import build_param_groups
 
@@ -84,7 +84,7 @@ class PrecisionReport:
         return "\n".join(lines)
 
 
-def closed_form_bytes(precision: RunPrecision, zero1_size: int, low_params: int, fp32_params: int) -> dict[str, float]:
+def closed_form_bytes(precision: Precision, zero1_size: int, low_params: int, fp32_params: int) -> dict[str, float]:
     """Bytes per parameter by role for ``low_params`` model-dtype and ``fp32_params`` fp32 parameters, under
     the run's optimizer dtypes (masters, moments, gradient reduction, compensation)."""
     p, opt, d = precision.model, precision.optimizer, zero1_size
@@ -119,7 +119,7 @@ def _default_loss(output: Any) -> torch.Tensor:
 
 def _rows(amp: NaiveAMPModel) -> list[ModuleRow]:
     fp32_names = fp32_module_names(amp)
-    precision = amp.precision
+    model_dtype = amp.model_dtype
     rows = []
     for name, module in unwrap_model(amp).named_modules():
         own = list(module.parameters(recurse=False))
@@ -129,7 +129,7 @@ def _rows(amp: NaiveAMPModel) -> list[ModuleRow]:
             continue  # a container inside a marked module adds nothing
         dtypes = sorted({str(p.dtype).replace("torch.", "") for p in own}) or ["-"]
         marked = name in fp32_names
-        compute = "float32" if marked else ("tf32" if precision.tf32 else precision.name)
+        compute = "float32" if marked else ("tf32" if model_dtype.tf32 else model_dtype.name)
         rows.append(ModuleRow(name or "(root)", type(module).__name__, sum(p.numel() for p in own),
                               "/".join(dtypes), compute, marked))
     return rows
@@ -155,7 +155,7 @@ def _build_and_measure(
     params = list(amp.parameters())
     low = sum(p.numel() for p in params if p.dtype != torch.float32)
     fp32 = sum(p.numel() for p in params if p.dtype == torch.float32)
-    run = RunPrecision.from_config({"model": {"dtype": dtype},
+    run = Precision.from_config({"model": {"dtype": dtype},
                                     "hybrid_zero_optimizer": {**(policy or {}), "reduce_dtype": reduce_dtype}})
     d = opt.zero1_size
     return PrecisionReport(

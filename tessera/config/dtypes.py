@@ -1,12 +1,14 @@
-"""Precision names -> storage dtype + TF32 flag, and the one table of dtype names.
+"""Dtype names: the one table of them, and what a ``model.dtype`` value means (``ModelDtype``).
 
 ``DTYPE_TABLE`` names every dtype tessera reads or writes: torch's name, the short name of configs and
 tools (``bf16``), the safetensors code (``BF16``) and torch's other names (``half``). The precision
 aliases, the safetensors codes, the Hugging Face ``torch_dtype`` names and the optimizer's dtype keys
 are all derived from it.
 
-This module is the one place a dtype name is parsed. ``torch.tf32`` is not a storage type: the
-parameters stay fp32 and TF32 is a compute mode (``tessera.core.precision`` flips the switches).
+This module is the one place a dtype name is parsed; it sits in ``config`` because the config checks parse
+``model.dtype`` before any run exists. ``torch.tf32`` is not a storage type: the parameters stay fp32 and
+TF32 is a compute mode. The run's resolved precision (``Precision``: this model dtype, the fp32 marks,
+fp8, the optimizer's dtypes) and the backend switches are ``tessera.core.precision``.
 """
 
 from __future__ import annotations
@@ -17,12 +19,14 @@ import torch
 
 from tessera.config.errors import ConfigError
 
-__all__ = ["DTYPE_TABLE", "SAFETENSORS_CODES", "VALID_NAMES", "Precision", "dtype_from_name", "dtype_name",
-           "dtypes_by_short_name", "parse_dtype", "resolve_precision"]
+__all__ = ["DTYPE_TABLE", "MODEL_DTYPE_NAMES", "SAFETENSORS_CODES", "DTypeNames", "ModelDtype", "dtype_from_name",
+           "dtype_name", "dtypes_by_short_name", "parse_dtype", "resolve_model_dtype"]
 
 
 @dataclass(frozen=True)
 class DTypeNames:
+    """One dtype's names, as each file format and tool spells it."""
+
     dtype: torch.dtype
     name: str  # torch's: str(dtype) without "torch."
     short: str | None  # configs' and tools' short name
@@ -75,7 +79,7 @@ def dtypes_by_short_name(*short: str) -> dict[str, torch.dtype]:
 
 
 @dataclass(frozen=True)
-class Precision:
+class ModelDtype:
     """What a ``model.dtype`` value means: storage dtype, TF32 compute, loss scaling."""
 
     name: str  # canonical: float16 | bfloat16 | float32 | tf32
@@ -97,26 +101,26 @@ _CANONICAL["tf32"] = (torch.float32, True)
 _ALIASES = {alias: dtype_name(d) for d in (torch.float16, torch.bfloat16, torch.float32)
             for alias in _names(_BY_DTYPE[d])}
 _ALIASES.update({"tf32": "tf32", "torch.tf32": "tf32"})
-VALID_NAMES = sorted(_ALIASES)
+MODEL_DTYPE_NAMES = sorted(_ALIASES)
 
 
-def resolve_precision(value: str | torch.dtype | Precision) -> Precision:
-    """Resolve a dtype name, alias or torch dtype to a ``Precision``; unknown names list the valid ones."""
-    if isinstance(value, Precision):
+def resolve_model_dtype(value: str | torch.dtype | ModelDtype) -> ModelDtype:
+    """Resolve a dtype name, alias or torch dtype to a ``ModelDtype``; unknown names list the valid ones."""
+    if isinstance(value, ModelDtype):
         return value
     if isinstance(value, torch.dtype):
         for name, (dt, tf32) in _CANONICAL.items():
             if dt == value and not tf32:
-                return Precision(name, dt, False)
-        raise ConfigError(f"model.dtype: unsupported torch dtype {value}; valid: {VALID_NAMES}")
+                return ModelDtype(name, dt, False)
+        raise ConfigError(f"model.dtype: unsupported torch dtype {value}; valid: {MODEL_DTYPE_NAMES}")
     if not isinstance(value, str) or value.strip().lower() not in _ALIASES:
-        raise ConfigError(f"model.dtype: unknown dtype {value!r}; valid names: {VALID_NAMES}")
+        raise ConfigError(f"model.dtype: unknown dtype {value!r}; valid names: {MODEL_DTYPE_NAMES}")
     name = _ALIASES[value.strip().lower()]
     dt, tf32 = _CANONICAL[name]
-    return Precision(name, dt, tf32)
+    return ModelDtype(name, dt, tf32)
 
 
 def parse_dtype(value: str | torch.dtype) -> tuple[torch.dtype, bool]:
     """``"torch.tf32"`` -> ``(torch.float32, True)``; ``"bf16"`` -> ``(torch.bfloat16, False)``."""
-    p = resolve_precision(value)
+    p = resolve_model_dtype(value)
     return p.dtype, p.tf32
