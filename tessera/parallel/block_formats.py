@@ -55,6 +55,10 @@ MX_ELEMENTS = {f.name: f for f in (E4M3, E5M2)}
 E8M0_BIAS, E8M0_NAN = 127, 255  # E8M0 codes 0..254 are 2**-127..2**127, 255 is NaN; no zero, no inf
 MX_BLOCK, NVFP4_BLOCK = 32, 16
 E4M3_TINY = 2.0 ** E4M3.emin  # an NVFP4 block scale never goes below E4M3's smallest normal
+# an NVFP4 block scale saturates (or underflows) where E4M3 rounding alone would not have reached the bound:
+# beyond half an E4M3 step past 448 (or below 2**-6 minus half a subnormal step)
+_E4M3_SATURATES = E4M3.max + 2.0 ** (E4M3.emax - E4M3.mbits - 1)
+_E4M3_UNDERFLOWS = E4M3_TINY - 2.0 ** (E4M3.emin - E4M3.mbits - 1)
 _E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # the magnitude of code c (sign in bit 3) is _E2M1_GRID[c]
 
 # recipe name -> (element format, block size): what ``fake_quantize`` emulates
@@ -138,7 +142,8 @@ def _split_blocks(t: torch.Tensor, block: int, dim: int) -> torch.Tensor:
     x = t.float().movedim(dim, -1)
     n = x.shape[-1]
     if block < 1 or n % block:
-        raise ValueError(f"block size {block} does not divide size {n} of dim {dim} (shape {tuple(t.shape)})")
+        raise ValueError(f"block size {block} does not divide size {n} of dim {dim % t.dim()} "
+                         f"(shape {tuple(t.shape)})")
     return x.reshape(*x.shape[:-1], n // block, block)
 
 
@@ -180,18 +185,18 @@ def _nvfp4_blocks(xb: torch.Tensor, per_tensor_scale: torch.Tensor) -> tuple[_Bl
     encode = (1.0 / per_tensor_scale) / scales  # one reciprocal per block, then one product per element
     grid = round_to_grid(xb * encode, E2M1)
     decode = per_tensor_scale * scales
-    saturated = ((ideal > E4M3.max) | ~torch.isfinite(ideal)).squeeze(-1)
-    underflow = ((amax > 0) & (ideal < E4M3_TINY)).squeeze(-1)
+    saturated = ((ideal >= _E4M3_SATURATES) | ~torch.isfinite(ideal)).squeeze(-1)
+    underflow = ((amax > 0) & (ideal < _E4M3_UNDERFLOWS)).squeeze(-1)
     return _Blocks(grid, decode, saturated, underflow), scales.squeeze(-1)
 
 
 def _encode_e2m1(grid: torch.Tensor) -> torch.Tensor:
     """E2M1 codes (uint8 in 0..15) of values on the E2M1 grid: sign in bit 3, the magnitude's index in bits
     0-2. E2M1 has no NaN: a NaN (only ever in a block whose scale is NaN) gets code 0."""
-    table = torch.tensor(_E2M1_GRID, device=grid.device)
     mag = torch.nan_to_num(grid.abs(), nan=0.0)
-    index = torch.bucketize(mag, table)  # exact grid values: the index of the equal table entry
-    return (index + torch.signbit(grid).to(torch.int64) * 8).to(torch.uint8)
+    e = torch.clamp(_exponent(mag), min=0).float()  # 0, 1 or 2 for the normals 1..6
+    index = torch.where(mag < 1, 2 * mag, 2 * e + 2 * mag / torch.exp2(e))  # 1.5 -> 3, 4 -> 6, 6 -> 7
+    return (index.to(torch.uint8) + torch.signbit(grid).to(torch.uint8) * 8).to(torch.uint8)
 
 
 def _decode_e2m1(codes: torch.Tensor) -> torch.Tensor:
