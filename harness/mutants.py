@@ -286,7 +286,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant("block-elements-not-saturated", "tessera/parallel/block_formats.py",
            "    v = torch.clamp(v, -fmt.max, fmt.max)\n", "",
            "an element above the format's largest value becomes NaN (fp8) or an out-of-range code (fp4) instead "
-           "of saturating: FLOOR scales put about a fifth of random blocks' amax there",
+           "of saturating: FLOOR scales put a sixth of Gaussian blocks' amax there",
            ("tests/test_block_formats.py",)),
 )
 
