@@ -275,6 +275,21 @@ MUTANTS: tuple[Mutant, ...] = (
            "        return _weight_grad(weight, g2, x2)", "        return (g2.t() @ x2).to(weight.dtype)",
            "compiled blocks compute their weight gradients unfused although the decoder is meant to fuse them",
            (WGRAD,)),
+    # ------------------------------------------------------------------ block formats (MXFP8, NVFP4)
+    # (paths spelled out: the list grows by appending)
+    Mutant("mx-scale-exponent-off-by-one", "tessera/parallel/block_formats.py",
+           "ideal = _exponent(amax) - fmt.emax", "ideal = _exponent(amax) - fmt.emax + 1",
+           "mxfp8: every block scale is twice too large: one bit of every element lost, small values flushed",
+           ("tests/test_block_formats.py",)),
+    Mutant("block-rounding-toward-zero", "tessera/parallel/block_formats.py",
+           "return torch.round(v / ulp) * ulp", "return torch.trunc(v / ulp) * ulp",
+           "mxfp8 and nvfp4 round toward zero: a bias toward smaller magnitudes in every GEMM operand",
+           ("tests/test_block_formats.py",)),
+    Mutant("block-elements-not-saturated", "tessera/parallel/block_formats.py",
+           "    v = torch.clamp(v, -fmt.max, fmt.max)\n", "",
+           "an element above the format's largest value becomes NaN (fp8) or an out-of-range code (fp4) instead "
+           "of saturating: FLOOR scales put a sixth of Gaussian blocks' amax there",
+           ("tests/test_block_formats.py",)),
 )
 
 EQUIVALENT: tuple[Mutant, ...] = (

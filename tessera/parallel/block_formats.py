@@ -1,0 +1,285 @@
+"""Block-scaled low-precision formats, MXFP8 and NVFP4, computed in fp32 arithmetic on any device.
+
+A block format stores a tensor as small elements plus one scale per ``block`` consecutive elements
+along one dim (a GEMM's reduction dim, so every product of the sum shares its operands' scales):
+
+- **MXFP8** (OCP Microscaling Formats v1.0): E4M3 elements (E5M2 for gradients), one E8M0 scale (a
+  bare power of two, ``2**(code - 127)``, code 255 = NaN) per 32 elements. The scale is the largest
+  power of two not above the block's amax, divided by the element format's largest power of two:
+  ``2**(floor(log2(amax)) - emax_elem)``, clamped to E8M0's range [2**-127, 2**127]. The scaled
+  elements are clamped to the element format's largest finite value and rounded to nearest, ties to
+  even. Because the scale rounds down, a block's amax can scale to at most ``2**(emax_elem + 1)``
+  (E4M3: 512 > 448): the few elements above the element maximum saturate.
+- **NVFP4** (NVIDIA): E2M1 elements (0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives) packed two per
+  byte, one E4M3 scale per 16 elements and one fp32 scale per tensor. The per-tensor scale is
+  ``amax / (448 * 6)``, so the largest block scale lands on E4M3's largest value; each block's scale
+  is ``block_amax / 6`` divided by it, clamped to [E4M3's smallest normal, 448] and rounded to E4M3.
+
+The arithmetic (operation order included) is the one torchao's reference quantizers use, so the two
+agree bit for bit (tests/test_block_formats.py), with two deliberate, spec-following differences:
+an MX block whose scale clamps to 2**-127 is divided by 2**-127 (torchao divides by 2**-126 there, a
+workaround for Triton's subnormals, and then dequantizes with 2**-127: a factor-2 round-trip error),
+and an all-zero tensor gets the NVFP4 per-tensor scale 1.0 (amax / (448 * 6) = 0 would make every
+scale 0 / 0 = NaN). Pure tensor functions: no autograd, no process group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+__all__ = ["BLOCK_RECIPES", "E2M1", "E4M3", "E5M2", "MX_ELEMENTS", "BlockStats", "ElementFormat", "MXQuantized",
+           "NVFP4Quantized", "block_stats", "dequantize", "fake_quantize", "fake_quantize_with_stats",
+           "nvfp4_per_tensor_scale", "quantize_mx", "quantize_nvfp4", "round_to_grid"]
+
+
+@dataclass(frozen=True)
+class ElementFormat:
+    """A small float format: ``mbits`` mantissa bits, normal exponents ``emin..emax``, largest value ``max``."""
+
+    name: str
+    mbits: int
+    emin: int  # exponent of the smallest normal; below it the spacing stays 2**(emin - mbits) (subnormals)
+    emax: int  # exponent of the largest normal: the scale divides the block's power of two by 2**emax
+    max: float  # largest finite value: scaled elements saturate here
+    dtype: torch.dtype | None  # torch's storage dtype; None for E2M1 (packed 4-bit codes)
+
+
+E4M3 = ElementFormat("e4m3", 3, -6, 8, 448.0, torch.float8_e4m3fn)
+E5M2 = ElementFormat("e5m2", 2, -14, 15, 57344.0, torch.float8_e5m2)
+E2M1 = ElementFormat("e2m1", 1, 0, 2, 6.0, None)
+MX_ELEMENTS = {f.name: f for f in (E4M3, E5M2)}
+
+E8M0_BIAS, E8M0_NAN = 127, 255  # E8M0 codes 0..254 are 2**-127..2**127, 255 is NaN; no zero, no inf
+MX_BLOCK, NVFP4_BLOCK = 32, 16
+E4M3_TINY = 2.0 ** E4M3.emin  # an NVFP4 block scale never goes below E4M3's smallest normal
+# an NVFP4 block scale saturates (or underflows) where E4M3 rounding alone would not have reached the bound:
+# beyond half an E4M3 step past 448 (or below 2**-6 minus half a subnormal step)
+_E4M3_SATURATES = E4M3.max + 2.0 ** (E4M3.emax - E4M3.mbits - 1)
+_E4M3_UNDERFLOWS = E4M3_TINY - 2.0 ** (E4M3.emin - E4M3.mbits - 1)
+_E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # the magnitude of code c (sign in bit 3) is _E2M1_GRID[c]
+
+# recipe name -> (element format, block size): what ``fake_quantize`` emulates
+BLOCK_RECIPES: dict[str, tuple[ElementFormat, int]] = {
+    "mxfp8": (E4M3, MX_BLOCK), "mxfp8_e5m2": (E5M2, MX_BLOCK), "nvfp4": (E2M1, NVFP4_BLOCK)}
+
+
+@dataclass(frozen=True)
+class MXQuantized:
+    """An MX tensor: ``elements`` (fp8, the input's shape) and ``scales`` (E8M0, ``dim`` divided by ``block``)."""
+
+    elements: torch.Tensor
+    scales: torch.Tensor  # torch.float8_e8m0fnu
+    fmt: ElementFormat
+    block: int
+    dim: int  # non-negative
+
+
+@dataclass(frozen=True)
+class NVFP4Quantized:
+    """An NVFP4 tensor: E2M1 codes packed along ``dim`` (element ``2i`` in the low nibble), E4M3 block scales,
+    and the fp32 per-tensor scale; a block's decode scale is ``per_tensor_scale * scales``."""
+
+    elements: torch.Tensor  # uint8, ``dim`` halved
+    scales: torch.Tensor  # torch.float8_e4m3fn, ``dim`` divided by ``block``
+    per_tensor_scale: torch.Tensor  # fp32, 0-dim
+    block: int
+    dim: int
+
+
+class BlockStats(NamedTuple):
+    """Telemetry of one quantization, each a 0-dim fp32 share in [0, 1] (a tensor: reading it is the caller's sync).
+
+    ``scale_saturated``: blocks whose ideal scale is above the scale format's range or not finite (an inf or
+    NaN in the block, or an NVFP4 per-tensor scale too small for the block). ``scale_underflow``: non-zero
+    blocks whose ideal scale is below the scale format's range (clamped up: small elements lose bits).
+    ``flushed_to_zero``: non-zero elements that quantize to zero.
+    """
+
+    scale_saturated: torch.Tensor
+    scale_underflow: torch.Tensor
+    flushed_to_zero: torch.Tensor
+
+
+class _Blocks(NamedTuple):
+    """The work of one quantization, in blocks ``(..., n_blocks, block)`` along the last dim."""
+
+    grid: torch.Tensor  # fp32 element values on the element grid (before the scale)
+    decode: torch.Tensor  # fp32 per-block factor, ``(..., n_blocks, 1)``: value = grid * decode
+    saturated: torch.Tensor  # bool per block
+    underflow: torch.Tensor  # bool per block
+
+
+def _exponent(x: torch.Tensor) -> torch.Tensor:
+    """The unbiased exponent field of fp32 ``x`` (int32): floor(log2|x|) for normals, -127 for zero and
+    subnormals, 128 for inf and NaN."""
+    return torch.bitwise_and(torch.bitwise_right_shift(x.view(torch.int32), 23), 0xFF) - 127
+
+
+def _pow2(e: torch.Tensor) -> torch.Tensor:
+    """``2.0**e`` in fp32, exact for integer ``e`` in [-149, 127]."""
+    return torch.ldexp(torch.ones_like(e, dtype=torch.float32), e.to(torch.float32))
+
+
+def round_to_grid(v: torch.Tensor, fmt: ElementFormat) -> torch.Tensor:
+    """fp32 ``v`` saturated to ``fmt``'s largest value and rounded to nearest (ties to even) on its grid.
+
+    The grid spacing in ``[2**e, 2**(e+1))`` is ``2**(e - mbits)``, and ``2**(emin - mbits)`` below the
+    smallest normal (subnormals); dividing by a power of two is exact, so ``round`` decides alone. NaN stays NaN.
+    """
+    v = torch.clamp(v, -fmt.max, fmt.max)
+    ulp = _pow2(torch.clamp(_exponent(v), min=fmt.emin) - fmt.mbits)
+    return torch.round(v / ulp) * ulp
+
+
+def _split_blocks(t: torch.Tensor, block: int, dim: int) -> torch.Tensor:
+    """``t`` in fp32 with ``dim`` moved last and cut into ``(..., n_blocks, block)``; a ValueError naming the
+    sizes when ``block`` does not divide ``dim``."""
+    if not t.is_floating_point():
+        raise ValueError(f"block formats quantize floating-point tensors, got {t.dtype}")
+    x = t.float().movedim(dim, -1)
+    n = x.shape[-1]
+    if block < 1 or n % block:
+        raise ValueError(f"block size {block} does not divide size {n} of dim {dim % t.dim()} "
+                         f"(shape {tuple(t.shape)})")
+    return x.reshape(*x.shape[:-1], n // block, block)
+
+
+def _join_blocks(xb: torch.Tensor, dim: int) -> torch.Tensor:
+    """Inverse of ``_split_blocks``'s reshape: blocks merged into the last dim, moved back to ``dim``."""
+    return xb.reshape(*xb.shape[:-2], -1).movedim(-1, dim)
+
+
+def _mx_blocks(xb: torch.Tensor, fmt: ElementFormat) -> tuple[_Blocks, torch.Tensor]:
+    """MX quantization of fp32 blocks: the blocks' work and their E8M0 codes (uint8, ``(..., n_blocks)``)."""
+    amax = xb.abs().amax(dim=-1, keepdim=True)  # NaN when the block holds a NaN
+    ideal = _exponent(amax) - fmt.emax  # floor(log2(amax)) - emax_elem
+    exp = torch.clamp(ideal, -E8M0_BIAS, E8M0_BIAS)
+    nan = torch.isnan(amax)
+    codes = torch.where(nan, E8M0_NAN, exp + E8M0_BIAS).to(torch.uint8)
+    scale = _pow2(exp)
+    # a NaN block divides by inf: the NaN stays where it was, the other elements read 0 (the scale is NaN anyway)
+    grid = round_to_grid(xb / torch.where(nan, torch.inf, scale), fmt)
+    decode = torch.where(nan, torch.nan, scale)
+    nonzero = amax > 0
+    saturated = ((ideal > E8M0_BIAS) | ~torch.isfinite(amax)).squeeze(-1)
+    underflow = (nonzero & (ideal < -E8M0_BIAS)).squeeze(-1)
+    return _Blocks(grid, decode, saturated, underflow), codes.squeeze(-1)
+
+
+def nvfp4_per_tensor_scale(amax: torch.Tensor) -> torch.Tensor:
+    """NVFP4's fp32 per-tensor scale for a tensor of absolute maximum ``amax``: ``amax / (448 * 6)``, so the
+    block holding the amax gets E4M3's largest scale; 1.0 for an all-zero tensor (any positive scale encodes
+    zeros exactly; 0 would make every block scale 0 / 0)."""
+    amax = amax.to(torch.float32)
+    return torch.where(amax == 0, 1.0, amax / (E4M3.max * E2M1.max))
+
+
+def _nvfp4_blocks(xb: torch.Tensor, per_tensor_scale: torch.Tensor) -> tuple[_Blocks, torch.Tensor]:
+    """NVFP4 quantization of fp32 blocks: the blocks' work and their E4M3 block scales (fp32 values)."""
+    amax = xb.abs().amax(dim=-1, keepdim=True)
+    ideal = amax / E2M1.max / per_tensor_scale  # the block scale relative to the per-tensor one, before E4M3
+    scales = round_to_grid(torch.clamp(ideal, min=E4M3_TINY, max=E4M3.max), E4M3)
+    encode = (1.0 / per_tensor_scale) / scales  # one reciprocal per block, then one product per element
+    grid = round_to_grid(xb * encode, E2M1)
+    decode = per_tensor_scale * scales
+    saturated = ((ideal >= _E4M3_SATURATES) | ~torch.isfinite(ideal)).squeeze(-1)
+    underflow = ((amax > 0) & (ideal < _E4M3_UNDERFLOWS)).squeeze(-1)
+    return _Blocks(grid, decode, saturated, underflow), scales.squeeze(-1)
+
+
+def _encode_e2m1(grid: torch.Tensor) -> torch.Tensor:
+    """E2M1 codes (uint8 in 0..15) of values on the E2M1 grid: sign in bit 3, the magnitude's index in bits
+    0-2. E2M1 has no NaN: a NaN (only ever in a block whose scale is NaN) gets code 0."""
+    mag = torch.nan_to_num(grid.abs(), nan=0.0)
+    e = torch.clamp(_exponent(mag), min=0).float()  # 0, 1 or 2 for the normals 1..6
+    index = torch.where(mag < 1, 2 * mag, 2 * e + 2 * mag / torch.exp2(e))  # 1.5 -> 3, 4 -> 6, 6 -> 7
+    return (index.to(torch.uint8) + torch.signbit(grid).to(torch.uint8) * 8).to(torch.uint8)
+
+
+def _decode_e2m1(codes: torch.Tensor) -> torch.Tensor:
+    table = torch.tensor(_E2M1_GRID, device=codes.device)
+    mag = table[(codes & 7).long()]
+    return torch.where((codes & 8) != 0, -mag, mag)
+
+
+def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """Pairs along the last dim in one byte each, the even element in the low nibble."""
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    return torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(*packed.shape[:-1], -1)
+
+
+def quantize_mx(t: torch.Tensor, fmt: str = "e4m3", block: int = MX_BLOCK, dim: int = -1) -> MXQuantized:
+    """``t`` in an MX format along ``dim``: ``fmt`` is ``"e4m3"`` or ``"e5m2"``, one E8M0 scale per ``block``."""
+    if fmt not in MX_ELEMENTS:
+        raise ValueError(f"MX element format must be one of {list(MX_ELEMENTS)}, got {fmt!r}")
+    element = MX_ELEMENTS[fmt]
+    dim = dim % t.dim()
+    blocks, codes = _mx_blocks(_split_blocks(t, block, dim), element)
+    assert element.dtype is not None
+    return MXQuantized(_join_blocks(blocks.grid, dim).to(element.dtype),
+                       codes.movedim(-1, dim).view(torch.float8_e8m0fnu), element, block, dim)
+
+
+def quantize_nvfp4(t: torch.Tensor, block: int = NVFP4_BLOCK, dim: int = -1,
+                   per_tensor_scale: torch.Tensor | None = None) -> NVFP4Quantized:
+    """``t`` in NVFP4 along ``dim``. ``per_tensor_scale``: a calibrated fp32 scale; by default
+    ``nvfp4_per_tensor_scale`` of ``t``'s amax. ``block`` must be even (two codes a byte)."""
+    if block % 2:
+        raise ValueError(f"NVFP4 block size {block} must be even: two E2M1 codes share a byte")
+    dim = dim % t.dim()
+    xb = _split_blocks(t, block, dim)
+    if per_tensor_scale is None:
+        per_tensor_scale = nvfp4_per_tensor_scale(xb.abs().amax())
+    pts = per_tensor_scale.to(device=xb.device, dtype=torch.float32).reshape(())
+    blocks, scales = _nvfp4_blocks(xb, pts)
+    codes = _pack_nibbles(_encode_e2m1(_join_blocks(blocks.grid, -1)))
+    return NVFP4Quantized(codes.movedim(-1, dim), scales.to(torch.float8_e4m3fn).movedim(-1, dim), pts, block, dim)
+
+
+def dequantize(q: MXQuantized | NVFP4Quantized) -> torch.Tensor:
+    """The fp32 values a quantized tensor stands for (exact: element times its block's decode scale)."""
+    if isinstance(q, MXQuantized):
+        codes = q.scales.view(torch.uint8).movedim(q.dim, -1).unsqueeze(-1)
+        decode = torch.where(codes == E8M0_NAN, torch.nan, _pow2(codes.to(torch.int32) - E8M0_BIAS))
+        elements = _split_blocks(q.elements, q.block, q.dim)
+    else:
+        decode = (q.per_tensor_scale * q.scales.float()).movedim(q.dim, -1).unsqueeze(-1)
+        values = _decode_e2m1(_unpack_nibbles(q.elements.movedim(q.dim, -1)))
+        elements = values.reshape(*values.shape[:-1], -1, q.block)
+    return _join_blocks(elements * decode, q.dim)
+
+
+def _recipe_blocks(t: torch.Tensor, recipe: str, dim: int) -> tuple[_Blocks, torch.Tensor]:
+    if recipe not in BLOCK_RECIPES:
+        raise ValueError(f"block recipe must be one of {list(BLOCK_RECIPES)}, got {recipe!r}")
+    element, block = BLOCK_RECIPES[recipe]
+    xb = _split_blocks(t, block, dim)
+    if element is E2M1:
+        return _nvfp4_blocks(xb, nvfp4_per_tensor_scale(xb.abs().amax()))[0], xb
+    return _mx_blocks(xb, element)[0], xb
+
+
+def fake_quantize_with_stats(t: torch.Tensor, recipe: str, dim: int = -1) -> tuple[torch.Tensor, BlockStats]:
+    """``fake_quantize``'s values and the quantization's ``BlockStats``, from one pass."""
+    blocks, xb = _recipe_blocks(t, recipe, dim)
+    flushed = (blocks.grid == 0) & (xb != 0) & ~torch.isnan(xb)
+    stats = BlockStats(blocks.saturated.float().mean(), blocks.underflow.float().mean(), flushed.float().mean())
+    return _join_blocks(blocks.grid * blocks.decode, dim), stats
+
+
+def fake_quantize(t: torch.Tensor, recipe: str, dim: int = -1) -> torch.Tensor:
+    """``t`` rounded to a block recipe of ``BLOCK_RECIPES`` along ``dim`` and back, in fp32: the operand an
+    emulated block-scaled GEMM multiplies (equal to ``dequantize`` of the stored form)."""
+    blocks, _ = _recipe_blocks(t, recipe, dim)
+    return _join_blocks(blocks.grid * blocks.decode, dim)
+
+
+def block_stats(t: torch.Tensor, recipe: str, dim: int = -1) -> BlockStats:
+    """The telemetry of quantizing ``t`` with ``recipe`` along ``dim`` (see ``BlockStats``)."""
+    return fake_quantize_with_stats(t, recipe, dim)[1]
