@@ -1,5 +1,6 @@
 """tools/compare_runs.py and its modules: seed statistics against independent references, bitwise checks
-and exit codes on hand-made metrics.jsonl files, the picture, and two real train.py runs of one config."""
+and exit codes on hand-made metrics.jsonl files, the picture, and two real train.py runs of one config (one
+process, CPU: bitwise equal today)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ HANG_GUARD_S = 240  # a train.py run still going after this is hung, not slow
 
 def _tool():
     spec = importlib.util.spec_from_file_location("_compare_runs_tool", os.path.join(ROOT, "tools", "compare_runs.py"))
+    assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -175,8 +177,9 @@ def test_a_bad_run_is_one_error_line_naming_the_file_and_exit_2(tmp_path, capsys
 
 
 def test_labels_are_the_shortest_folder_suffixes_that_tell_runs_apart():
-    paths = ["/r/bf16_seed1/tessera/metrics.jsonl", "/r/bf16_seed2/tessera/metrics.jsonl", "/q/fp32/metrics.jsonl"]
-    assert short_labels(paths) == ["bf16_seed1/tessera", "bf16_seed2/tessera", "q/fp32"]
+    paths = ["/r/bf16_seed1/tessera/metrics.jsonl", "/r/bf16_seed2/tessera/metrics.jsonl", "/q/fp32/metrics.jsonl",
+             "/p/x/tessera/metrics.jsonl", "/q/x/tessera/metrics.jsonl"]
+    assert short_labels(paths) == ["bf16_seed1/tessera", "bf16_seed2/tessera", "fp32", "p/x/tessera", "q/x/tessera"]
 
 
 # ------------------------------------------------------------------------------------ bitwise and tolerance checks
@@ -215,7 +218,8 @@ def test_a_missing_step_is_a_difference_and_nan_equals_only_nan(tmp_path, capsys
     with_nan = {**losses, 6: math.nan}
     ref = read_series(write_run(tmp_path / "n1", with_nan))
     assert first_difference(ref, read_series(write_run(tmp_path / "n2", with_nan))) is None
-    assert first_difference(ref, read_series(a), atol=1.0).step == 6
+    d = first_difference(ref, read_series(a), atol=1.0)
+    assert d is not None and d.step == 6
 
 
 # ------------------------------------------------------------------------------------ groups of seeds
@@ -229,10 +233,11 @@ def test_group_statistics_match_numpy_and_welch_by_hand(tmp_path, capsys):
                               groups["kahan"], "--window", "10")
     assert code == 0, err
 
-    def last10(name):
-        return np.array([np.mean([v for s, v in curve(seed, off).items() if s > 30])
-                         for seed, off in {"fp32": [(1, 0), (2, 0), (3, 0)], "bf16": [(11, .5), (12, .5), (13, .5)],
-                                           "kahan": [(21, .001), (22, .001), (23, .001)]}[name]])
+    seeds = {"fp32": (1, 2, 3), "bf16": (11, 12, 13), "kahan": (21, 22, 23)}
+    offsets = {"fp32": 0.0, "bf16": 0.5, "kahan": 0.001}
+
+    def last10(name: str) -> np.ndarray:  # each run's mean over steps 31..40, computed from the curves themselves
+        return np.array([np.mean([v for s, v in curve(seed, offsets[name]).items() if s > 30]) for seed in seeds[name]])
 
     runs = {name: tuple(read_series(str(tmp_path / f"{name}_seed{i}")) for i in (1, 2, 3))
             for name in ("fp32", "bf16", "kahan")}
@@ -249,6 +254,7 @@ def test_group_statistics_match_numpy_and_welch_by_hand(tmp_path, capsys):
         df = (va + vb) ** 2 / (va**2 / 2 + vb**2 / 2)
         half = student_t_quantile(0.975, df) * math.sqrt(va + vb)
         w = summaries[name].vs_baseline
+        assert w is not None
         assert (w.low, w.high, w.df) == pytest.approx((a.mean() - b.mean() - half, a.mean() - b.mean() + half, df),
                                                       rel=1e-9)
         row = next(line for line in out.splitlines() if line.strip().startswith(name + " "))
@@ -261,6 +267,12 @@ def test_runs_of_different_lengths_are_an_error_and_the_baseline_must_exist(tmp_
     b = write_run(tmp_path / "b", curve(2, steps=30))
     code, _, err = run_tool(capsys, a, b)
     assert code == 2 and "its last 1 logged steps (30..30" in err and "b/metrics.jsonl" in err
+    code, out, err = run_tool(capsys, a, b, "--assert-equal")  # under a check, steps one run lacks are a finding
+    assert code == 1 and "no group figures:" in out and "from a at step 1:" in err
+    code, out, err = run_tool(capsys, a, write_run(tmp_path / "a_short", dict(list(curve(1).items())[:30])),
+                              "--assert-equal")
+    assert code == 1 and err.endswith("from a at step 31 is missing from it (reference " + repr(curve(1)[31]) + ")\n")
+    assert run_tool(capsys, a, b, "--window", "0")[0] == 2  # argparse: a window holds one value at least
     c = write_run(tmp_path / "c", curve(3, steps=40))
     code, _, err = run_tool(capsys, a, c, "--baseline", "nope")
     assert code == 2 and "--baseline nope: no such group (the groups: a, c)" in err
@@ -330,11 +342,18 @@ def _train(tmp_path, name: str, seed: int) -> str:
     return log_folder
 
 
-def test_two_train_py_runs_of_one_config_are_bitwise_equal_and_another_seed_is_not(tmp_path, capsys):
-    first, again, other = _train(tmp_path, "first", 1024), _train(tmp_path, "again", 1024), _train(tmp_path, "other", 7)
+def test_two_train_py_runs_of_one_config_are_bitwise_equal_and_one_ulp_in_a_copy_is_found(tmp_path, capsys):
+    first, again = _train(tmp_path, "first", 1024), _train(tmp_path, "again", 1024)
     code, out, err = run_tool(capsys, first, again, "--assert-equal")
     assert code == 0, err
     assert "again/tessera: identical at all 6 steps" in out
     assert run_tool(capsys, first, again, "--kind", "valid", "--assert-equal")[0] == 0
-    code, out, err = run_tool(capsys, first, again, other, "--assert-equal")
-    assert code == 1 and "other/tessera" in err and "at step 1:" in err  # another seed: another init
+    # the second run's file with the loss of step 4 moved by one unit in the last place, everything else as written
+    records = [json.loads(line) for line in open(os.path.join(again, "tessera", "metrics.jsonl"))]
+    moved = next(r for r in records if r["kind"] == "train" and r["step"] == 4)
+    moved["loss"] = math.nextafter(moved["loss"], 0.0)
+    os.makedirs(tmp_path / "moved")
+    with open(tmp_path / "moved" / "metrics.jsonl", "w") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in records))
+    code, out, err = run_tool(capsys, first, again, str(tmp_path / "moved"), "--assert-equal")
+    assert code == 1 and err.startswith("differs (bitwise): moved ") and f"at step 4: {moved['loss']!r} vs" in err

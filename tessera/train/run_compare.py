@@ -28,7 +28,8 @@ from tessera.train.seed_stats import Welch, mean, sample_std, welch_interval
 
 __all__ = ["CompareError", "Series", "Group", "Difference", "GroupSummary", "metrics_path", "read_series",
            "expand_paths", "parse_group", "short_labels", "same_bits", "first_difference", "largest_difference",
-           "shared_steps", "window_value", "summarize", "verdict", "moving_average", "METRICS_FILE"]
+           "shared_steps", "window_value", "summarize", "verdict", "moving_average", "METRICS_FILE",
+           "WindowMismatch"]
 
 METRICS_FILE = "metrics.jsonl"
 WITHIN_NOISE, DIFFERS = "within seed noise", "differs"
@@ -36,6 +37,10 @@ WITHIN_NOISE, DIFFERS = "within seed noise", "differs"
 
 class CompareError(Exception):
     """Input that cannot be compared (a missing, empty or corrupt file, runs of different lengths): one line."""
+
+
+class WindowMismatch(CompareError):
+    """The runs' last ``window`` logged steps are not the same steps: no group figure compares like with like."""
 
 
 @dataclass(frozen=True)
@@ -172,14 +177,17 @@ def parse_group(text: str) -> tuple[str, list[str]]:
 
 
 def short_labels(paths: Sequence[str]) -> list[str]:
-    """The shortest trailing parts of the runs' folders that tell them apart (``bf16_seed1/tessera``)."""
+    """Per run, the shortest trailing part of its folder that no other run's folder ends with
+    (``bf16_seed1/tessera`` beside ``bf16_seed2/tessera``; ``moved`` beside both)."""
     folders = [os.path.normpath(os.path.dirname(os.path.abspath(p))).split(os.sep) for p in paths]
-    depth = 1
-    while True:
-        labels = ["/".join(f[-depth:]) for f in folders]
-        if len(set(labels)) == len(labels) or depth >= max(len(f) for f in folders):
-            return labels
-        depth += 1
+    labels = []
+    for i, parts in enumerate(folders):
+        others = [f for j, f in enumerate(folders) if j != i]
+        depth = 1
+        while depth < len(parts) and any(f[-depth:] == parts[-depth:] for f in others):
+            depth += 1
+        labels.append("/".join(parts[-depth:]))
+    return labels
 
 
 def same_bits(a: float, b: float) -> bool:
@@ -253,7 +261,7 @@ def _window_steps(groups: Sequence[Group], window: int) -> tuple[int, int]:
     for r in runs[1:]:
         span = r.steps[-window:]
         if span != first:
-            raise CompareError(f"{r.path}: its last {window} logged steps ({span[0]}..{span[-1]}, {len(span)} "
+            raise WindowMismatch(f"{r.path}: its last {window} logged steps ({span[0]}..{span[-1]}, {len(span)} "
                                f"logged) are not those of {runs[0].path} ({first[0]}..{first[-1]}, "
                                f"{len(first)} logged): compare runs of the same length and logging")
     return first[0], first[-1]
