@@ -22,6 +22,7 @@ file, runs of different lengths), one ``error:`` line naming it. ``--plot`` need
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -120,8 +121,9 @@ def step_table(groups: Sequence[Group], rows: int, also: Sequence[int]) -> list[
     lines = [f"per step ({len(shown)} of the {len(steps)} steps every run has"
              + ("" if rows == 0 else "; --rows 0 shows all") + "):",
              f"  {'step':>7}  " + "  ".join(f"{n:>{width}}" for n in names) + f"  {'largest gap':>11}"]
+    per_group = [[r.by_step() for r in g.runs] for g in groups]
     for step in shown:
-        cells = [_cell([r.by_step()[step] for r in g.runs]) for g in groups]
+        cells = [_cell([t[step] for t in group]) for group in per_group]
         at = [t[step] for t in tables]
         lines.append(f"  {step:>7}  " + "  ".join(f"{c:>{width}}" for c in cells) + f"  {max(at) - min(at):>11.3g}")
     return lines
@@ -201,17 +203,23 @@ def _draw_group(ax: Any, g: Group, smooth: int, color: Any, marker: str | None) 
     ax.plot(steps, means, color=color, label=label, linewidth=1.3, marker=marker, markersize=3)
 
 
-def _draw_difference(ax: Any, g: Group, base: Group, smooth: int, color: Any, marker: str | None) -> None:
+def _draw_difference(ax: Any, g: Group, base: Group, smooth: int, color: Any, marker: str | None) -> list[float]:
+    """Draws the group's smoothed difference from the baseline and its band; returns the values drawn after the
+    first twentieth of the run (the start, where spreads are widest, need not set the panel's scale)."""
     steps = shared_steps([*g.runs, *base.runs])
     _, mine = _curves([_restrict(r, steps) for r in g.runs], smooth)
     _, theirs = _curves([_restrict(r, steps) for r in base.runs], smooth)
     columns = list(zip(zip(*mine), zip(*theirs)))
-    ax.plot(steps, [mean(a) - mean(b) for a, b in columns], color=color, marker=marker, markersize=3,
-            label=f"{g.name} - {base.name}")
+    line = [mean(a) - mean(b) for a, b in columns]
+    ax.plot(steps, line, color=color, marker=marker, markersize=3, label=f"{g.name} - {base.name}")
+    later = len(steps) // 20
+    drawn = line[later:]
     if len(g.runs) > 1 and len(base.runs) > 1:
         intervals = [welch_interval(a, b) for a, b in columns]
         ax.fill_between(steps, [w.low for w in intervals], [w.high for w in intervals], color=color, alpha=0.2,
                         linewidth=0, label=f"{g.name}: 95% Welch interval")
+        drawn += [w.low for w in intervals[later:]] + [w.high for w in intervals[later:]]
+    return drawn
 
 
 def _restrict(run: Series, steps: Sequence[int]) -> Series:
@@ -240,11 +248,15 @@ def plot(out: str, groups: Sequence[Group], baseline: str, smooth: int, what: st
     raw, smoothed, diff = axes["raw"], axes["smoothed"], axes["diff"]
     runs = sum(len(g.runs) for g in groups)
     fig.suptitle(f"{what}: {runs} runs in {len(groups)} group{'s' * (len(groups) > 1)}, baseline {baseline}")
+    scale = [0.0]
     for i, g in enumerate(groups):
         _draw_group(raw, g, 1, colors[i % 10], marker)
         _draw_group(smoothed, g, smooth, colors[i % 10], marker)
         if g is not base:
-            _draw_difference(diff, g, base, smooth, colors[i % 10], marker)
+            scale += _draw_difference(diff, g, base, smooth, colors[i % 10], marker)
+    finite = [v for v in scale if math.isfinite(v)]
+    pad = 0.08 * (max(finite) - min(finite)) or 1e-12
+    diff.set_ylim(min(finite) - pad, max(finite) + pad)
     diff.axhline(0.0, color="black", linewidth=0.8, label=f"{baseline} (baseline)", zorder=1)
     raw.set_title(f"{what}: raw")
     smoothed.set_title(f"{what}: smoothed (trailing mean over {smooth} logged values)")
