@@ -50,7 +50,7 @@ from tessera.model.norm import RMSNorm
 from tessera.model.recompute import keep_gemm_outputs
 from tessera.model.rotary import apply_rotary
 from tessera.model.torch_varlen import torch_varlen
-from tessera.parallel import lowp
+from tessera.model import sdpa as lowp  # attend() calls lowp.scaled_dot_product_attention
 from tessera.parallel.comm import group_size
 from tessera.parallel.layers import ColumnParallelLinear, RowParallelLinear, column_parallel_linears, divide
 
