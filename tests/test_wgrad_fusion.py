@@ -20,7 +20,7 @@ from torch import nn
 from harness.distributed import run_distributed
 from tessera.core.naive_amp import NaiveAMPModel
 from tessera.optim.hybrid_zero import HybridZeroOptimizer
-from tessera.parallel import cpu_kernels, gemm, wgrad
+from tessera.parallel import cpu_kernels, wgrad
 from tessera.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from tessera.parallel.loss import LossSpec, linear_cross_entropy
 from tests.tolerances import gamma, order_rtol, unit_roundoff
@@ -212,7 +212,7 @@ def _decoder_grads(rank: int, world: int, mode: str, tie: bool, fuse: bool, comp
     groups = JobGroups(tp=group, dp=singles[rank], zero1=singles[rank], world=group)
     stack = build_training_stack(cfg, Job.of(cfg, groups, seed=5), sync_buffer=False)
     adds = []
-    with mock.patch.object(gemm, "add_wgrad", wraps=gemm.add_wgrad) as counted:
+    with mock.patch.object(wgrad, "add_wgrad", wraps=wgrad.add_wgrad) as counted:
         for _ in range(steps):
             stack.optimizer.zero_grad()
             counted.reset_mock()

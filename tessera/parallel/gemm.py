@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from tessera.parallel import wgrad
 from tessera.parallel.cpu_kernels import upcast_on_cpu
 from tessera.parallel.fp8 import E4M3, E5M2, RECIPES, Observe, quantize
-from tessera.parallel.wgrad import add_wgrad, fused_main_grad, placeholder
+from tessera.parallel.wgrad import fused_main_grad, placeholder
 
 __all__ = ["FORMATS", "MODEL_DTYPE", "NO_SPLIT", "ROUTES", "GemmPolicy", "GemmRoute", "TpSplit", "choose_route",
            "fp8_linear", "fuses_wgrad", "linear", "linear_grads", "linear_no_autograd", "route_for",
@@ -311,7 +311,7 @@ def _add_into_main(route: GemmRoute, g2: torch.Tensor, x2: torch.Tensor, weight:
     main = fused_main_grad(weight, dtype) if route.adds_into_main_grad else None
     if main is None:
         return False
-    add_wgrad(main, weight, g2.to(dtype), x2.to(dtype))
+    wgrad.add_wgrad(main, weight, g2.to(dtype), x2.to(dtype))
     return True
 
 
