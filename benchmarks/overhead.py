@@ -7,9 +7,10 @@ BENCHMARKS.md sections 1 and 2. One process, ``--threads`` torch threads, TP=1, 
 document each (causal attention in both stacks). tessera = ``Trainer.train_step`` of the stack train.py
 builds, in bf16 / fp16 / fp32 / tf32; plain = ``benchmarks.plain`` in fp32 and in bf16 autocast with
 tessera's GEMM route (``tessera.parallel.gemm``; the CPU's kernel choice is ``tessera.parallel.cpu_kernels``),
-so the framework's cost is told apart from the kernel choice. A second, small batch adds torch's own bf16 CPU kernels (``TESSERA_CPU_LOWP_MATMUL=native`` and
-plain ``torch.autocast``), slow on CPUs without bf16 instructions. Times are wall clock and CPU time of
-the process: with one thread, CPU time leaves out the time the process waited for a core.
+so the framework's cost is told apart from the kernel choice. A second, small batch adds torch's own bf16
+CPU kernels (``TESSERA_CPU_LOWP_MATMUL=native`` and plain ``torch.autocast``), slow on CPUs without bf16
+instructions. Times are wall clock and CPU time of the process: with one thread, CPU time leaves out the
+time the process waited for a core.
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ def _cfg(size: Size, dtype: str, micro_bsz: int, seq_len: int | None = None) -> 
 
 
 def _kernels(value: str | None) -> Any:
-    """Before a step: ``TESSERA_CPU_LOWP_MATMUL`` as this variant wants it (cpu_kernels reads it again when it changed)."""
+    """Before a step: ``TESSERA_CPU_LOWP_MATMUL`` as this variant wants it (cpu_kernels reads it again when it
+    changed)."""
     from tessera.parallel import cpu_kernels
 
     def set_env() -> None:

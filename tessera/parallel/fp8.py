@@ -1,4 +1,4 @@
-"""The fp8 formats of the GEMM routes: e4m3 activations and weights in forward, e5m2 gradients in backward, dynamic scaling.
+"""The fp8 quantizer of the GEMM routes: e4m3 activations and weights forward, e5m2 gradients backward, dynamic scaling.
 
 Every GEMM ``A @ B`` of a linear layer (forward ``x @ W^T``, backward ``g @ W`` and ``g^T @ x``) runs
 on operands rounded to fp8: each operand is scaled so that its amax lands on the format's largest

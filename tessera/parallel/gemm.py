@@ -334,7 +334,8 @@ def fuses_wgrad(x: torch.Tensor, weight: torch.Tensor, policy: GemmPolicy = MODE
     return route.adds_into_main_grad and fused_main_grad(weight, _operand_dtype(route, x)) is not None
 
 
-def wgrad_into_main(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, policy: GemmPolicy = MODEL_DTYPE) -> bool:
+def wgrad_into_main(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                    policy: GemmPolicy = MODEL_DTYPE) -> bool:
     """Add the weight gradient of ``x W^T`` (``grad`` the output's) into the weight's main gradient in fp32
     when fusion applies; False otherwise (for code that writes its own backward: the chunked head)."""
     g2, x2 = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
@@ -346,4 +347,5 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                observe: Observe | None = None) -> torch.Tensor:
     """``linear`` under the fp8 policy ``recipe`` with the given TP split (``TpSplit``); ``observe`` sees the
     forward input's quantization."""
-    return linear(x, weight, bias, GemmPolicy("fp8", recipe, observe), TpSplit(group, x_split_in, w_split_out, w_split_in))
+    split = TpSplit(group, x_split_in, w_split_out, w_split_in)
+    return linear(x, weight, bias, GemmPolicy("fp8", recipe, observe), split)
