@@ -74,7 +74,7 @@ def attach_main_grad(param: torch.Tensor, main_grad: torch.Tensor | None) -> Non
     if main_grad is None:
         if hasattr(param, "main_grad"):
             del param.main_grad
-            del param.grad_added_to_main_grad
+            del param.grad_added_to_main_grad  # type: ignore[attr-defined]
         return
     if main_grad.dtype != torch.float32 or main_grad.shape != param.shape:
         raise ValueError(f"attach_main_grad: an fp32 view of shape {tuple(param.shape)} is needed, got "
