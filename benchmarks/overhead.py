@@ -6,10 +6,11 @@
 BENCHMARKS.md sections 1 and 2. One process, ``--threads`` torch threads, TP=1, synthetic rows of one
 document each (causal attention in both stacks). tessera = ``Trainer.train_step`` of the stack train.py
 builds, in bf16 / fp16 / fp32 / tf32; plain = ``benchmarks.plain`` in fp32 and in bf16 autocast with
-tessera's GEMM kernels (``tessera.parallel.lowp``), so the framework's cost is told apart from the kernel
-choice. A second, small batch adds torch's own bf16 CPU kernels (``TESSERA_CPU_LOWP_MATMUL=native`` and
-plain ``torch.autocast``), slow on CPUs without bf16 instructions. Times are wall clock and CPU time of
-the process: with one thread, CPU time leaves out the time the process waited for a core.
+tessera's GEMM route (``tessera.parallel.gemm``; the CPU's kernel choice is ``tessera.parallel.cpu_kernels``),
+so the framework's cost is told apart from the kernel choice. A second, small batch adds torch's own bf16
+CPU kernels (``TESSERA_CPU_LOWP_MATMUL=native`` and plain ``torch.autocast``), slow on CPUs without bf16
+instructions. Times are wall clock and CPU time of the process: with one thread, CPU time leaves out the
+time the process waited for a core.
 """
 
 from __future__ import annotations
@@ -65,8 +66,9 @@ def _cfg(size: Size, dtype: str, micro_bsz: int, seq_len: int | None = None) -> 
 
 
 def _kernels(value: str | None) -> Any:
-    """Before a step: ``TESSERA_CPU_LOWP_MATMUL`` as this variant wants it (lowp reads it again when it changed)."""
-    from tessera.parallel import lowp
+    """Before a step: ``TESSERA_CPU_LOWP_MATMUL`` as this variant wants it (cpu_kernels reads it again when it
+    changed)."""
+    from tessera.parallel import cpu_kernels
 
     def set_env() -> None:
         if os.environ.get(ENV) != value:
@@ -74,7 +76,7 @@ def _kernels(value: str | None) -> Any:
                 os.environ.pop(ENV, None)
             else:
                 os.environ[ENV] = value
-            lowp.forget_cpu_kernels()
+            cpu_kernels.forget_cpu_kernels()
 
     return set_env
 
@@ -89,7 +91,7 @@ def measure(size: Size) -> dict[str, Any]:
     from benchmarks.plain import PlainDecoder, PlainStep
     from tessera.core.precision import Precision
     from tessera.model import ModelArgs, build_model, flops_per_token
-    from tessera.parallel import lowp
+    from tessera.parallel import cpu_kernels
     from tessera.train.metrics import measure_matmul_tflops
 
     env = os.environ.get(ENV)
@@ -153,7 +155,7 @@ def measure(size: Size) -> dict[str, Any]:
             "num_params": sum(v.numel() for v in state.values()), "main": series(main), "small": series(native),
             "peaks": {d: max(before[d], after[d]) for d in before},
             "skipped": {d: optimizers[f"tessera {d}"].skipped_steps for d in DTYPES},
-            "kernels": {"env": env or "auto", "bf16_upcast": lowp.upcast_on_cpu(torch.bfloat16)}}
+            "kernels": {"env": env or "auto", "bf16_upcast": cpu_kernels.upcast_on_cpu(torch.bfloat16)}}
 
 
 # ---------------------------------------------------------------------------------------- markdown

@@ -5,8 +5,9 @@ Written with ``nn.Linear``/``nn.Embedding``, an RMSNorm, rotate-half rotary, ``F
 with the same parameter names, so ``load_state_dict`` of a tessera model works and the first-step losses
 can be compared. Precision follows plain-PyTorch practice: fp32 parameters, and for bf16/fp16 a
 ``torch.autocast`` region. ``gemm="lowp"`` keeps autocast's semantics (per-op casts of the fp32 weights,
-low-precision operands) but routes the GEMMs and attention through ``tessera.parallel.lowp`` -- the same
-kernel choice tessera makes -- so the framework's overhead can be told apart from the kernel choice.
+low-precision operands) but routes the GEMMs through ``tessera.parallel.gemm.linear`` and attention through
+``tessera.model.sdpa`` -- the same kernel choice tessera makes -- so the framework's overhead can be told
+apart from the kernel choice (the variant keeps its historical name, ``lowp``, in the results).
 """
 
 from __future__ import annotations
@@ -17,13 +18,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tessera.parallel import lowp
+from tessera.model import sdpa
+from tessera.parallel import gemm as tessera_gemm
 
 __all__ = ["PlainDecoder", "PlainStep"]
 
 
 class _Ops:
-    """Matmul and attention for one precision recipe (autocast's own kernels, or tessera's lowp ones)."""
+    """Matmul and attention for one precision recipe (autocast's own kernels, or tessera's GEMM route and SDPA)."""
 
     def __init__(self, dtype: torch.dtype, gemm: str) -> None:
         if gemm not in ("torch", "lowp"):
@@ -35,13 +37,13 @@ class _Ops:
         if not self.lowp:
             return layer(x)  # autocast (if active) casts x and the weight to the low dtype
         with torch.autocast(x.device.type, enabled=False):  # cast as autocast would, then tessera's kernel
-            return lowp.linear(x.to(self.low), layer.weight.to(self.low))
+            return tessera_gemm.linear(x.to(self.low), layer.weight.to(self.low))
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if not self.lowp:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
         with torch.autocast(q.device.type, enabled=False):
-            return lowp.scaled_dot_product_attention(q.to(self.low), k.to(self.low), v.to(self.low), is_causal=True)
+            return sdpa.scaled_dot_product_attention(q.to(self.low), k.to(self.low), v.to(self.low), is_causal=True)
 
 
 class _RMSNorm(nn.Module):

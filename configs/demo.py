@@ -8,7 +8,7 @@ AMD EPYC with AVX-512 BF16: 3m48s for the torchrun command (2000 steps at 9.0 st
 1.584 bits per byte, where 1600 steps at fb20d6e took 4m00s for 1.670 (the same machine, side by side).
 At 1600 steps before the step got cheaper (2026-11-23, from a fresh clone with the installs): 4m39s
 there (3m28s training, 31 s validation); 6m52s on a 2-core AVX2-only EPYC, which runs bf16 through fp32
-GEMMs (tessera.parallel.lowp; 5m08s training, 59 s validation, 1.672 bits per byte).
+GEMMs (tessera.parallel.gemm; 5m08s training, 59 s validation, 1.672 bits per byte).
 
 The recipe was tuned at this compute budget. Earlier ablations (1.6M-byte proxy, bits per byte on a
 fixed 400-row validation sample): hidden 128 beats 96 and 256 at equal time; 4 heads of 32 beat 2 of

@@ -271,8 +271,9 @@ MUTANTS: tuple[Mutant, ...] = (
            "        return weight\n    return param", "        return weight\n    return weight",
            "compiled blocks (the CUDA default): no weight gradient of a block is fused; the fp32 accumulation "
            "and the saved pass are silently lost", (WGRAD,)),
-    Mutant("wgrad-compiled-op-bypassed", "tessera/parallel/lowp.py",
-           "        return _weight_grad(weight, g2, x2)", "        return (g2.t() @ x2).to(weight.dtype)",
+    Mutant("wgrad-compiled-op-bypassed", "tessera/parallel/gemm.py",
+           "        return wgrad.compiled_weight_grad(weight, g2.to(dtype), x2.to(dtype))",
+           "        return route.grad_weight(g2, x2, weight, policy, split)",
            "compiled blocks compute their weight gradients unfused although the decoder is meant to fuse them",
            (WGRAD,)),
     # ------------------------------------------------------------------ block formats (MXFP8, NVFP4)

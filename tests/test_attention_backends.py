@@ -1,7 +1,7 @@
 """Attention backend chosen per call from the tensors it gets (flash_attn, SDPA, GQA expansion), on fake CUDA tensors.
 
 flash_attn is not installed here, so a stand-in module records what reaches it; the SDPA route is
-observed by wrapping ``tessera.parallel.lowp.scaled_dot_product_attention``. Numerics of the K/V
+observed by wrapping ``tessera.model.sdpa.scaled_dot_product_attention``. Numerics of the K/V
 expansion are checked on the CPU against SDPA's own grouped-query path.
 """
 
@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from harness.fake_cuda import fake_cuda_mode
 from tessera.model import attention, flash_probe
+from tessera.model import sdpa as sdpa_module
 from tessera.model.attention import _sdpa, attend, plan_attention, select_backend
 from tests.tolerances import allclose_tols, order_rtol
 
@@ -45,7 +46,7 @@ def calls(monkeypatch):
     monkeypatch.setattr(flash_probe, "_PROBE", None)  # probed again: finds the stand-in above
     monkeypatch.setattr(flash_probe, "_CAPABILITY", {})
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setattr(attention.lowp, "scaled_dot_product_attention", sdpa)
+    monkeypatch.setattr(sdpa_module, "scaled_dot_product_attention", sdpa)
     return seen
 
 
@@ -132,7 +133,7 @@ def probe(monkeypatch):
     monkeypatch.setattr(attention, "_LOGGED", set())
     monkeypatch.delitem(sys.modules, "flash_attn", raising=False)
     seen: list[str] = []
-    monkeypatch.setattr(attention.lowp, "scaled_dot_product_attention",
+    monkeypatch.setattr(sdpa_module, "scaled_dot_product_attention",
                         lambda q, k, v, **kw: seen.append("sdpa") or torch.empty_like(q))
     return seen
 

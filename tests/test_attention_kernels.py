@@ -93,7 +93,7 @@ def test_bf16_matches_the_reference_within_bf16_rounding(layout, monkeypatch):
     q, k, v = _qkv(3, 24, 4, 2, 16, torch.bfloat16)
     for choice in ("upcast", "native"):
         monkeypatch.setenv("TESSERA_CPU_LOWP_MATMUL", choice)
-        cpu_attention.lowp.forget_cpu_kernels()  # the choice is made once per process
+        cpu_attention.cpu_kernels.forget_cpu_kernels()  # the choice is made once per process
         out = attend(q, k, v, plan_attention(cu, 3, 24, use_flash_attn=True), 0.0)
         assert out.dtype == torch.bfloat16
         _check(q, k, v, cu, out, BF16_OUT_RTOL, BF16_GRAD_RTOL)
@@ -160,26 +160,26 @@ def test_packed_rows_keep_no_mask_for_backward():
 def test_precision_rule_per_dtype_and_length(monkeypatch):
     rule = cpu_attention.compute_dtype
     monkeypatch.delenv("TESSERA_CPU_LOWP_MATMUL", raising=False)
-    cpu_attention.lowp.forget_cpu_kernels()  # the choice is made once per process
-    monkeypatch.setattr(cpu_attention.lowp, "_cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))
-    cpu_attention.lowp.forget_cpu_kernels()  # the choice is made once per process
+    cpu_attention.cpu_kernels.forget_cpu_kernels()  # the choice is made once per process
+    monkeypatch.setattr(cpu_attention.cpu_kernels, "_cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))
+    cpu_attention.cpu_kernels.forget_cpu_kernels()  # the choice is made once per process
     # bf16 with native instructions: short sequences in fp32 (length x head_dim <= 16384)
     assert rule(torch.bfloat16, 128, 128) == rule(torch.bfloat16, 256, 64) == rule(torch.bfloat16, 1, 256) == F32
     assert rule(torch.bfloat16, 257, 64) == rule(torch.bfloat16, 129, 128) == rule(torch.bfloat16, 4096, 64) == BF16
     assert rule(torch.float16, 4096, 64) == F32  # no avx512_fp16/amx_fp16: fp16 always in fp32
     assert rule(torch.float32, 4096, 64) == F32
-    monkeypatch.setattr(cpu_attention.lowp, "_cpu_flags", lambda: frozenset({"avx2"}))
-    cpu_attention.lowp.forget_cpu_kernels()  # the choice is made once per process
+    monkeypatch.setattr(cpu_attention.cpu_kernels, "_cpu_flags", lambda: frozenset({"avx2"}))
+    cpu_attention.cpu_kernels.forget_cpu_kernels()  # the choice is made once per process
     assert rule(torch.bfloat16, 4096, 64) == F32
-    monkeypatch.setattr(cpu_attention.lowp, "_cpu_flags", lambda: frozenset({"amx_bf16", "amx_fp16"}))
-    cpu_attention.lowp.forget_cpu_kernels()  # the choice is made once per process
+    monkeypatch.setattr(cpu_attention.cpu_kernels, "_cpu_flags", lambda: frozenset({"amx_bf16", "amx_fp16"}))
+    cpu_attention.cpu_kernels.forget_cpu_kernels()  # the choice is made once per process
     assert rule(torch.bfloat16, 4096, 64) == BF16 and rule(torch.float16, 4096, 64) == torch.float16
     assert rule(torch.bfloat16, 64, 64) == F32
     monkeypatch.setenv("TESSERA_CPU_LOWP_MATMUL", "upcast")
-    cpu_attention.lowp.forget_cpu_kernels()  # the choice is made once per process
+    cpu_attention.cpu_kernels.forget_cpu_kernels()  # the choice is made once per process
     assert rule(torch.bfloat16, 4096, 64) == F32
     monkeypatch.setenv("TESSERA_CPU_LOWP_MATMUL", "native")
-    cpu_attention.lowp.forget_cpu_kernels()  # the choice is made once per process
+    cpu_attention.cpu_kernels.forget_cpu_kernels()  # the choice is made once per process
     assert rule(torch.bfloat16, 64, 64) == BF16
 
 
@@ -200,9 +200,9 @@ def test_bf16_short_documents_in_fp32_long_ones_in_bf16(monkeypatch, caplog):
     """One packed batch, documents of 3, 20, 297 and 320 tokens (head_dim 64): the short ones' buckets run in fp32,
     the long one in bf16; the result matches the reference either way; one log line states the rule."""
     monkeypatch.delenv("TESSERA_CPU_LOWP_MATMUL", raising=False)
-    cpu_attention.lowp.forget_cpu_kernels()  # the choice is made once per process
-    monkeypatch.setattr(cpu_attention.lowp, "_cpu_flags", lambda: frozenset({"avx512_bf16"}))
-    cpu_attention.lowp.forget_cpu_kernels()  # the choice is made once per process
+    cpu_attention.cpu_kernels.forget_cpu_kernels()  # the choice is made once per process
+    monkeypatch.setattr(cpu_attention.cpu_kernels, "_cpu_flags", lambda: frozenset({"avx512_bf16"}))
+    cpu_attention.cpu_kernels.forget_cpu_kernels()  # the choice is made once per process
     monkeypatch.setattr(attention, "_LOGGED", set())
     cu = torch.tensor([0, 3, 23, 320, 640], dtype=torch.int32)  # row 1: one document spanning the row
     q, k, v = _qkv(2, 320, 2, 1, 64, torch.bfloat16)
@@ -217,9 +217,9 @@ def test_bf16_short_documents_in_fp32_long_ones_in_bf16(monkeypatch, caplog):
 
 def test_one_log_line_per_choice(monkeypatch, caplog):
     monkeypatch.delenv("TESSERA_CPU_LOWP_MATMUL", raising=False)
-    cpu_attention.lowp.forget_cpu_kernels()  # the choice is made once per process
-    monkeypatch.setattr(cpu_attention.lowp, "_cpu_flags", lambda: frozenset({"avx2"}))
-    cpu_attention.lowp.forget_cpu_kernels()  # the choice is made once per process
+    cpu_attention.cpu_kernels.forget_cpu_kernels()  # the choice is made once per process
+    monkeypatch.setattr(cpu_attention.cpu_kernels, "_cpu_flags", lambda: frozenset({"avx2"}))
+    cpu_attention.cpu_kernels.forget_cpu_kernels()  # the choice is made once per process
     monkeypatch.setattr(attention, "_LOGGED", set())
     q, k, v = _qkv(3, 24, 4, 2, 16, torch.bfloat16)
     with caplog.at_level(logging.INFO, logger="tessera"):
@@ -252,6 +252,6 @@ def test_one_document_rows_trace_into_one_graph():
 @pytest.fixture(autouse=True)
 def _fresh_cpu_kernel_choice():
     """Tests change the CPU flags and TESSERA_CPU_LOWP_MATMUL: each starts and ends with no choice made."""
-    cpu_attention.lowp.forget_cpu_kernels()
+    cpu_attention.cpu_kernels.forget_cpu_kernels()
     yield
-    cpu_attention.lowp.forget_cpu_kernels()
+    cpu_attention.cpu_kernels.forget_cpu_kernels()

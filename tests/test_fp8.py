@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 from harness.distributed import run_distributed
 from tessera.model.mlp import ffn_hidden_size
-from tessera.parallel.fp8 import fp8_linear
+from tessera.parallel.gemm import fp8_linear
 from tests.tolerances import fp8_flip_rtol, mean_loss_rtol, order_rtol, precision_rtol, transformer_depth
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2

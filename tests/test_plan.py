@@ -62,7 +62,7 @@ def test_traced_peak_equals_a_real_cpu_step(world, overrides, tmp_path):
     """Rank 0's peak of live tensor bytes in a real CPU step (gloo) and in the dry run agree within 10%.
 
     The real step runs bf16 through torch's native CPU kernels: the fp32-upcast GEMMs some CPUs get
-    (``tessera.parallel.lowp``) are a CPU kernel choice with other temporaries, not what a GPU runs.
+    (``tessera.parallel.gemm``'s cpu-upcast route) are a CPU kernel choice with other temporaries, not what a GPU runs.
     """
     real = run_distributed(_real_step_worker, world, overrides, str(tmp_path / "ckpt"), init_process_group=True,
                            env={"TESSERA_CPU_LOWP_MATMUL": "native"}, timeout=300)[0]

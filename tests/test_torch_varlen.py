@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from harness.fake_cuda import fake_cuda_mode
-from tessera.model import attention, flash_probe
+from tessera.model import attention, flash_probe, sdpa
 from tessera.model.attention import attend, plan_attention, select_backend
 from tessera.model.documents import AttentionPlan
 from tessera.model.torch_varlen import adapt_varlen, torch_varlen
@@ -117,7 +117,7 @@ def test_packed_rows_reach_torch_varlen_attn_with_the_boundaries_and_no_mask(no_
     if torch_varlen()[0] is None:
         pytest.skip("this torch has no varlen attention")
     sdpa_calls = []
-    monkeypatch.setattr(attention.lowp, "scaled_dot_product_attention",
+    monkeypatch.setattr(sdpa, "scaled_dot_product_attention",
                         lambda *a, **k: sdpa_calls.append(k) or torch.empty_like(a[0]))
     monkeypatch.setattr(attention, "_LOGGED", set())
     plan = plan_attention(CU, B, S, use_flash_attn=True)

@@ -20,7 +20,7 @@ from torch import nn
 from harness.distributed import run_distributed
 from tessera.core.naive_amp import NaiveAMPModel
 from tessera.optim.hybrid_zero import HybridZeroOptimizer
-from tessera.parallel import lowp, wgrad
+from tessera.parallel import cpu_kernels, wgrad
 from tessera.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from tessera.parallel.loss import LossSpec, linear_cross_entropy
 from tests.tolerances import gamma, order_rtol, unit_roundoff
@@ -32,9 +32,9 @@ IN, HID, OUT, TOKENS, MICRO = 24, 16, 8, 32, 2
 def upcast_bf16(monkeypatch):
     """bf16 GEMMs as fp32 GEMMs on bf16 operands (what CPUs without avx512_bf16/AMX run), on any CPU."""
     monkeypatch.setenv("TESSERA_CPU_LOWP_MATMUL", "upcast")
-    lowp.forget_cpu_kernels()
+    cpu_kernels.forget_cpu_kernels()
     yield
-    lowp.forget_cpu_kernels()
+    cpu_kernels.forget_cpu_kernels()
 
 
 class TwoLinears(nn.Module):
@@ -212,7 +212,7 @@ def _decoder_grads(rank: int, world: int, mode: str, tie: bool, fuse: bool, comp
     groups = JobGroups(tp=group, dp=singles[rank], zero1=singles[rank], world=group)
     stack = build_training_stack(cfg, Job.of(cfg, groups, seed=5), sync_buffer=False)
     adds = []
-    with mock.patch.object(lowp, "add_wgrad", wraps=lowp.add_wgrad) as counted:
+    with mock.patch.object(wgrad, "add_wgrad", wraps=wgrad.add_wgrad) as counted:
         for _ in range(steps):
             stack.optimizer.zero_grad()
             counted.reset_mock()
@@ -279,7 +279,7 @@ def test_a_compiled_linear_decides_at_run_time_and_never_recompiles_for_it(upcas
 
     model = NaiveAMPModel(TwoLinears(), dtype=torch.bfloat16, sync_buffer=False).model
     x, c = _batches(torch.bfloat16)[0]
-    lowp.decide_cpu_kernels()  # before tracing, as compile_blocks does
+    cpu_kernels.decide_cpu_kernels()  # before tracing, as compile_blocks does
     step = torch.compile(lambda inp: (model(inp).float() * c.float()).sum(), backend="aot_eager", fullgraph=True)
     want = _reference(model, [(x, c)])["down.weight"]
     step(x).backward()

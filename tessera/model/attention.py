@@ -36,6 +36,7 @@ import torch.nn as nn
 from einops import rearrange
 
 from tessera.model import cpu_attention, flash_probe
+from tessera.model import sdpa as lowp  # attend() calls lowp.scaled_dot_product_attention
 from tessera.model.args import check_sizes
 from tessera.model.documents import (
     AttentionPlan,
@@ -50,7 +51,6 @@ from tessera.model.norm import RMSNorm
 from tessera.model.recompute import keep_gemm_outputs
 from tessera.model.rotary import apply_rotary
 from tessera.model.torch_varlen import torch_varlen
-from tessera.parallel import lowp
 from tessera.parallel.comm import group_size
 from tessera.parallel.layers import ColumnParallelLinear, RowParallelLinear, column_parallel_linears, divide
 

@@ -17,8 +17,9 @@ Warm-up: a block's first call with a new signature (grad mode, train/eval, input
 eagerly, so choices the code inside makes lazily (kernel selection, log-once messages, caches) are made
 in Python before the tracer sees them, and are constants of the traced code; a checkpoint's
 recomputation of that call runs eagerly as well (it must save what the forward saved). The CPU
-low-precision GEMM choice (``tessera.parallel.lowp``) is made before anything is traced. Weight gradients
-reach the fp32 main gradients inside the graphs through ``tessera::weight_grad`` (``tessera.parallel.wgrad``).
+low-precision kernel choice (``tessera.parallel.cpu_kernels``), which picks the GEMM route
+(``tessera.parallel.gemm``), is made before anything is traced. Weight gradients reach the fp32 main
+gradients inside the graphs through ``tessera::weight_grad`` (``tessera.parallel.wgrad``).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from tessera.model import cpu_attention
 from tessera.model.attention import select_backend
 from tessera.model.forward_info import ForwardContext
 from tessera.model.transformer import DecoderLayer
-from tessera.parallel import lowp
+from tessera.parallel import cpu_kernels
 
 __all__ = ["BACKENDS", "MODES", "compile_blocks", "compiled_blocks", "settings_problem"]
 
@@ -179,7 +180,7 @@ def compile_blocks(model: nn.Module, *, backend: str = "inductor", mode: str = "
         return 0
     if any(isinstance(layer.forward, _CompiledForward) for layer in layers):
         raise ValueError("model.compile: the blocks of this model are compiled already")
-    lowp.decide_cpu_kernels()  # a per-process constant before anything is traced
+    cpu_kernels.decide_cpu_kernels()  # a per-process constant before anything is traced
     cpu_attention.outside_graphs()  # the packed CPU kernel's graph-break wrapper, made before tracing
     device = params[0].device
     _probe(backend, mode, device)

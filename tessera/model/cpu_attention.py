@@ -23,7 +23,7 @@ timed at run time:
   low-precision kernel's backward is the slower one; longer sequences run in the input dtype, where it is
   the faster. Both are exact attention with an fp32 softmax; fp32 is the more accurate, and it is kept
   where the two were within measurement noise. ``TESSERA_CPU_LOWP_MATMUL`` (``native`` / ``upcast``)
-  forces one, as for the matmuls (``tessera.parallel.lowp``). The bound was measured on a CPU with
+  forces one, as for the matmuls (``tessera.parallel.cpu_kernels``). The bound was measured on a CPU with
   avx512_bf16 and without AMX.
 
 Attention dropout is not handled here (``tessera.model.attention`` keeps SDPA for it).
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tessera.parallel import lowp
+from tessera.parallel import cpu_kernels
 
 __all__ = ["DocumentBucket", "document_buckets", "packed_attention", "causal_attention", "compute_dtype",
            "precision_rule", "UPCAST_MAX_LEN_X_HEAD_DIM"]
@@ -50,10 +50,10 @@ _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_bac
 
 def _forced_or_missing(dtype: torch.dtype) -> tuple[torch.dtype | None, str]:
     """The dtype every sequence computes in (None: the sequence's length decides), and why. Follows the
-    process-wide CPU kernel choice of ``lowp`` (made once, so compiled code reads it as a constant)."""
+    process-wide CPU kernel choice of ``cpu_kernels`` (made once, so compiled code reads it as a constant)."""
     if dtype not in _NATIVE:
         return dtype, f"{_name(dtype)}, as given"
-    upcast, source = lowp.upcast_on_cpu(dtype), lowp.choice_source(dtype)
+    upcast, source = cpu_kernels.upcast_on_cpu(dtype), cpu_kernels.choice_source(dtype)
     if source in ("native", "upcast"):
         forced = torch.float32 if upcast else dtype
         return forced, f"{_name(forced)} (TESSERA_CPU_LOWP_MATMUL={source})"

@@ -25,7 +25,7 @@ the measurements), with T tokens, hidden h, query/KV widths q/k, SwiGLU width f,
 Under msp the T h terms are per-rank chunks (divided by t) and the recomputation of a block re-runs
 its all-gather before the column-parallel GEMMs (only the chunk is kept). With residual dropout > 0
 the row-parallel GEMMs and their reductions run again too (the masks come after them). With the CPU
-low-precision upcast (``tessera.parallel.lowp``) the kept GEMM outputs are the fp32 GEMM results (the
+low-precision upcast (``tessera.parallel.gemm``) the kept GEMM outputs are the fp32 GEMM results (the
 cast back is recomputed), twice the bytes of a bf16 output; GPUs keep them in the model dtype.
 
 Attention dropout draws from the per-TP-rank TENSOR stream, which the checkpoint's own RNG stashing

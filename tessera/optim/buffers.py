@@ -9,7 +9,8 @@ dtype; every bucket is padded to a multiple of the ZERO1 size.
 Post-accumulate-grad hooks add each parameter's ``.grad`` into its main-grad view and free it, so
 accumulation over micro-batches and the DP reduction run in fp32 (``reduce_dtype="model"``: in the
 model's low-precision dtype). With ``fuse_wgrad`` the column/row-parallel linears' weights get their fp32
-view attached, their backward's GEMM adds into it directly, and the hook only counts the arrival
+view as ``param.main_grad``, their backward's GEMM adds into it directly and sets
+``param.grad_added_to_main_grad``, and the hook reads and clears that flag and only counts the arrival
 (``tessera.parallel.wgrad``).
 
 The DP reduction is per bucket: reduce-scattered straight into the owning ranks' shards when the

@@ -17,6 +17,7 @@ do not depend on the parameter's device or dtype (beyond the final cast).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -36,11 +37,12 @@ from tessera.parallel.comm import (
     reduce_from_region,
     scatter_to_region,
 )
-from tessera.parallel.fp8 import Observe, fp8_linear
-from tessera.parallel.lowp import linear
+from tessera.parallel.fp8 import Observe
+from tessera.parallel.gemm import MODEL_DTYPE, GemmPolicy, TpSplit, linear
 from tessera.parallel.seeds import derive_seed
 from tessera.parallel.sequence import (
     gather_from_sequence_region,
+    keeps_chunk_only,
     reduce_grad_over_group,
     reduce_scatter_to_sequence_region,
     sequence_parallel_linears,
@@ -126,6 +128,8 @@ class _ParallelLinear(nn.Module):
 
     ``shard_dim``: the weight dim split over TP (0: output features, 1: input features); the bias is
     sharded with the output features, so it is replicated when the input features are split.
+    ``gemm_policy`` is what the layer's GEMMs are asked for (``tessera.parallel.gemm``: the route table picks
+    how they run); ``fp8_recipe`` and ``fp8_observe`` read and set its fp8 part.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, process_group: Any, shard_dim: int, *,
@@ -139,8 +143,10 @@ class _ParallelLinear(nn.Module):
         self.out_features = out_features
         self.shard_dim = shard_dim
         self.init_std = init_std
-        self.fp8_recipe: str | None = None  # set by the training setup (model.fp8): the GEMMs run in fp8
-        self.fp8_observe: Observe | None = None  # sees the fp8 input's quantization (precision telemetry)
+        self.gemm_policy: GemmPolicy = MODEL_DTYPE  # the training setup (model.fp8) may ask for fp8
+        split = self.tp_size > 1  # which operand dims TP splits (the fp8 route agrees on amaxes over them)
+        self.tp_split = TpSplit(process_group, w_split_out=split) if shard_dim == 0 else \
+            TpSplit(process_group, x_split_in=split, w_split_in=split)
         shape = [out_features, in_features]
         shape[shard_dim] = divide(shape[shard_dim], self.tp_size, ("out_features", "in_features")[shard_dim])
         factory: dict[str, Any] = {"device": device, "dtype": dtype}
@@ -155,6 +161,25 @@ class _ParallelLinear(nn.Module):
         if init_seed is not None:
             default_name = f"{type(self).__name__}({in_features},{out_features})"
             self.init_weights(init_seed, default_name if init_name is None else init_name)
+
+    @property
+    def fp8_recipe(self) -> str | None:
+        """The fp8 scaling recipe of the GEMMs (None: the model's dtype), as ``model.fp8`` sets it."""
+        return self.gemm_policy.recipe if self.gemm_policy.format == "fp8" else None
+
+    @fp8_recipe.setter
+    def fp8_recipe(self, recipe: str | None) -> None:
+        observe = self.gemm_policy.observe
+        self.gemm_policy = MODEL_DTYPE if recipe is None else GemmPolicy("fp8", recipe, observe)
+
+    @property
+    def fp8_observe(self) -> Observe | None:
+        """Sees the fp8 input's quantization (precision telemetry sets it for a step)."""
+        return self.gemm_policy.observe
+
+    @fp8_observe.setter
+    def fp8_observe(self, observe: Observe | None) -> None:
+        self.gemm_policy = dataclasses.replace(self.gemm_policy, observe=observe)
 
     def init_weights(self, seed: int, prefix: str = "") -> None:
         """TP-invariant init: weight ~ N(0, init_std) keyed by ``prefix.weight``; bias zero."""
@@ -204,10 +229,11 @@ class ColumnParallelLinear(_ParallelLinear):
             if input_is_copied:
                 raise ValueError("input_is_copied and sequence_parallel exclude each other: a sequence-parallel "
                                  "input is a chunk, gathered by the layer (column_parallel_linears shares it)")
-            if self.fp8_recipe is not None:  # fp8 keeps the gathered input for its backward
+            if keeps_chunk_only(x, [self.weight], [self.gemm_policy]):
+                y = sequence_parallel_linears(x, [self.weight], [self.bias], self.process_group,
+                                              policies=[self.gemm_policy])[0]
+            else:  # the GEMM route keeps the gathered input for its backward (fp8)
                 y = self._gemm(gather_from_sequence_region(x, self.process_group))
-            else:
-                y = sequence_parallel_linears(x, [self.weight], [self.bias], self.process_group)[0]
         else:
             if not input_is_copied:
                 x = copy_to_region(x, self.process_group)
@@ -215,10 +241,7 @@ class ColumnParallelLinear(_ParallelLinear):
         return gather_from_region(y, self.process_group) if self.gather_output else y
 
     def _gemm(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fp8_recipe is None:
-            return linear(x, self.weight, self.bias)
-        return fp8_linear(x, self.weight, self.bias, self.fp8_recipe, group=self.process_group,
-                          w_split_out=self.tp_size > 1, observe=self.fp8_observe)
+        return linear(x, self.weight, self.bias, self.gemm_policy, self.tp_split)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features} "
@@ -266,11 +289,7 @@ class RowParallelLinear(_ParallelLinear):
         return y if self.bias is None else y + self.bias
 
     def _gemm(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if self.fp8_recipe is None:
-            return linear(x, self.weight, bias)
-        split = self.tp_size > 1
-        return fp8_linear(x, self.weight, bias, self.fp8_recipe, group=self.process_group, x_split_in=split,
-                          w_split_in=split, observe=self.fp8_observe)
+        return linear(x, self.weight, bias, self.gemm_policy, self.tp_split)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features} ({self.in_features_per_rank} per rank, tp={self.tp_size}), "
@@ -352,9 +371,10 @@ def column_parallel_linears(x: torch.Tensor, layers: Sequence[ColumnParallelLine
         raise ValueError("column_parallel_linears: the layers must share one process group and keep their "
                          "outputs sharded (gather_output=False)")
     if sequence_parallel and group_size(group) > 1:
-        if any(m.fp8_recipe is not None for m in layers):  # fp8 GEMMs keep the gathered input themselves
+        weights, policies = [m.weight for m in layers], [m.gemm_policy for m in layers]
+        if not keeps_chunk_only(x, weights, policies):  # a GEMM route keeps the gathered input itself (fp8)
             x = gather_from_sequence_region(x, group)
             return [layer(x, input_is_copied=True) for layer in layers]
-        return sequence_parallel_linears(x, [m.weight for m in layers], [m.bias for m in layers], group)
+        return sequence_parallel_linears(x, weights, [m.bias for m in layers], group, policies=policies)
     x = copy_to_region(x, group)
     return [layer(x, input_is_copied=True) for layer in layers]

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from tessera.parallel.comm import all_reduce, group_rank, group_size
-from tessera.parallel.lowp import fuses_wgrad, linear_grads, linear_no_autograd, wgrad_into_main
+from tessera.parallel.gemm import fuses_wgrad, linear_grads, linear_no_autograd, wgrad_into_main
 from tessera.parallel.wgrad import placeholder
 
 __all__ = ["LossSpec", "linear_cross_entropy", "vocab_parallel_cross_entropy"]

@@ -43,7 +43,7 @@ from tessera.parallel.comm import (
     group_rank,
     group_size,
 )
-from tessera.parallel.lowp import linear, linear_grads, linear_no_autograd
+from tessera.parallel.gemm import MODEL_DTYPE, GemmPolicy, TpSplit, linear, linear_grads, linear_no_autograd, route_for
 
 __all__ = [
     "TENSOR_MODES",
@@ -54,6 +54,7 @@ __all__ = [
     "gather_from_sequence_region",
     "reduce_scatter_to_sequence_region",
     "sequence_parallel_linears",
+    "keeps_chunk_only",
     "reduce_grad_over_group",
     "sequence_dropout",
 ]
@@ -156,25 +157,29 @@ class _SequenceParallelLinears(torch.autograd.Function):
     """``[gather(x) W_i^T + b_i for i]``, saving the chunk ``x`` (not the gathered input) for backward."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Any, dim: int, count: int, *params: torch.Tensor | None):
+    def forward(ctx, x: torch.Tensor, group: Any, dim: int, policies: tuple[GemmPolicy, ...],
+                *params: torch.Tensor | None):
+        count = len(policies)
         weights = [w for w in params[:count] if w is not None]  # weights are never None; biases may be
         biases = params[count:]
+        split = TpSplit(group, w_split_out=True)  # column-parallel weights
         full = all_gather_sequence(x, group, dim)
-        outs = tuple(linear_no_autograd(full, w, b) for w, b in zip(weights, biases))
+        outs = tuple(linear_no_autograd(full, w, b, p, split) for w, b, p in zip(weights, biases, policies))
         ctx.save_for_backward(x, *weights)
-        ctx.group, ctx.dim, ctx.count = group, dim, count
+        ctx.group, ctx.dim, ctx.policies, ctx.split = group, dim, policies, split
         ctx.has_bias = [b is not None for b in biases]
         return outs
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
         x, *weights = ctx.saved_tensors
-        count, needs = ctx.count, ctx.needs_input_grad
+        count, needs, policies, split = len(ctx.policies), ctx.needs_input_grad, ctx.policies, ctx.split
         full = all_gather_sequence(x, ctx.group, ctx.dim)  # gathered again: only the chunk was kept
         grad_w: list[torch.Tensor | None] = []
         grad_b: list[torch.Tensor | None] = []
         for i, (g, w) in enumerate(zip(grads, weights)):  # weight grads first: then the gathered input can go
-            _, gw, gb = linear_grads(g, full, w, ctx.has_bias[i], (False, needs[4 + i], needs[4 + count + i]))
+            _, gw, gb = linear_grads(g, full, w, ctx.has_bias[i], (False, needs[4 + i], needs[4 + count + i]),
+                                     policies[i], split)
             grad_w.append(gw)
             grad_b.append(gb)
         del full
@@ -184,7 +189,8 @@ class _SequenceParallelLinears(torch.autograd.Function):
             stacked = x.new_empty((group_size(ctx.group), *x.shape))  # the reduce-scatter's input, rank r at [r]
             for r in range(stacked.shape[0]):
                 for i, (g, w) in enumerate(zip(grads, weights)):
-                    gx = linear_grads(g.narrow(ctx.dim, r * n, n), x, w, False, (True, False, False))[0]
+                    gx = linear_grads(g.narrow(ctx.dim, r * n, n), x, w, False, (True, False, False), policies[i],
+                                      split)[0]
                     assert gx is not None  # the input gradient was asked for
                     if i == 0:
                         stacked[r].copy_(gx)
@@ -194,16 +200,29 @@ class _SequenceParallelLinears(torch.autograd.Function):
         return (grad_x, None, None, None, *grad_w, *grad_b)
 
 
+def keeps_chunk_only(x: torch.Tensor, weights: Sequence[torch.Tensor], policies: Sequence[GemmPolicy]) -> bool:
+    """Whether the GEMM routes of these column-parallel weights let msp keep only the sequence chunk ``x`` for
+    backward (``GemmRoute.sequence_chunked``); else the caller gathers ``x`` and the layers keep it themselves."""
+    return all(route_for(x, w, p).sequence_chunked for w, p in zip(weights, policies))
+
+
 def sequence_parallel_linears(x: torch.Tensor, weights: Sequence[torch.Tensor],
                               biases: Sequence[torch.Tensor | None], group: Any,
-                              dim: int = SEQUENCE_DIM) -> list[torch.Tensor]:
+                              dim: int = SEQUENCE_DIM,
+                              policies: Sequence[GemmPolicy] | None = None) -> list[torch.Tensor]:
     """Column-parallel linears (weights ``[out_i/t, in]``) on the sequence chunk ``x``: one all-gather
-    forward; backward re-gathers ``x``, sums the input gradients and reduce-scatters them once."""
+    forward; backward re-gathers ``x``, sums the input gradients and reduce-scatters them once. ``policies``:
+    each layer's ``GemmPolicy`` (default: the model's dtype); their routes must keep the chunk only
+    (``keeps_chunk_only``)."""
     if len(weights) != len(biases):
         raise ValueError(f"{len(weights)} weights but {len(biases)} biases (use None for a layer without bias)")
+    chosen = tuple(policies) if policies is not None else (MODEL_DTYPE,) * len(weights)
     if group_size(group) == 1:
-        return [linear(x, w, b) for w, b in zip(weights, biases)]
-    return list(_SequenceParallelLinears.apply(x, group, dim, len(weights), *weights, *biases))
+        return [linear(x, w, b, p) for w, b, p in zip(weights, biases, chosen)]
+    if not keeps_chunk_only(x, weights, chosen):
+        raise ValueError("sequence_parallel_linears: a GEMM route here keeps the gathered input (fp8): gather "
+                         "with gather_from_sequence_region and run the layers on it")
+    return list(_SequenceParallelLinears.apply(x, group, dim, chosen, *weights, *biases))
 
 
 def reduce_grad_over_group(t: torch.Tensor, group: Any) -> torch.Tensor:

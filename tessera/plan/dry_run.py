@@ -11,7 +11,7 @@ others.
 Why meta and not fake CUDA tensors: a CPU-only torch cannot record an autograd graph on fake CUDA
 tensors (the graph asks for a CUDA stream: "PyTorch is not linked with support for cuda devices"),
 so the backward could not run. Meta tensors run forward, backward and the optimizer; attention on
-meta uses a flash kernel's shape function (``tessera.parallel.lowp``), which keeps what flash_attn
+meta uses a flash kernel's shape function (``tessera.model.sdpa``), which keeps what flash_attn
 keeps on a GPU. Barriers and object collectives (``all_gather_object``...) carry only Python objects
 and torch moves them to the right device itself, so they are answered locally in a dry run.
 

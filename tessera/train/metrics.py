@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import torch
 
 from tessera.files import os_error_text
-from tessera.parallel.lowp import linear
+from tessera.parallel.gemm import linear
 
 logger = logging.getLogger("tessera")
 
@@ -99,7 +99,7 @@ def measure_matmul_tflops(dtype: torch.dtype, device: torch.device, size: int | 
     first (kernel selection, clocks), then windows of ``iterations`` back-to-back matmuls with one
     synchronize at the end of each, timed as a whole; windows repeat for ``seconds`` (three at least) and
     the best window's rate is returned. Sizes and iterations default to ``probe_shape``. It runs through
-    ``tessera.parallel.lowp.linear``, the kernel the model's linears use, so numerator and denominator
+    ``tessera.parallel.gemm.linear``, the kernel the model's linears use, so numerator and denominator
     share one kernel choice; on CUDA the cache allocator's blocks are released after.
     """
     default_size, default_iterations = probe_shape(device.type)

@@ -1,0 +1,351 @@
+"""The GEMM routes of a linear layer: every way ``y = x W^T + b`` and its two backward GEMMs can run, in one table.
+
+A route (``GemmRoute``, the rows of ``ROUTES`` below) names its forward GEMM, its two backward GEMMs
+(the input's gradient ``dx = g W``, the weight's ``dW = g^T x``), whether the weight's can be added
+straight into an fp32 main gradient (``tessera.parallel.wgrad``), and whether sequence parallelism may
+keep only the sequence chunk of its input. ``choose_route(device type, dtype, policy)`` picks the row;
+the CPU's kernel choice behind it is made once per process (``tessera.parallel.cpu_kernels``), so a
+(device, dtype, policy) always gets the same route, logged the first time.
+
+==============  ===========================  =================================  ========================  ========
+route           serves                       forward / backward GEMMs           sums                      adds into
+                                                                                                          main grad
+==============  ===========================  =================================  ========================  ========
+native          every device and dtype the   torch's kernels in the operands'   the kernels'              yes
+                other rows leave             dtype (``F.linear``; autograd's                              (where an
+                                             backward unless fused)                                       fp32-output
+                                                                                                          GEMM exists)
+cpu-upcast      bf16/fp16 on a CPU without   fp32 GEMMs on upcast operands,     fp32, output rounded to   yes
+                avx512_bf16/AMX (or          results rounded to the dtype       the dtype once
+                TESSERA_CPU_LOWP_MATMUL)
+fp8-emulated    policy ``fp8``, any device   operands quantized (e4m3 forward,  fp32, output rounded to   no
+                and dtype                    e5m2 gradients) and dequantized,   the dtype once
+                                             then fp32 GEMMs (``fp8.quantize``)
+==============  ===========================  =================================  ========================  ========
+
+A layer holds a ``GemmPolicy`` (what it asks for: the model's dtype, or fp8 with a scaling recipe) and a
+``TpSplit`` (which dims TP splits: the fp8 scales agree over them) and calls ``linear``; it never looks
+at the route. Code that writes its own backward (sequence parallelism's linears, the chunked head and
+loss) uses ``linear_no_autograd`` and ``linear_grads``, the same route's GEMMs. A new number format is a
+new policy value and a new row here (with its own three GEMMs); the layers do not change.
+
+Every route runs through one autograd Function (``_RoutedLinear``), whose backward is ``linear_grads``.
+The one exception is deliberate: the native route with no fusion possible is plain ``F.linear``, so
+autograd's own backward runs, as it would without tessera.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from tessera.parallel import wgrad
+from tessera.parallel.cpu_kernels import upcast_on_cpu
+from tessera.parallel.fp8 import E4M3, E5M2, RECIPES, Observe, quantize
+from tessera.parallel.wgrad import fused_main_grad, placeholder
+
+__all__ = ["FORMATS", "MODEL_DTYPE", "NO_SPLIT", "ROUTES", "GemmPolicy", "GemmRoute", "TpSplit", "choose_route",
+           "fp8_linear", "fuses_wgrad", "linear", "linear_grads", "linear_no_autograd", "route_for",
+           "wgrad_into_main"]
+
+logger = logging.getLogger("tessera")
+
+FORMATS = ("model", "fp8")  # GemmPolicy.format: the operands' own dtype, or fp8 (e4m3 / e5m2)
+
+
+@dataclass(frozen=True)
+class GemmPolicy:
+    """What one linear asks of its GEMMs; ``choose_route`` reads it with the device and the dtype.
+
+    ``format``: ``"model"`` (the operands' own dtype) or ``"fp8"`` (``recipe``: ``"tensorwise"`` or
+    ``"rowwise"`` scaling). ``observe`` sees the fp8 forward input's quantization (precision telemetry);
+    it is no part of the choice (nor of equality).
+    """
+
+    format: str = "model"
+    recipe: str | None = None
+    observe: Observe | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.format not in FORMATS:
+            raise ValueError(f"GEMM format {self.format!r}: must be one of {list(FORMATS)}")
+        if self.format == "fp8" and self.recipe not in RECIPES:
+            raise ValueError(f"fp8 recipe must be one of {list(RECIPES)}, got {self.recipe!r}")
+        if self.format == "model" and self.recipe is not None:
+            raise ValueError(f"recipe={self.recipe!r} is a setting of the fp8 format, not of {self.format!r}")
+
+
+MODEL_DTYPE = GemmPolicy()
+
+
+@dataclass(frozen=True)
+class TpSplit:
+    """Which dims of a linear's operands are split over the TP ``group``: the input's features (row-parallel),
+    the weight's output rows (column-parallel; its output gradient too), the weight's input columns
+    (row-parallel). The fp8 route takes an amax over a split dim as a MAX over the group."""
+
+    group: Any = None
+    x_split_in: bool = False
+    w_split_out: bool = False
+    w_split_in: bool = False
+
+
+NO_SPLIT = TpSplit()
+
+# the three GEMMs of a route: forward (x, W, b) -> y; input gradient (g, x, W) -> dx; weight gradient of the
+# 2-D operands (g, x, W) -> dW in W's dtype (when not added into the main gradient)
+Forward = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None", GemmPolicy, TpSplit], torch.Tensor]
+Backward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, GemmPolicy, TpSplit], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class GemmRoute:
+    """One row of the table: how a linear's three GEMMs run, and what the rest of the code may do with them.
+
+    ``fp32_gemms``: the GEMMs (and the bias gradient's sum) run in fp32 on upcast or dequantized operands,
+    results rounded to the tensors' dtype; False: in the operands' own dtype. ``sequence_chunked``: each row
+    block of ``dx`` needs only that block of ``g``, so sequence parallelism may keep the input's chunk and
+    compute ``dx`` chunk by chunk; False: the route keeps the gathered input (``tessera.parallel.sequence``).
+    """
+
+    name: str
+    serves: str
+    forward: Forward
+    grad_input: Backward
+    grad_weight: Backward
+    adds_into_main_grad: bool
+    fp32_gemms: bool
+    sequence_chunked: bool
+    doc: str
+
+
+# ------------------------------------------------------------------ native: torch's kernels
+def _native_forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, p: GemmPolicy,
+                    s: TpSplit) -> torch.Tensor:
+    return F.linear(x, w, b)
+
+
+def _native_grad_input(g: torch.Tensor, x: torch.Tensor, w: torch.Tensor, p: GemmPolicy, s: TpSplit) -> torch.Tensor:
+    return (g @ w).to(x.dtype)
+
+
+def _native_grad_weight(g2: torch.Tensor, x2: torch.Tensor, w: torch.Tensor, p: GemmPolicy,
+                        s: TpSplit) -> torch.Tensor:
+    return (g2.t() @ x2).to(w.dtype)
+
+
+# ------------------------------------------------------------------ cpu-upcast: fp32 GEMMs on bf16/fp16 operands
+def _upcast_forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, p: GemmPolicy,
+                    s: TpSplit) -> torch.Tensor:
+    return F.linear(x.float(), w.float(), None if b is None else b.float()).to(x.dtype)
+
+
+def _upcast_grad_input(g: torch.Tensor, x: torch.Tensor, w: torch.Tensor, p: GemmPolicy, s: TpSplit) -> torch.Tensor:
+    return (g.float() @ w.float()).to(x.dtype)
+
+
+def _upcast_grad_weight(g2: torch.Tensor, x2: torch.Tensor, w: torch.Tensor, p: GemmPolicy,
+                        s: TpSplit) -> torch.Tensor:
+    return _native_grad_weight(g2.float(), x2.float(), w, p, s)
+
+
+# ------------------------------------------------------------------ fp8-emulated (see tessera.parallel.fp8)
+# Each operand gets its scales along the dims its GEMM keeps (rowwise) or one scale (tensorwise); where the
+# dims an amax runs over include one split over TP, the amax is agreed over the group (TP=N computes TP=1).
+def _fp8_forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, p: GemmPolicy,
+                 s: TpSplit) -> torch.Tensor:
+    rowwise = p.recipe == "rowwise"
+    k = 0 if rowwise else None
+    # x @ W^T: x per token (amax over in), W per output channel (amax over in)
+    xq = quantize(x.reshape(-1, x.shape[-1]), E4M3, k, s.group, reduce_sharded=s.x_split_in, observe=p.observe)
+    wq = quantize(w, E4M3, k, s.group, reduce_sharded=s.w_split_in if rowwise else (s.w_split_in or s.w_split_out))
+    y = xq @ wq.t()
+    if b is not None:
+        y = y + b.float()
+    return y.to(x.dtype).reshape(*x.shape[:-1], w.shape[0])
+
+
+def _fp8_grad_input(g: torch.Tensor, x: torch.Tensor, w: torch.Tensor, p: GemmPolicy, s: TpSplit) -> torch.Tensor:
+    rowwise = p.recipe == "rowwise"
+    # g @ W: g per token (amax over out; the column-parallel output gradient is split like W's rows),
+    # W per input channel (amax over out)
+    gq = quantize(g.reshape(-1, g.shape[-1]), E5M2, 0 if rowwise else None, s.group, reduce_sharded=s.w_split_out)
+    w_cols = quantize(w, E4M3, 1 if rowwise else None, s.group,
+                      reduce_sharded=s.w_split_out if rowwise else (s.w_split_in or s.w_split_out))
+    return (gq @ w_cols).to(x.dtype).reshape(x.shape)
+
+
+def _fp8_grad_weight(g2: torch.Tensor, x2: torch.Tensor, w: torch.Tensor, p: GemmPolicy, s: TpSplit) -> torch.Tensor:
+    rowwise = p.recipe == "rowwise"
+    # g^T @ x: g^T per output channel (amax over tokens), x per input channel (amax over tokens)
+    gtq = quantize(g2, E5M2, 1 if rowwise else None, s.group, reduce_sharded=False if rowwise else s.w_split_out)
+    x_cols = quantize(x2, E4M3, 1 if rowwise else None, s.group, reduce_sharded=False if rowwise else s.x_split_in)
+    return (gtq.t() @ x_cols).to(w.dtype)
+
+
+# ------------------------------------------------------------------ the table
+NATIVE = GemmRoute(
+    "native", "every device and dtype the rows below leave", _native_forward, _native_grad_input,
+    _native_grad_weight, adds_into_main_grad=True, fp32_gemms=False, sequence_chunked=True,
+    doc="torch's own kernels in the operands' dtype (fp32 accumulation inside bf16 GPU GEMMs)")
+CPU_UPCAST = GemmRoute(
+    "cpu-upcast", "bf16/fp16 on CPUs without avx512_bf16/AMX (TESSERA_CPU_LOWP_MATMUL=native|upcast|auto)",
+    _upcast_forward, _upcast_grad_input, _upcast_grad_weight, adds_into_main_grad=True, fp32_gemms=True,
+    sequence_chunked=True,
+    doc="fp32 GEMMs on the upcast operands, each result rounded once: a bf16 GEMM's meaning, at fp32 GEMM speed")
+FP8_EMULATED = GemmRoute(
+    "fp8-emulated", "policy format 'fp8' (recipe tensorwise or rowwise), any device", _fp8_forward,
+    _fp8_grad_input, _fp8_grad_weight, adds_into_main_grad=False, fp32_gemms=True, sequence_chunked=False,
+    doc="operands rounded to e4m3 (forward) / e5m2 (gradients) with current-amax scales agreed over TP, "
+        "dequantized, multiplied by fp32 GEMMs")
+ROUTES: dict[str, GemmRoute] = {r.name: r for r in (NATIVE, CPU_UPCAST, FP8_EMULATED)}
+_LOGGED: set[tuple[Any, ...]] = set()  # (device type, dtype, format, recipe, route) already logged
+
+
+def choose_route(device_type: str, dtype: torch.dtype | None, policy: GemmPolicy = MODEL_DTYPE) -> GemmRoute:
+    """The route of a linear on ``device_type`` whose operands are ``dtype`` (None: the input's and the
+    weight's differ, torch's kernels decide) under ``policy``; logged the first time."""
+    if policy.format == "fp8":
+        route = FP8_EMULATED
+    elif device_type == "cpu" and dtype is not None and upcast_on_cpu(dtype):
+        route = CPU_UPCAST
+    else:
+        route = NATIVE
+    if not torch.compiler.is_compiling():  # traced code reads the route as a constant (warm-up logged it)
+        key = (device_type, dtype, policy.format, policy.recipe, route.name)
+        if key not in _LOGGED:
+            _LOGGED.add(key)
+            what = policy.format if policy.recipe is None else f"{policy.format} {policy.recipe}"
+            logger.info("GEMMs of %s linears on %s (format %s): route %s: %s", str(dtype).split(".")[-1],
+                        device_type, what, route.name, route.doc)
+    return route
+
+
+def route_for(x: torch.Tensor, weight: torch.Tensor, policy: GemmPolicy = MODEL_DTYPE) -> GemmRoute:
+    """``choose_route`` for the input ``x`` and the ``weight`` of one linear."""
+    return choose_route(x.device.type, x.dtype if x.dtype == weight.dtype else None, policy)
+
+
+# ------------------------------------------------------------------ the entry point and its autograd Function
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, policy: GemmPolicy = MODEL_DTYPE,
+           split: TpSplit = NO_SPLIT) -> torch.Tensor:
+    """``x W^T + b`` through the route ``policy`` gets here (see the module docstring)."""
+    route = route_for(x, weight, policy)
+    if route is NATIVE and not (torch.is_grad_enabled() and _may_fuse(x, weight)):
+        return F.linear(x, weight, bias)  # autograd's own backward
+    return _RoutedLinear.apply(x, weight, bias, route.name, policy, split)
+
+
+class _RoutedLinear(torch.autograd.Function):
+    """``x W^T + b`` through one route's forward GEMM; saves ``x`` and ``W`` as given (so the low-precision
+    tensors, not upcast copies); the backward is the route's two GEMMs (``linear_grads``)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, route: str,
+                policy: GemmPolicy, split: TpSplit) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        ctx.route, ctx.policy, ctx.split = route, policy, split
+        return ROUTES[route].forward(x, weight, bias, policy, split)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        x, weight = ctx.saved_tensors
+        grads = _grads(ROUTES[ctx.route], grad, x, weight, ctx.has_bias, tuple(ctx.needs_input_grad[:3]),
+                       ctx.policy, ctx.split)
+        return (*grads, None, None, None)
+
+
+def linear_no_autograd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                       policy: GemmPolicy = MODEL_DTYPE, split: TpSplit = NO_SPLIT) -> torch.Tensor:
+    """The forward of :func:`linear` for code that writes its own backward (``linear_grads``)."""
+    return route_for(x, weight, policy).forward(x, weight, bias, policy, split)
+
+
+def linear_grads(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, has_bias: bool,
+                 needs: tuple[bool, bool, bool], policy: GemmPolicy = MODEL_DTYPE,
+                 split: TpSplit = NO_SPLIT) -> tuple[torch.Tensor | None, ...]:
+    """Gradients of ``x W^T + b`` w.r.t. (x, W, b) where ``needs`` says so, by the route's backward GEMMs. A
+    weight gradient added into the fp32 main gradient comes back as a placeholder (``tessera.parallel.wgrad``)."""
+    return _grads(route_for(x, weight, policy), grad, x, weight, has_bias, needs, policy, split)
+
+
+def _grads(route: GemmRoute, grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, has_bias: bool,
+           needs: tuple[bool, ...], policy: GemmPolicy, split: TpSplit) -> tuple[torch.Tensor | None, ...]:
+    gx = gw = gb = None
+    if needs[0]:
+        gx = route.grad_input(grad, x, weight, policy, split)
+    if needs[1]:
+        gw = _weight_gradient(route, grad, x, weight, policy, split)
+    if has_bias and needs[2]:
+        g = grad.float() if route.fp32_gemms else grad
+        gb = g.reshape(-1, g.shape[-1]).sum(0).to(weight.dtype)
+    return gx, gw, gb
+
+
+# ------------------------------------------------------------------ the weight gradient into the fp32 main gradient
+def _operand_dtype(route: GemmRoute, x: torch.Tensor) -> torch.dtype:
+    """The dtype of the operands the route's weight-gradient GEMM multiplies."""
+    return torch.float32 if route.fp32_gemms else x.dtype
+
+
+def _may_fuse(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the native route's weight gradient may go into the main gradient (now, or in traced code)."""
+    return fused_main_grad(weight, x.dtype) is not None or _traced_fusion(weight)
+
+
+def _traced_fusion(weight: torch.Tensor) -> bool:
+    """Inside traced code: whether ``weight``'s gradient goes through ``tessera::weight_grad``."""
+    return torch.compiler.is_compiling() and wgrad.compiled_weight_grad is not None \
+        and wgrad.fused_in_compiled_code(weight)
+
+
+def _add_into_main(route: GemmRoute, g2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor) -> bool:
+    """``weight.main_grad += g2^T x2`` on the route's operands when fusion applies now; False otherwise."""
+    dtype = _operand_dtype(route, x2)
+    main = fused_main_grad(weight, dtype) if route.adds_into_main_grad else None
+    if main is None:
+        return False
+    wgrad.add_wgrad(main, weight, g2.to(dtype), x2.to(dtype))
+    return True
+
+
+def _weight_gradient(route: GemmRoute, grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                     policy: GemmPolicy, split: TpSplit) -> torch.Tensor:
+    """What a backward hands autograd as ``W``'s gradient: the placeholder once it is in the fp32 main gradient,
+    else the route's weight-gradient GEMM. Traced code calls ``tessera::weight_grad``, which decides at run time."""
+    g2, x2 = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
+    if route.adds_into_main_grad and _traced_fusion(weight):
+        dtype = _operand_dtype(route, x2)
+        return wgrad.compiled_weight_grad(weight, g2.to(dtype), x2.to(dtype))
+    if _add_into_main(route, g2, x2, weight):
+        return placeholder(weight)
+    return route.grad_weight(g2, x2, weight, policy, split)
+
+
+def fuses_wgrad(x: torch.Tensor, weight: torch.Tensor, policy: GemmPolicy = MODEL_DTYPE) -> bool:
+    """Whether the weight gradient of ``x W^T`` goes straight into the weight's fp32 main gradient."""
+    route = route_for(x, weight, policy)
+    return route.adds_into_main_grad and fused_main_grad(weight, _operand_dtype(route, x)) is not None
+
+
+def wgrad_into_main(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                    policy: GemmPolicy = MODEL_DTYPE) -> bool:
+    """Add the weight gradient of ``x W^T`` (``grad`` the output's) into the weight's main gradient in fp32
+    when fusion applies; False otherwise (for code that writes its own backward: the chunked head)."""
+    g2, x2 = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
+    return _add_into_main(route_for(x, weight, policy), g2, x2, weight)
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: str, *, group: Any = None,
+               x_split_in: bool = False, w_split_out: bool = False, w_split_in: bool = False,
+               observe: Observe | None = None) -> torch.Tensor:
+    """``linear`` under the fp8 policy ``recipe`` with the given TP split (``TpSplit``); ``observe`` sees the
+    forward input's quantization."""
+    split = TpSplit(group, x_split_in, w_split_out, w_split_in)
+    return linear(x, weight, bias, GemmPolicy("fp8", recipe, observe), split)
