@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from harness.fake_cuda import fake_cuda_mode
+from tessera import logs
 from tessera.model import attention, flash_probe
 from tessera.model import sdpa as sdpa_module
 from tessera.model.attention import _sdpa, attend, plan_attention, select_backend
@@ -130,7 +131,7 @@ def probe(monkeypatch):
     monkeypatch.setattr(flash_probe, "_PROBE", None)
     monkeypatch.setattr(flash_probe, "_CAPABILITY", {})
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setattr(attention, "_LOGGED", set())
+    monkeypatch.setattr(logs, "_LOGGED", set())
     monkeypatch.delitem(sys.modules, "flash_attn", raising=False)
     seen: list[str] = []
     monkeypatch.setattr(sdpa_module, "scaled_dot_product_attention",
