@@ -239,9 +239,9 @@ def _rejects_cpu(monkeypatch, module: str) -> None:
     monkeypatch.setattr(mod, "reduce_scalars", on_cpu)
 
 
-@pytest.mark.parametrize("module", ["tessera.train.stop", "tessera.checkpoint.training", "tessera.train.step"])
+@pytest.mark.parametrize("module", ["tessera.train.stop", "tessera.checkpoint.agreement", "tessera.train.step"])
 def test_a_cpu_tensor_collective_anywhere_fails_the_dry_run(monkeypatch, module):
-    """The stop agreement (train.stop), the checkpoint agreement (checkpoint.training) and the trainer's
+    """The stop agreement (train.stop), the checkpoint agreement (checkpoint.agreement) and the trainer's
     token sums run in the dry run on a group that serves no CPU tensors: moving any of them to the CPU
     fails it with NCCL's error. Unpatched, the same dry run passes (the other tests)."""
     _rejects_cpu(monkeypatch, module)

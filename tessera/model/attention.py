@@ -137,9 +137,10 @@ def _cpu_kernel_refuses(call: AttentionCall) -> str | None:
     return None
 
 
-def _tokens(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def _tokens(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``[B, S, H, d]`` -> ``[B*S, H, d]``: the layout of the varlen kernels."""
-    return tuple(rearrange(t, "b s h d -> (b s) h d") for t in (q, k, v))
+    q_, k_, v_ = (rearrange(t, "b s h d -> (b s) h d") for t in (q, k, v))
+    return q_, k_, v_
 
 
 def _run_flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan,
