@@ -20,7 +20,7 @@ _LOGGED: set[str] = set()  # the texts logged so far in this process
 
 def log_once(message: str, level: int = logging.INFO) -> None:
     """Log ``message`` on the ``tessera`` logger the first time this process sees its text."""
-    if message in _LOGGED or torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or message in _LOGGED:  # first: a traced read of the set would guard on it
         return
     _LOGGED.add(message)
     logger.log(level, message)
