@@ -36,7 +36,6 @@ autograd's own backward runs, as it would without tessera.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,6 +43,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from tessera.logs import log_once
 from tessera.parallel import wgrad
 from tessera.parallel.cpu_kernels import upcast_on_cpu
 from tessera.parallel.fp8 import E4M3, E5M2, RECIPES, Observe, quantize
@@ -53,7 +53,6 @@ __all__ = ["FORMATS", "MODEL_DTYPE", "NO_SPLIT", "ROUTES", "GemmPolicy", "GemmRo
            "fp8_linear", "fuses_wgrad", "linear", "linear_grads", "linear_no_autograd", "route_for",
            "wgrad_into_main"]
 
-logger = logging.getLogger("tessera")
 
 FORMATS = ("model", "fp8")  # GemmPolicy.format: the operands' own dtype, or fp8 (e4m3 / e5m2)
 
@@ -204,7 +203,6 @@ FP8_EMULATED = GemmRoute(
     doc="operands rounded to e4m3 (forward) / e5m2 (gradients) with current-amax scales agreed over TP, "
         "dequantized, multiplied by fp32 GEMMs")
 ROUTES: dict[str, GemmRoute] = {r.name: r for r in (NATIVE, CPU_UPCAST, FP8_EMULATED)}
-_LOGGED: set[tuple[Any, ...]] = set()  # (device type, dtype, format, recipe, route) already logged
 
 
 def choose_route(device_type: str, dtype: torch.dtype | None, policy: GemmPolicy = MODEL_DTYPE) -> GemmRoute:
@@ -217,12 +215,9 @@ def choose_route(device_type: str, dtype: torch.dtype | None, policy: GemmPolicy
     else:
         route = NATIVE
     if not torch.compiler.is_compiling():  # traced code reads the route as a constant (warm-up logged it)
-        key = (device_type, dtype, policy.format, policy.recipe, route.name)
-        if key not in _LOGGED:
-            _LOGGED.add(key)
-            what = policy.format if policy.recipe is None else f"{policy.format} {policy.recipe}"
-            logger.info("GEMMs of %s linears on %s (format %s): route %s: %s", str(dtype).split(".")[-1],
-                        device_type, what, route.name, route.doc)
+        what = policy.format if policy.recipe is None else f"{policy.format} {policy.recipe}"
+        log_once(f"GEMMs of {str(dtype).split('.')[-1]} linears on {device_type} (format {what}): route {route.name}: "
+                 f"{route.doc}")
     return route
 
 
