@@ -32,6 +32,7 @@ from tessera.checkpoint import (
     save_checkpoint,
 )
 from tessera.checkpoint.lock import release_held_folders
+from tessera.cli_args import positive_float
 from tessera.config import Config, ConfigError, RunConfig
 from tessera.core.context import gpc, launch_from_slurm, launch_from_torch
 from tessera.core.job import Job
@@ -87,8 +88,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip-memory-check", action="store_true",
                    help="start even when the persistent training state exceeds the memory available")
     p.add_argument("--dry-run", action="store_true",
-                   help="plan instead of training: one iteration at real size on meta tensors, as tools/plan.py "
-                        "(world size: this launch's, else parallel.tensor.size); exits 1 if it does not fit the GPU")
+                   help="plan instead of training, on any machine (no GPU needed): one iteration at real size on meta "
+                        "tensors, as tools/plan.py (world size: this launch's, else parallel.tensor.size); prints the "
+                        "plan, then one verdict line comparing the peak per rank with --gpu-memory, else this "
+                        "machine's CUDA device, less memory.headroom: 'fits: ...' exits 0, 'does NOT fit: ...' "
+                        "exits 1; with neither it says 'fit not checked: ...' and exits 0")
+    p.add_argument("--gpu-memory", type=positive_float, default=None, metavar="GIB",
+                   help="--dry-run: GiB per GPU to plan for (default: this machine's CUDA device, if any)")
     p.add_argument("overrides", nargs="*", help="key.sub=value pairs (Python literals) overriding the config")
     return p.parse_intermixed_args(argv)
 
@@ -100,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         config = Config.from_file(args.config, args.overrides)
     cfg = config.typed  # what this script reads: mypy checks every key (Config hands whole sections down)
     if args.dry_run:
-        return dry_run_report(config, args.config)
+        return dry_run_report(config, args.config, args.gpu_memory)
     with doing("launching"):
         job = launch_job(config, args)
     with doing("checking the output folders"):
@@ -395,16 +401,27 @@ def finish(run: Run) -> None:
                               f"checkpoint: {run.last_ckpt or 'none'}", every_rank=True)
 
 
-def dry_run_report(config: Config, config_name: str) -> int:
-    """``--dry-run``: rank 0 of the launch prints the plan of this job (tools/plan.py) and says whether it fits."""
+def dry_run_report(config: Config, config_name: str, gpu_memory: float | None = None) -> int:
+    """``--dry-run``: rank 0 of the launch prints the plan of this job (tools/plan.py) and its verdict against
+    ``gpu_memory`` GiB, else this machine's CUDA device (the table's datasheet figures for a device it lists, the
+    device's own total otherwise); exit 1 when it does not fit. Without either nothing is compared, and the last
+    line says so."""
     if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) != "0":
         return 0  # one plan per job: every rank of a layout is planned alike
     from tessera.plan import gpu_for_device_name, make_plan
 
     world = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", config.typed.parallel.tensor.size)))
-    gpu = gpu_for_device_name(torch.cuda.get_device_name()) if torch.cuda.is_available() else None
-    plan = make_plan(config, world, config_name=config_name, gpu=gpu)
+    gpu, memory, source = None, gpu_memory, "--gpu-memory"
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name()
+        gpu = gpu_for_device_name(name)
+        if memory is None and gpu is None:  # a device the table does not list: its own total
+            memory, source = torch.cuda.get_device_properties(0).total_memory / 2**30, f"{name}'s total"
+    plan = make_plan(config, world, config_name=config_name, gpu=gpu, memory_gib=memory, memory_source=source)
     print(plan.format(), flush=True)
+    if plan.fits is None:
+        print("fit not checked: compared against no GPU memory (no CUDA device here); give --gpu-memory GIB to "
+              "compare the peak with", flush=True)
     return 1 if plan.fits is False else 0
 
 
