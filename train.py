@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
 import os
 import sys
+import time
 import traceback
 from collections.abc import Callable, Iterator
 from typing import TypeVar
@@ -34,6 +36,7 @@ from tessera.checkpoint import (
 from tessera.checkpoint.lock import release_held_folders
 from tessera.cli_args import positive_float
 from tessera.config import Config, ConfigError, RunConfig
+from tessera.config.loading import blame_overrides
 from tessera.core.context import gpc, launch_from_slurm, launch_from_torch
 from tessera.core.job import Job
 from tessera.core.rendezvous import LaunchError, wait_for_peers_to_report
@@ -134,10 +137,13 @@ def main(argv: list[str] | None = None) -> int:
 def launch_job(config: Config, args: argparse.Namespace) -> Job:
     """Join the job (process groups, RNG streams, precision switches); its description, built once."""
     seed = config.typed.seed if args.seed is None else args.seed
-    if args.launcher == "slurm":
-        launch_from_slurm(config, host=args.host, port=args.port, seed=seed)
-    else:
-        launch_from_torch(config, seed=seed)
+    try:
+        if args.launcher == "slurm":
+            launch_from_slurm(config, host=args.host, port=args.port, seed=seed)
+        else:
+            launch_from_torch(config, seed=seed)
+    except ConfigError as e:  # the layout against the world size: name the override that set it, if one did
+        raise blame_overrides(e, args.overrides, args.config) from None
     job = gpc.job
     assert job is not None
     lay = job.layout
@@ -472,12 +478,30 @@ def _has_checkpoint(cfg: RunConfig) -> bool:
 
 
 def _report(text: str) -> None:
-    """``[rank R] text`` on stderr in one write, so ranks sharing a terminal or log never interleave lines."""
-    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "?"))
-    data = f"[rank {rank}] {text}\n".encode()
+    """``[rank R] text`` on stderr in one write, so ranks sharing a terminal or log never interleave lines; the
+    bare text where no launcher gave this process a rank (a single process has no rank to name). Under torchrun
+    the text is also this rank's error file, which torchrun's failure summary shows."""
+    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID"))
+    data = (f"[rank {rank}] {text}\n" if rank is not None else f"{text}\n").encode()
+    _write_torchelastic_error_file(data.decode().rstrip("\n"))
     sys.stderr.flush()
     while data:  # one write unless the pipe takes less (only past its atomic size, e.g. a long traceback)
         data = data[os.write(sys.stderr.fileno(), data):]
+
+
+def _write_torchelastic_error_file(report: str) -> None:
+    """Under torchrun, this rank's report as its error file (``TORCHELASTIC_ERROR_FILE``, in the format torch's
+    ``ErrorHandler`` writes): torchrun's failure summary then shows tessera's line where it would say "To enable
+    traceback see ...". torchrun still raises its own ``ChildFailedError`` when a worker exits non-zero (torch
+    2.13: the agent raises it for any non-zero exit, whatever the worker writes), so its summary follows ours."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    first = report.splitlines()[0] if report else report
+    data = {"message": {"message": first, "extraInfo": {"py_callstack": report, "timestamp": str(int(time.time()))}}}
+    with contextlib.suppress(OSError):  # a courtesy to torchrun's summary: the report is on stderr already
+        with open(path, "w") as f:
+            json.dump(data, f)
 
 
 def _exit_together(message: str) -> None:
@@ -502,6 +526,21 @@ def _exit_on(problems: list[str]) -> None:
         _exit_together("; ".join(problems))
 
 
+def _bad_environment_variable(e: BaseException) -> str | None:
+    """The message of a ``ValueError`` that rejects the value of one of tessera's environment variables (its
+    readers raise ``ValueError("TESSERA_NAME='value': what it must be")``, read where the value is first needed,
+    e.g. ``TESSERA_CPU_LOWP_MATMUL`` at the first CPU matmul), found in ``e`` or what it wraps; else None."""
+    seen: set[int] = set()
+    cause: BaseException | None = e
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        name = str(cause).split("=", 1)[0]
+        if isinstance(cause, ValueError) and name.startswith("TESSERA_") and name in os.environ:
+            return str(cause)
+        cause = cause.__cause__ or cause.__context__
+    return None
+
+
 def run() -> None:
     """Exit non-zero on every failing rank at once; never wait on peers that may be gone."""
     try:
@@ -518,8 +557,13 @@ def run() -> None:
             _report(f"training failed:\n{traceback.format_exc()}")
         else:
             _report(f"error: {getattr(e, 'tessera_doing', 'starting')}: {os_error_text(e)}")
-    except Exception:  # noqa: BLE001 - report with the traceback, then take the whole job down
-        _report(f"training failed:\n{traceback.format_exc()}")
+    except Exception as e:  # noqa: BLE001 - report with the traceback, then take the whole job down
+        bad_variable = _bad_environment_variable(e)
+        if bad_variable:
+            logger.debug("the traceback of the error below:", exc_info=True)
+            _report(f"error: environment variable {bad_variable}")
+        else:
+            _report(f"training failed:\n{traceback.format_exc()}")
     _exit_now(1)  # torchrun sees the non-zero exit and stops the other ranks
 
 
