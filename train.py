@@ -49,6 +49,7 @@ from tessera.model.kv_cache import generate_ids_cached
 from tessera.optim.skips import TooManySkippedSteps
 from tessera.parallel.comm import agree_on_errors
 from tessera.train.builder import TrainingStack, build_training_stack
+from tessera.train.lr_scheduler import WarmupCosineLR
 from tessera.train.memory_check import check_memory
 from tessera.train.metrics import MetricsWriter, gpu_peak_tflops, measure_matmul_tflops, peak_memory_gib, setup_logging
 from tessera.train.stop import StopRequest
@@ -304,10 +305,33 @@ def resume(run: Run) -> None:
     if not meta["rank_state_loaded"]:  # a different TP/DP layout: per-rank streams cannot be carried over
         gpc.set_seed(job.seed + progress.step)
     logger.info("resumed from %s at step %d", run.last_ckpt, progress.step)
+    schedule_change = lr_schedule_change(meta.get("config"), cfg, progress.step)
+    if schedule_change:
+        logger.warning(schedule_change)
     if progress.step > cfg.data.total_steps:
         logger.warning("%s is past data.total_steps=%d: nothing to train, only the final validation and sample "
                        "run (train longer by raising data.total_steps, or start over with another "
                        "ckpt.save_ckpt_folder or ckpt.auto_resume=False)", run.last_ckpt, cfg.data.total_steps)
+
+
+def lr_schedule_change(saved: dict | None, cfg: RunConfig, step: int) -> str | None:
+    """A warning when the resumed checkpoint's run planned another LR schedule length than this one (e.g.
+    ``data.total_steps`` raised to train longer, which ``lr_scheduler.total_steps`` follows unless set): the
+    schedule is a function of the step and this run's config, so it is recomputed and the learning rate jumps.
+    The config wins (the run trains on over the new length, as asked); the warning names both lengths, the jump,
+    and how to keep the saved schedule instead. None when the lengths agree, or the checkpoint has no config."""
+    old = (saved or {}).get("lr_scheduler", {}).get("total_steps")
+    new = cfg.lr_scheduler.total_steps
+    if old is None or int(old) == new:
+        return None
+    sched = cfg.lr_scheduler
+    before, after = (WarmupCosineLR([], cfg.adam.lr, total, sched.warmup_ratio, sched.eta_min, sched.init_steps)
+                     for total in (int(old), new))
+    return (f"lr_scheduler.total_steps is {new} here, {old} in the checkpoint's run (it follows data.total_steps "
+            f"unless set): the learning-rate schedule is recomputed over {new} steps, so step {step + 1} uses lr "
+            f"{after.lr_at(step):.3e} where the saved schedule gave {before.lr_at(step):.3e}; set "
+            f"lr_scheduler.total_steps={old} to keep the saved schedule (past step {old} it stays at "
+            f"lr_scheduler.eta_min={sched.eta_min:g})")
 
 
 def open_metrics(run: Run) -> None:
