@@ -503,9 +503,11 @@ def _has_checkpoint(cfg: RunConfig) -> bool:
 
 def _report(text: str) -> None:
     """``[rank R] text`` on stderr in one write, so ranks sharing a terminal or log never interleave lines; the
-    bare text where no launcher gave this process a rank (a single process has no rank to name). Under torchrun
-    the text is also this rank's error file, which torchrun's failure summary shows."""
+    bare text before a rank exists (no launcher gave one, and the job is not joined yet). Under torchrun the text
+    is also this rank's error file, which torchrun's failure summary shows."""
     rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID"))
+    if rank is None and dist.is_initialized():  # a single process launched without a launcher: rank 0 of 1
+        rank = str(dist.get_rank())
     data = (f"[rank {rank}] {text}\n" if rank is not None else f"{text}\n").encode()
     _write_torchelastic_error_file(data.decode().rstrip("\n"))
     sys.stderr.flush()

@@ -1,6 +1,7 @@
 """What a newcomer sees when something is wrong: one ``error:`` line that names its cause.
 
-- A process no launcher gave a rank says ``error: ...``, not ``[rank ?] error: ...``.
+- Before a rank exists (no launcher gave one, no job joined yet) the line is ``error: ...``, not
+  ``[rank ?] error: ...``; a single process that has joined its job of one is rank 0.
 - An error caused by a command-line override names the override, not the config file that does not hold it.
 - A bad value of a ``TESSERA_*`` environment variable is one line, not a traceback.
 - Under torchrun, each rank's line is also its error file, which torchrun's failure summary then shows in place
@@ -47,13 +48,15 @@ def _finish(proc: subprocess.Popen) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
-def _only_error_line(proc: subprocess.CompletedProcess) -> str:
-    """Exit 1 and exactly one line starting ``error: `` (no rank named, no traceback); that line."""
+def _only_error_line(proc: subprocess.CompletedProcess, rank: str | None = None) -> str:
+    """Exit 1 and exactly one error line, no traceback: ``[rank R] error: ...`` once the single process has
+    joined its job of one (``rank`` "0"), ``error: ...`` with no rank named before; that line without the rank."""
     assert proc.returncode == 1, explain(proc)
-    lines = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    prefix = f"[rank {rank}] " if rank is not None else ""
+    lines = [line for line in proc.stderr.splitlines() if line.startswith(f"{prefix}error: ")]
     assert len(lines) == 1, explain(proc)
-    assert "[rank" not in proc.stderr and "Traceback" not in proc.stderr, explain(proc)
-    return lines[0]
+    assert "Traceback" not in proc.stderr and (rank is not None or "[rank" not in proc.stderr), explain(proc)
+    return lines[0][len(prefix):]
 
 
 def test_an_override_s_error_names_the_override_and_a_file_s_error_the_file(tmp_path):
@@ -91,7 +94,7 @@ def test_a_bad_tessera_environment_variable_is_one_line(tmp_path):
     ValueError reaches train.py's report as one line naming the variable and its value."""
     proc = _finish(_train(tmp_path, "model.dtype='torch.bfloat16'", "data.type='synthetic'", "data.total_steps=1",
                           env=_env(TESSERA_CPU_LOWP_MATMUL="bogus")))
-    line = _only_error_line(proc)
+    line = _only_error_line(proc, rank="0")
     assert line.startswith("error: environment variable TESSERA_CPU_LOWP_MATMUL='bogus': "), line
     assert "training failed" not in proc.stderr and "step 1 |" not in proc.stdout, explain(proc)
 
