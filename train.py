@@ -583,7 +583,7 @@ def run() -> None:
             _report(f"training failed:\n{traceback.format_exc()}")
         else:
             _report(f"error: {getattr(e, 'tessera_doing', 'starting')}: {os_error_text(e)}")
-    except Exception as e:  # noqa: BLE001 - report with the traceback, then take the whole job down
+    except Exception as e:  # report with the traceback (one line for a bad variable), then take the job down
         bad_variable = _bad_environment_variable(e)
         if bad_variable:
             logger.debug("the traceback of the error below:", exc_info=True)

@@ -72,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
         found = search_layouts(cfg, gpus, memory, gpu=args.gpu, mfu=args.mfu, headroom=args.headroom,
                                flash_attn=args.flash_attn)
         if not found:
-            print(f"does NOT fit: no layout of {gpus} GPUs with {memory:g} GiB each fits {args.config}", file=sys.stderr)
+            print(f"does NOT fit: no layout of {gpus} GPUs with {memory:g} GiB each fits {args.config}",
+                  file=sys.stderr)
             return 1
         best = found[0]
         plan = make_plan(with_layout(cfg, tp=best.tp, zero1=best.zero1, checkpoint=best.checkpoint,
