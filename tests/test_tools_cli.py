@@ -176,7 +176,8 @@ def test_flags_the_config_rules_out_give_an_error_line(capsys, tmp_path):
     assert code == 2 and err.startswith("error: ") and "not divisible by tensor-parallel size 3" in err, err
     code, _, err = _run(capsys, "benchmarks", "--tiny", "--out", str(tmp_path / "b.md"),
                         "model.hidden_size=-1")
-    assert code == 2 and "error: model.hidden_size: must be > 0, got -1" in err and "Traceback" not in err, err
+    assert code == 2 and "error: override model.hidden_size=-1: model.hidden_size: must be > 0, got -1" in err \
+        and "Traceback" not in err, err
     assert not (tmp_path / "b.md").exists()
 
 
