@@ -151,7 +151,8 @@ def curves(rows: dict[str, Any], out: str) -> str:
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
     names = [n for n in STUDY if n in rows]
-    argv = [a for n in names for a in ("--group", f"{_slug(n)}={','.join(s['run'] for s in rows[n]['seeds'].values())}")]
+    runs = {n: ",".join(s["run"] for s in rows[n]["seeds"].values()) for n in names}
+    argv = [a for n in names for a in ("--group", f"{_slug(n)}={runs[n]}")]
     baseline = BASELINE if BASELINE in names else names[0]
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     code = tool.main([*argv, "--baseline", _slug(baseline), "--rows", "0", "--plot", out])
