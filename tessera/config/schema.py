@@ -149,6 +149,9 @@ SCHEMA = Section(
         "seed": Key(INT, 1024, _non_negative, doc="global seed (train.py --seed overrides)"),
         "log_folder": Key(STR, "runs", doc="metrics.jsonl, TensorBoard events and text logs go here"),
         "cudnn_deterministic": Key(BOOL, False),
+        "deterministic": Key(BOOL, False, doc="the same config on the same machine gives the same losses bit for bit: "
+                                             "deterministic kernels, cuBLAS workspace, cuDNN and NCCL settings "
+                                             "(docs/compare-runs.md); what cannot be made so is refused"),
         "cudnn_benchmark": Key(BOOL, False),
         "dist": Section(
             {

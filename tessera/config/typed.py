@@ -235,6 +235,7 @@ class RunConfig(_Section):
     seed: int
     log_folder: str
     cudnn_deterministic: bool
+    deterministic: bool
     cudnn_benchmark: bool
     dist: DistConfig
     model: ModelConfig
