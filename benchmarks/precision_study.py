@@ -3,7 +3,7 @@
     python -m benchmarks precision-study [--config configs/demo.py] [--seeds 3] [--only NAME ...]
                                          [--workdir runs/precision_study] [--telemetry-every 50]
                                          [--out BENCHMARKS.md] [key.sub=value ...]
-    python -m benchmarks precision-study --render runs/precision_study/study.json   # the section again
+    python -m benchmarks precision-study --render runs/precision_study/study.json --out BENCHMARKS.md
 
 Each policy is trained ``--seeds`` times (the seeds ``SEEDS`` in order: the demo's own first), each a full
 ``train.py`` run (``harness.train_run``: torchrun, as many processes as the config's layout needs) from
@@ -18,7 +18,8 @@ its picture (the training-loss curves, a seed band per policy, the differences) 
 
 The runs of the first seed also record the precision telemetry (``metrics.precision_every``,
 ``--telemetry-every``; 0 turns it off), and ``tools/precision_telemetry.py`` draws one heat map per policy,
-of the measure that tells the most about it (``PICTURES``), into ``--pictures`` (docs/precision/<policy>.png).
+of the measure that tells the most about it (``PICTURES``), into ``--pictures`` (docs/precision/<policy>.png
+when ``--out BENCHMARKS.md`` publishes, else under the workdir; the curves picture goes there too).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from tessera.cli_args import nonnegative_int, positive_int
 from tessera.train.run_compare import Group, read_series, summarize, verdict
 
 TITLE = "## 8. Precision study: the demo under each optimizer and fp8 policy"
+PICTURES_PUBLISHED = "docs/precision"  # the heat maps BENCHMARKS.md section 8 links to
 STUDY: dict[str, list[str]] = {  # name -> config overrides (bf16 model, as the demo)
     "fp32 masters (default)": [],
     "bf16 masters": ["hybrid_zero_optimizer.master_dtype='bf16'"],
@@ -241,12 +243,17 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m benchmarks pr
     ap.add_argument("--workdir", default="runs/precision_study")
     ap.add_argument("--telemetry-every", type=nonnegative_int, default=50,
                     help="metrics.precision_every of every run (0: no telemetry, no pictures)")
-    ap.add_argument("--pictures", default="docs/precision", help="where the heat maps go")
+    ap.add_argument("--pictures", default=None,
+                    help=f"where the heat maps go (default: {PICTURES_PUBLISHED} with --out {harness.PUBLISHED}, "
+                         "else WORKDIR/pictures)")
     ap.add_argument("overrides", nargs="*", help="key.sub=value applied to every run")
     args = ap.parse_args(argv)
     if args.seeds > len(SEEDS):
         ap.error(f"--seeds {args.seeds}: at most {len(SEEDS)} (the seeds of SEEDS)")
     args.json = args.json or os.path.join(args.workdir, "study.json")
+    if args.pictures is None:  # the published pictures go with the published figures, never by default
+        publishing = os.path.basename(args.out) == harness.PUBLISHED
+        args.pictures = PICTURES_PUBLISHED if publishing else os.path.join(args.workdir, "pictures")
     os.makedirs(args.workdir, exist_ok=True)
     return harness.publish(args, argv, prog, "precision-study", TITLE, lambda: measure(args), markdown)
 
