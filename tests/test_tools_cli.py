@@ -19,6 +19,7 @@ import sys
 from types import ModuleType
 
 import pytest
+import torch
 
 from tessera import cli_args
 
@@ -124,6 +125,13 @@ BAD_FLAGS = [  # (tool, argv, the "argument --flag: value" that stderr must cont
      "argument --valid-fraction: -0.1 "),
     ("prepare_data.py", ["--input", MISSING, "--output", "out", "--valid-every-nth", "1"],
      "argument --valid-every-nth: 1 "),
+    ("plan.py", [TINY, "--mfu", "2"], "argument --mfu: 2 is not in (0, 1]"),
+    ("plan.py", [TINY, "--mfu", "0"], "argument --mfu: 0 "),
+    ("plan.py", [TINY, "--world", "0"], "argument --world: 0 "),
+    ("plan.py", [TINY, "--rank", "-1"], "argument --rank: -1 "),
+    ("plan.py", [TINY, "--search", "--gpus", "0"], "argument --gpus: 0 "),
+    ("plan.py", [TINY, "--search", "--memory", "-80"], "argument --memory: -80 "),
+    ("plan.py", [TINY, "--search", "--top", "0"], "argument --top: 0 "),
     ("benchmarks", ["--threads", "0"], "argument --threads: 0 "),
     ("benchmarks", ["dp", "--rounds", "0"], "argument --rounds: 0 "),
     ("benchmarks", ["activations", "--tp", "0"], "argument --tp: 0 "),
@@ -162,6 +170,19 @@ def test_generate_accepts_the_boundary_values(capsys, ckpt):
                           "1", "--temperature", "0", "--top-k", "0", "--top-p", "1", "--seed", "0")
     assert code == 0, err
     assert out.startswith("ab") and "1 tokens in" in err
+
+
+def test_generate_picks_one_thread_for_a_small_model_and_says_so(capsys, ckpt):
+    """A decode step of a small model is too little work to split: threads only wait for each other."""
+    gen = _tool_module("generate.py")
+    assert gen.default_threads(900_000, 2) == 1 and gen.default_threads(10**6, 64) == 1
+    assert gen.default_threads(7 * 10**9, 16) == 16 and gen.default_threads(100_000_000, 16) == 4
+    before = torch.get_num_threads()
+    code, _, err = _run(capsys, "generate.py", ckpt, "--tokenizer", "byte", "--max-new-tokens", "2")
+    assert code == 0 and "threads: 1 (default for 0." in err, err
+    code, _, err = _run(capsys, "generate.py", ckpt, "--tokenizer", "byte", "--max-new-tokens", "2", "--threads", "2")
+    assert code == 0 and "threads: 2 (--threads)" in err, err
+    assert torch.get_num_threads() == before  # the caller's setting is given back
 
 
 def test_flags_the_checkpoint_rules_out_give_an_error_line(capsys, ckpt, tmp_path):

@@ -25,7 +25,7 @@ import json
 import logging
 import sys
 
-from tessera.cli_args import fraction, positive_float, positive_int, probability
+from tessera.cli_args import fraction, nonnegative_int, positive_float, positive_int, probability
 from tessera.config import Config, ConfigError
 from tessera.plan.planner import make_plan, search_layouts, with_layout
 from tessera.plan.report import GPUS
@@ -37,7 +37,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("overrides", nargs="*", help="key.sub=value pairs, as for train.py")
     p.add_argument("--world", type=positive_int, default=None,
                    help="ranks of the job (default: parallel.tensor.size, or --gpus with --search)")
-    p.add_argument("--rank", type=int, default=0, help="the rank to simulate (default 0)")
+    p.add_argument("--rank", type=nonnegative_int, default=0, help="the rank to simulate (default 0)")
     p.add_argument("--gpu", default="h100", choices=sorted(GPUS), help="datasheet memory and peak (default h100)")
     p.add_argument("--gpu-memory", "--memory", dest="gpu_memory", type=positive_float, default=None, metavar="GIB",
                    help="GiB per GPU the peak is compared against (default: the --gpu's datasheet memory); "
