@@ -288,7 +288,11 @@ class Run:
 
     def validate(self) -> None:
         if self.data.valid is not None:
-            self.log.log_valid(self.progress.step, self.stack.trainer.evaluate(self.data.valid))
+            batches = self.log.progress(self.data.valid, len(self.data.valid), desc="validation")
+            values = self.stack.trainer.evaluate(batches)
+            if self.data.info.get("type") == "synthetic":  # random ids stand for no text: no bits per byte
+                values.pop("bits_per_byte", None)
+            self.log.log_valid(self.progress.step, values)
 
 
 def resume(run: Run) -> None:

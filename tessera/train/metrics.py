@@ -12,7 +12,7 @@ import logging
 import os
 import resource
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -151,6 +151,7 @@ class MetricsWriter:
         self.log_dir = log_dir
         self.problem: str | None = None
         self._bar: Any = None
+        self._show_progress = False  # bars on (rank 0, metrics.progress_bar): the training one, then validation's
         self._tb: Any = None
         self._jsonl: Any = None
         if not enabled:
@@ -178,6 +179,7 @@ class MetricsWriter:
         if progress_bar:
             from tqdm import tqdm
 
+            self._show_progress = True
             self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
 
     def _fail(self, e: OSError) -> None:
@@ -235,6 +237,27 @@ class MetricsWriter:
             self._bar.set_postfix(loss=f"{values['loss']:.4f}", tgs=f"{values.get('tgs', 0):.0f}", refresh=False)
         if line:
             self._print(format_train_line(step, values))
+        if self._bar is not None and self._bar.total is not None and self._bar.n >= self._bar.total:
+            self._bar.close()  # training is over: its clock must not run on through the final validation
+            self._bar = None
+
+    def progress(self, items: Iterable[Any], total: int | None, desc: str = "valid") -> Iterable[Any]:
+        """``items`` under a bar of their own while the bars are on (a validation pass can take minutes); the
+        training bar's clock leaves that time out. Elsewhere (other ranks, bars off) ``items`` as they are."""
+        if not (self.enabled and self._show_progress):
+            return items
+        return self._progress(items, total, desc)
+
+    def _progress(self, items: Iterable[Any], total: int | None, desc: str) -> Iterator[Any]:
+        from tqdm import tqdm
+
+        try:
+            with tqdm(items, total=total, desc=desc, unit="batch", leave=False, dynamic_ncols=True) as bar:
+                yield from bar
+        finally:
+            if self._bar is not None:
+                self._bar.unpause()  # its rate and elapsed time count training only
+                self._bar.refresh()
 
     def log_valid(self, step: int, values: Mapping[str, Any]) -> None:
         if not self.enabled:
