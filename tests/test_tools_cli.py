@@ -223,3 +223,11 @@ def test_python_m_benchmarks_lists_every_measurement():
     assert proc.returncode == 0, proc.stderr
     assert "python -m benchmarks precision-study" in proc.stdout and "python -m benchmarks activations" in proc.stdout
     assert not [f for f in os.listdir(os.path.join(ROOT, "tools")) if "bench" in f or "study" in f]
+
+
+def test_model_summary_counts_in_a_readable_unit(capsys):
+    summary = _tool_module("model_summary.py")
+    assert [summary.short_count(n) for n in (512, 919_168, 915_410_944, 7_321_423_872)] == [
+        "512", "919.17 K", "915.41 M", "7.32 B"]
+    code, out, _ = _run(capsys, "model_summary.py", os.path.join(ROOT, "configs", "demo.py"))
+    assert code == 0 and "parameters: 919,168 (919.17 K)" in out and " B)" not in out

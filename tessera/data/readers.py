@@ -145,8 +145,18 @@ def _jsonl(path: str, lines: Iterable[bytes], raw: IO[bytes], key: str) -> Itera
         except json.JSONDecodeError as e:
             raise DataError(f"{path}:{lineno}: not valid JSON: {e}") from None
         if not isinstance(record, dict) or not isinstance(record.get(key), str):
-            raise DataError(f"{path}:{lineno}: expected an object with a string field {key!r}")
+            raise DataError(f"{path}:{lineno}: {_not_a_text_record(record, key)}")
         yield Document(record[key], f"{path}:{lineno}", False, used)
+
+
+def _not_a_text_record(record: Any, key: str) -> str:
+    """Why a JSON line gives no document, with the fields it has (so the right --text-column can be named)."""
+    if not isinstance(record, dict):
+        return f"expected a JSON object with a string field {key!r}, got {type(record).__name__}"
+    fields = ", ".join(map(repr, record)) or "none"
+    problem = (f"no field {key!r}" if key not in record
+               else f"field {key!r} holds {type(record[key]).__name__}, not a string")
+    return f"{problem}; its fields: {fields} (name the text field with --text-column)"
 
 
 def _zstd_errors() -> tuple[type[BaseException], ...]:
