@@ -10,7 +10,7 @@ The commands are the fenced ``bash``, ``sh`` and ``console`` blocks of README.md
   whose output only needs a few steps.
 - ``<!-- docs-check: slow -->``: run, but only in the slow tests (more than ~20 s on 2 cores).
 
-A block with no marker runs as written. Each block runs with ``bash -euo pipefail`` in a fresh folder that
+Markers stack, one a line (``slow`` above ``overrides``). A block with no marker runs as written. Each block runs with ``bash -euo pipefail`` in a fresh folder that
 links the repository's code folders and copies its pages, so what a command writes (``runs/``, ``ckpts/``,
 ``data_cache/``, BENCHMARKS.md) stays there; a block fails when any of its commands exits non-zero.
 """
@@ -111,8 +111,11 @@ def extract_blocks(path: Path, root: Path = ROOT) -> list[Block]:
             raise ValueError(f"{page}:{i + 1}: a fenced block that never closes")
         lang = fence.group(1)
         if lang in SHELL_LANGS:
-            above = lines[i - 1] if i > 0 else ""
-            marker = _marker(above, f"{page}:{i}")
+            marker: dict = {}
+            j = i - 1
+            while j >= 0 and "docs-check" in lines[j]:  # markers stack: slow over overrides, say
+                marker.update(_marker(lines[j], f"{page}:{j + 1}"))
+                j -= 1
             commands = _logical_lines(lines[i + 1:end], console=lang == "console")
             blocks.append(Block(page, i + 1, tuple(commands), **marker))
         i = end + 1
@@ -189,13 +192,14 @@ def test_a_wrong_command_in_a_page_fails_and_markers_are_read(tmp_path: Path):
         "# a page\n\n```bash\n# a comment\npython train.py --config configs/tiny.py \\\n"
         "    --no-such-flag data.total_steps=1\n```\n\n"
         "<!-- docs-check: skip needs a GPU -->\n```bash\nnvidia-smi\n```\n\n"
-        "<!-- docs-check: overrides data.total_steps=1 model.vocab_size=300 -->\n```sh\n"
+        "<!-- docs-check: slow -->\n<!-- docs-check: overrides data.total_steps=1 model.vocab_size=300 -->\n```sh\n"
         "python -c \"import sys; print(sys.argv[1:])\" train.py a=1\n```\n\n"
         "```console\n$ echo one\none\n$ false\n```\n\n```python\nraise SystemExit(1)\n```\n",
         encoding="utf-8")
     wrong, skipped, overridden, console = extract_blocks(page, tmp_path)
     assert wrong.commands == ("python train.py --config configs/tiny.py      --no-such-flag data.total_steps=1",)
     assert skipped.skip == "needs a GPU"
+    assert overridden.slow and not wrong.slow and not wrong.overrides
     assert console.commands == ("echo one", "false")
     sandbox = make_sandbox(tmp_path / "repo")
     bad = run_block(wrong, sandbox)
