@@ -130,7 +130,7 @@ BAD_FLAGS = [  # (tool, argv, the "argument --flag: value" that stderr must cont
     ("plan.py", [TINY, "--world", "0"], "argument --world: 0 "),
     ("plan.py", [TINY, "--rank", "-1"], "argument --rank: -1 "),
     ("plan.py", [TINY, "--search", "--gpus", "0"], "argument --gpus: 0 "),
-    ("plan.py", [TINY, "--search", "--memory", "-80"], "argument --memory: -80 "),
+    ("plan.py", [TINY, "--search", "--memory", "-80"], "argument --gpu-memory/--memory: -80 "),
     ("plan.py", [TINY, "--search", "--top", "0"], "argument --top: 0 "),
     ("benchmarks", ["--threads", "0"], "argument --threads: 0 "),
     ("benchmarks", ["dp", "--rounds", "0"], "argument --rounds: 0 "),
