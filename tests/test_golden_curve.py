@@ -6,7 +6,7 @@ The file is what ``train.py`` wrote (its ``metrics.jsonl``, train records: step,
 ``python tools/compare_runs.py tests/fixtures/golden/tiny RUN`` reads it too. Rewrite it only for a change
 that is meant to move the numerics, and say so in the commit::
 
-    python tests/test_golden_curve.py --write
+    python -m tests.test_golden_curve --write
 """
 
 from __future__ import annotations
@@ -19,14 +19,12 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if __name__ == "__main__":  # run as a script: the repository root importable, as pytest.ini makes it
-    sys.path.insert(0, str(ROOT))
+from tessera.config import Config
+from tessera.model import build_model
+from tests.test_deterministic import TINY, train_tiny
+from tests.tolerances import adam_window_gain, mean_loss_rtol, order_rtol, transformer_depth
 
-from tessera.config import Config  # noqa: E402
-from tessera.model import build_model  # noqa: E402
-from tests.test_deterministic import TINY, train_tiny  # noqa: E402
-from tests.tolerances import adam_window_gain, mean_loss_rtol, order_rtol, transformer_depth  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 GOLDEN = ROOT / "tests" / "fixtures" / "golden" / "tiny"
 STEPS = 30
@@ -97,7 +95,7 @@ def test_the_tiny_curve_follows_the_golden_file(tmp_path):
         gap = abs(r["loss"] - g["loss"]) / abs(g["loss"])
         assert gap <= rtol, (f"step {g['step']}: loss {r['loss']!r} against the golden {g['loss']!r} "
                              f"(relative {gap:.3g} > bound {rtol:.3g}): a module's numerics changed; if meant, "
-                             "rewrite the file: python tests/test_golden_curve.py --write")
+                             "rewrite the file: python -m tests.test_golden_curve --write")
 
 
 def _write() -> None:
@@ -113,5 +111,5 @@ def _write() -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:] != ["--write"]:
-        sys.exit("usage: python tests/test_golden_curve.py --write")
+        sys.exit("usage: python -m tests.test_golden_curve --write")
     _write()
