@@ -273,6 +273,8 @@ class Run:
     def metrics_problem(self) -> str | None:
         """Rank 0's metrics files: a failure stops every rank (agreed)."""
         problem = self.metrics.problem if self.metrics is not None else None
+        if problem and problem.startswith("metrics.wandb"):  # names its own key
+            return problem
         return f"log_folder={self.cfg.log_folder}: {problem}" if problem else None
 
     def save(self) -> str:
@@ -339,10 +341,12 @@ def lr_schedule_change(saved: dict | None, cfg: RunConfig, step: int) -> str | N
 
 
 def open_metrics(run: Run) -> None:
-    """metrics.jsonl, TensorBoard and the progress bar on rank 0; a failure there stops every rank."""
+    """metrics.jsonl, TensorBoard, W&B (``metrics.wandb``) and the progress bar on rank 0; a failure there stops
+    every rank."""
     cfg = run.cfg
     run.metrics = MetricsWriter(os.path.join(cfg.log_folder, cfg.job_name), run.job.is_rank0, cfg.data.total_steps,
-                                run.progress.step, cfg.metrics.tensorboard, cfg.metrics.progress_bar)
+                                run.progress.step, cfg.metrics.tensorboard, cfg.metrics.progress_bar,
+                                wandb=cfg.metrics.wandb.as_dict(), run_config=cfg.as_dict())
     _exit_on(agree_on_errors(run.metrics_problem()))
     peak, source = run.peak
     run.log.log_event(f"peak {peak:.3f} TFLOP/s per device ({source}); {run.flops_per_token / 1e6:.2f} MFLOP per "
