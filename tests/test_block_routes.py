@@ -196,10 +196,27 @@ def test_train_py_reports_the_refused_shard_in_one_error_line(tmp_path):
     '{"enabled": True, "recipe": "tensorwise", "rules": [["layers.0.*", "bf16"], ["*.attention.*", "mxfp8"], '
     '["*.feed_forward.*", "nvfp4"]]}'], ids=["mxfp8", "nvfp4", "rules"])
 def test_block_recipes_train_configs_tiny(tmp_path, fp8):
-    """The acceptance: configs/tiny.py in bf16 trains in each block recipe (exit 0) and its loss falls."""
-    from tests.test_train import losses, train
+    """The acceptance: configs/tiny.py in bf16 trains in each block recipe (exit 0) and its loss falls; the
+    precision telemetry reports the block measures of the block-format linears (and only theirs) in
+    metrics.jsonl, and tools/precision_telemetry.py summarises them."""
+    from tests.test_train import losses, records, train
 
-    _, log_dir = train(tmp_path, "blocks", ["model.dtype=bf16", f"model.fp8={fp8}"], nproc=1)
+    _, log_dir = train(tmp_path, "blocks", ["model.dtype=bf16", f"model.fp8={fp8}", "metrics.precision_every=5"],
+                       nproc=1)
     got = [loss for _, loss in sorted(losses(log_dir).items())]
     assert len(got) == 10 and all(map(torch.isfinite, torch.tensor(got)))
     assert sum(got[-3:]) / 3 < got[0], got
+    measures = records(log_dir, "precision")[-1]["measures"]
+    blocks = set(measures["block_flushed"])
+    assert set(measures["block_saturated"]) == set(measures["block_underflow"]) == blocks
+    if "rules" in fp8:
+        assert blocks == {f"layers.1.{m}" for m in ("attention.wq", "attention.wk", "attention.wv", "attention.wo",
+                                                     "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")}
+        assert "fp8_scale" not in measures  # the rules leave no tensorwise linear
+    else:
+        assert len(blocks) == 14 and "output" not in blocks
+    assert all(0 <= v <= 1 for name in ("block_flushed", "block_saturated", "block_underflow")
+               for v in measures[name].values())
+    from tests.test_precision_telemetry import _tool
+
+    assert _tool().main([log_dir, "--measure", "block_flushed", "--no-plot"]) == 0
