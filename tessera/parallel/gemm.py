@@ -18,12 +18,22 @@ native          every device and dtype the   torch's kernels in the operands'   
 cpu-upcast      bf16/fp16 on a CPU without   fp32 GEMMs on upcast operands,     fp32, output rounded to   yes
                 avx512_bf16/AMX (or          results rounded to the dtype       the dtype once
                 TESSERA_CPU_LOWP_MATMUL)
-fp8-emulated    policy ``fp8``, any device   operands quantized (e4m3 forward,  fp32, output rounded to   no
-                and dtype                    e5m2 gradients) and dequantized,   the dtype once
-                                             then fp32 GEMMs (``fp8.quantize``)
+fp8-emulated    policy ``fp8``, backend      operands quantized (e4m3 forward,  fp32, output rounded to   no
+                ``emulated`` (or ``auto``    e5m2 gradients) and dequantized,   the dtype once
+                without fp8 tensor cores)    then fp32 GEMMs (``fp8.quantize``)
+fp8-scaled-mm   policy ``fp8``, backend      ``torch._scaled_mm`` on the same   fp32 in the kernel, times no
+                ``scaled_mm`` (or ``auto``   fp8 operands and scales (second    the inverse scales,
+                on CUDA sm_89+)              operand column-major)              rounded once
+mxfp8-emulated  policy ``block``, recipe     operands in MXFP8 (E4M3, E8M0      fp32, output rounded to   no
+                ``mxfp8``, any device        scale per 32) along each GEMM's    the dtype once
+                                             reduction dim, dequantized
+nvfp4-emulated  policy ``block``, recipe     operands in NVFP4 (E2M1, E4M3      fp32, output rounded to   no
+                ``nvfp4``, any device        scale per 16, fp32 per tensor      the dtype once
+                                             agreed over TP), as above
 ==============  ===========================  =================================  ========================  ========
 
-A layer holds a ``GemmPolicy`` (what it asks for: the model's dtype, or fp8 with a scaling recipe) and a
+A layer holds a ``GemmPolicy`` (what it asks for: the model's dtype, fp8 with a scaling recipe and a backend, or
+a block format with its recipe) and a
 ``TpSplit`` (which dims TP splits: the fp8 scales agree over them) and calls ``linear``; it never looks
 at the route. Code that writes its own backward (sequence parallelism's linears, the chunked head and
 loss) uses ``linear_no_autograd`` and ``linear_grads``, the same route's GEMMs. A new number format is a
