@@ -28,6 +28,8 @@ setup(
         "hf": ["transformers", "tokenizers"],
         # heat maps of the precision telemetry (tools/precision_telemetry.py)
         "plots": ["matplotlib"],
+        # Weights & Biases logging (metrics.wandb); its tests skip without it
+        "wandb": ["wandb"],
         # torchao: the independent reference the block-format quantizers are checked against, bit for bit
         "test": ["pytest", "pytest-timeout", "pytest-xdist", "transformers", "tokenizers", "matplotlib", "pyarrow",
                  "zstandard", "sentencepiece", "torchao"],

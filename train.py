@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
 import os
 import sys
+import time
 import traceback
 from collections.abc import Callable, Iterator
 from typing import TypeVar
@@ -32,7 +34,9 @@ from tessera.checkpoint import (
     save_checkpoint,
 )
 from tessera.checkpoint.lock import release_held_folders
+from tessera.cli_args import positive_float
 from tessera.config import Config, ConfigError, RunConfig
+from tessera.config.loading import blame_overrides
 from tessera.core.context import gpc, launch_from_slurm, launch_from_torch
 from tessera.core.job import Job
 from tessera.core.rendezvous import LaunchError, wait_for_peers_to_report
@@ -45,6 +49,7 @@ from tessera.model.kv_cache import generate_ids_cached
 from tessera.optim.skips import TooManySkippedSteps
 from tessera.parallel.comm import agree_on_errors
 from tessera.train.builder import TrainingStack, build_training_stack
+from tessera.train.lr_scheduler import WarmupCosineLR
 from tessera.train.memory_check import check_memory
 from tessera.train.metrics import MetricsWriter, gpu_peak_tflops, measure_matmul_tflops, peak_memory_gib, setup_logging
 from tessera.train.stop import StopRequest
@@ -87,8 +92,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip-memory-check", action="store_true",
                    help="start even when the persistent training state exceeds the memory available")
     p.add_argument("--dry-run", action="store_true",
-                   help="plan instead of training: one iteration at real size on meta tensors, as tools/plan.py "
-                        "(world size: this launch's, else parallel.tensor.size); exits 1 if it does not fit the GPU")
+                   help="plan instead of training, on any machine (no GPU needed): one iteration at real size on meta "
+                        "tensors, as tools/plan.py (world size: this launch's, else parallel.tensor.size); prints the "
+                        "plan, then one verdict line comparing the peak per rank with --gpu-memory, else this "
+                        "machine's CUDA device, less memory.headroom: 'fits: ...' exits 0, 'does NOT fit: ...' "
+                        "exits 1; with neither it says 'fit not checked: ...' and exits 0")
+    p.add_argument("--gpu-memory", type=positive_float, default=None, metavar="GIB",
+                   help="--dry-run: GiB per GPU to plan for (default: this machine's CUDA device, if any)")
     p.add_argument("overrides", nargs="*", help="key.sub=value pairs (Python literals) overriding the config")
     return p.parse_intermixed_args(argv)
 
@@ -100,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         config = Config.from_file(args.config, args.overrides)
     cfg = config.typed  # what this script reads: mypy checks every key (Config hands whole sections down)
     if args.dry_run:
-        return dry_run_report(config, args.config)
+        return dry_run_report(config, args.config, args.gpu_memory)
     with doing("launching"):
         job = launch_job(config, args)
     with doing("checking the output folders"):
@@ -128,10 +138,13 @@ def main(argv: list[str] | None = None) -> int:
 def launch_job(config: Config, args: argparse.Namespace) -> Job:
     """Join the job (process groups, RNG streams, precision switches); its description, built once."""
     seed = config.typed.seed if args.seed is None else args.seed
-    if args.launcher == "slurm":
-        launch_from_slurm(config, host=args.host, port=args.port, seed=seed)
-    else:
-        launch_from_torch(config, seed=seed)
+    try:
+        if args.launcher == "slurm":
+            launch_from_slurm(config, host=args.host, port=args.port, seed=seed)
+        else:
+            launch_from_torch(config, seed=seed)
+    except ConfigError as e:  # the layout against the world size: name the override that set it, if one did
+        raise blame_overrides(e, args.overrides, args.config) from None
     job = gpc.job
     assert job is not None
     lay = job.layout
@@ -260,6 +273,8 @@ class Run:
     def metrics_problem(self) -> str | None:
         """Rank 0's metrics files: a failure stops every rank (agreed)."""
         problem = self.metrics.problem if self.metrics is not None else None
+        if problem and problem.startswith("metrics.wandb"):  # names its own key
+            return problem
         return f"log_folder={self.cfg.log_folder}: {problem}" if problem else None
 
     def save(self) -> str:
@@ -275,7 +290,11 @@ class Run:
 
     def validate(self) -> None:
         if self.data.valid is not None:
-            self.log.log_valid(self.progress.step, self.stack.trainer.evaluate(self.data.valid))
+            batches = self.log.progress(self.data.valid, len(self.data.valid), desc="validation")
+            values = self.stack.trainer.evaluate(batches)
+            if self.data.info.get("type") == "synthetic":  # random ids stand for no text: no bits per byte
+                values.pop("bits_per_byte", None)
+            self.log.log_valid(self.progress.step, values)
 
 
 def resume(run: Run) -> None:
@@ -292,17 +311,42 @@ def resume(run: Run) -> None:
     if not meta["rank_state_loaded"]:  # a different TP/DP layout: per-rank streams cannot be carried over
         gpc.set_seed(job.seed + progress.step)
     logger.info("resumed from %s at step %d", run.last_ckpt, progress.step)
+    schedule_change = lr_schedule_change(meta.get("config"), cfg, progress.step)
+    if schedule_change:
+        logger.warning(schedule_change)
     if progress.step > cfg.data.total_steps:
         logger.warning("%s is past data.total_steps=%d: nothing to train, only the final validation and sample "
                        "run (train longer by raising data.total_steps, or start over with another "
                        "ckpt.save_ckpt_folder or ckpt.auto_resume=False)", run.last_ckpt, cfg.data.total_steps)
 
 
+def lr_schedule_change(saved: dict | None, cfg: RunConfig, step: int) -> str | None:
+    """A warning when the resumed checkpoint's run planned another LR schedule length than this one (e.g.
+    ``data.total_steps`` raised to train longer, which ``lr_scheduler.total_steps`` follows unless set): the
+    schedule is a function of the step and this run's config, so it is recomputed and the learning rate jumps.
+    The config wins (the run trains on over the new length, as asked); the warning names both lengths, the jump,
+    and how to keep the saved schedule instead. None when the lengths agree, or the checkpoint has no config."""
+    old = (saved or {}).get("lr_scheduler", {}).get("total_steps")
+    new = cfg.lr_scheduler.total_steps
+    if old is None or int(old) == new:
+        return None
+    sched = cfg.lr_scheduler
+    before, after = (WarmupCosineLR([], cfg.adam.lr, total, sched.warmup_ratio, sched.eta_min, sched.init_steps)
+                     for total in (int(old), new))
+    return (f"lr_scheduler.total_steps is {new} here, {old} in the checkpoint's run (it follows data.total_steps "
+            f"unless set): the learning-rate schedule is recomputed over {new} steps, so step {step + 1} uses lr "
+            f"{after.lr_at(step):.3e} where the saved schedule gave {before.lr_at(step):.3e}; set "
+            f"lr_scheduler.total_steps={old} to keep the saved schedule (past step {old} it stays at "
+            f"lr_scheduler.eta_min={sched.eta_min:g})")
+
+
 def open_metrics(run: Run) -> None:
-    """metrics.jsonl, TensorBoard and the progress bar on rank 0; a failure there stops every rank."""
+    """metrics.jsonl, TensorBoard, W&B (``metrics.wandb``) and the progress bar on rank 0; a failure there stops
+    every rank."""
     cfg = run.cfg
     run.metrics = MetricsWriter(os.path.join(cfg.log_folder, cfg.job_name), run.job.is_rank0, cfg.data.total_steps,
-                                run.progress.step, cfg.metrics.tensorboard, cfg.metrics.progress_bar)
+                                run.progress.step, cfg.metrics.tensorboard, cfg.metrics.progress_bar,
+                                wandb=cfg.metrics.wandb.as_dict(), run_config=cfg.as_dict())
     _exit_on(agree_on_errors(run.metrics_problem()))
     peak, source = run.peak
     run.log.log_event(f"peak {peak:.3f} TFLOP/s per device ({source}); {run.flops_per_token / 1e6:.2f} MFLOP per "
@@ -395,16 +439,27 @@ def finish(run: Run) -> None:
                               f"checkpoint: {run.last_ckpt or 'none'}", every_rank=True)
 
 
-def dry_run_report(config: Config, config_name: str) -> int:
-    """``--dry-run``: rank 0 of the launch prints the plan of this job (tools/plan.py) and says whether it fits."""
+def dry_run_report(config: Config, config_name: str, gpu_memory: float | None = None) -> int:
+    """``--dry-run``: rank 0 of the launch prints the plan of this job (tools/plan.py) and its verdict against
+    ``gpu_memory`` GiB, else this machine's CUDA device (the table's datasheet figures for a device it lists, the
+    device's own total otherwise); exit 1 when it does not fit. Without either nothing is compared, and the last
+    line says so."""
     if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) != "0":
         return 0  # one plan per job: every rank of a layout is planned alike
     from tessera.plan import gpu_for_device_name, make_plan
 
     world = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", config.typed.parallel.tensor.size)))
-    gpu = gpu_for_device_name(torch.cuda.get_device_name()) if torch.cuda.is_available() else None
-    plan = make_plan(config, world, config_name=config_name, gpu=gpu)
+    gpu, memory, source = None, gpu_memory, "--gpu-memory"
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name()
+        gpu = gpu_for_device_name(name)
+        if memory is None and gpu is None:  # a device the table does not list: its own total
+            memory, source = torch.cuda.get_device_properties(0).total_memory / 2**30, f"{name}'s total"
+    plan = make_plan(config, world, config_name=config_name, gpu=gpu, memory_gib=memory, memory_source=source)
     print(plan.format(), flush=True)
+    if plan.fits is None:
+        print("fit not checked: compared against no GPU memory (no CUDA device here); give --gpu-memory GIB to "
+              "compare the peak with", flush=True)
     return 1 if plan.fits is False else 0
 
 
@@ -455,12 +510,32 @@ def _has_checkpoint(cfg: RunConfig) -> bool:
 
 
 def _report(text: str) -> None:
-    """``[rank R] text`` on stderr in one write, so ranks sharing a terminal or log never interleave lines."""
-    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "?"))
-    data = f"[rank {rank}] {text}\n".encode()
+    """``[rank R] text`` on stderr in one write, so ranks sharing a terminal or log never interleave lines; the
+    bare text before a rank exists (no launcher gave one, and the job is not joined yet). Under torchrun the text
+    is also this rank's error file, which torchrun's failure summary shows."""
+    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID"))
+    if rank is None and dist.is_initialized():  # a single process launched without a launcher: rank 0 of 1
+        rank = str(dist.get_rank())
+    data = (f"[rank {rank}] {text}\n" if rank is not None else f"{text}\n").encode()
+    _write_torchelastic_error_file(data.decode().rstrip("\n"))
     sys.stderr.flush()
     while data:  # one write unless the pipe takes less (only past its atomic size, e.g. a long traceback)
         data = data[os.write(sys.stderr.fileno(), data):]
+
+
+def _write_torchelastic_error_file(report: str) -> None:
+    """Under torchrun, this rank's report as its error file (``TORCHELASTIC_ERROR_FILE``, in the format torch's
+    ``ErrorHandler`` writes): torchrun's failure summary then shows tessera's line where it would say "To enable
+    traceback see ...". torchrun still raises its own ``ChildFailedError`` when a worker exits non-zero (torch
+    2.13: the agent raises it for any non-zero exit, whatever the worker writes), so its summary follows ours."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    first = report.splitlines()[0] if report else report
+    data = {"message": {"message": first, "extraInfo": {"py_callstack": report, "timestamp": str(int(time.time()))}}}
+    with contextlib.suppress(OSError):  # a courtesy to torchrun's summary: the report is on stderr already
+        with open(path, "w") as f:
+            json.dump(data, f)
 
 
 def _exit_together(message: str) -> None:
@@ -485,6 +560,21 @@ def _exit_on(problems: list[str]) -> None:
         _exit_together("; ".join(problems))
 
 
+def _bad_environment_variable(e: BaseException) -> str | None:
+    """The message of a ``ValueError`` that rejects the value of one of tessera's environment variables (its
+    readers raise ``ValueError("TESSERA_NAME='value': what it must be")``, read where the value is first needed,
+    e.g. ``TESSERA_CPU_LOWP_MATMUL`` at the first CPU matmul), found in ``e`` or what it wraps; else None."""
+    seen: set[int] = set()
+    cause: BaseException | None = e
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        name = str(cause).split("=", 1)[0]
+        if isinstance(cause, ValueError) and name.startswith("TESSERA_") and name in os.environ:
+            return str(cause)
+        cause = cause.__cause__ or cause.__context__
+    return None
+
+
 def run() -> None:
     """Exit non-zero on every failing rank at once; never wait on peers that may be gone."""
     try:
@@ -501,8 +591,13 @@ def run() -> None:
             _report(f"training failed:\n{traceback.format_exc()}")
         else:
             _report(f"error: {getattr(e, 'tessera_doing', 'starting')}: {os_error_text(e)}")
-    except Exception:  # noqa: BLE001 - report with the traceback, then take the whole job down
-        _report(f"training failed:\n{traceback.format_exc()}")
+    except Exception as e:  # report with the traceback (one line for a bad variable), then take the job down
+        bad_variable = _bad_environment_variable(e)
+        if bad_variable:
+            logger.debug("the traceback of the error below:", exc_info=True)
+            _report(f"error: environment variable {bad_variable}")
+        else:
+            _report(f"training failed:\n{traceback.format_exc()}")
     _exit_now(1)  # torchrun sees the non-zero exit and stops the other ranks
 
 

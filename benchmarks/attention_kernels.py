@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks import harness
+from tessera.cli_args import positive_float, positive_int
 from tessera.model import cpu_attention
 from tessera.model.rotary import document_ids
 
@@ -268,9 +269,10 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m benchmarks at
     layout = ap.add_mutually_exclusive_group()
     layout.add_argument("--packed", action="store_true", help="packed rows only")
     layout.add_argument("--causal", action="store_true", help="one document per row only")
-    ap.add_argument("--mean-doc", type=float, default=None, help="mean document length of packed rows (default S/4)")
-    ap.add_argument("--rounds", type=int, default=3, help="timed rounds (after one warm-up)")
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--mean-doc", type=positive_float, default=None,
+                    help="mean document length of packed rows (default S/4)")
+    ap.add_argument("--rounds", type=positive_int, default=3, help="timed rounds (after one warm-up)")
+    ap.add_argument("--threads", type=positive_int, default=1)
     args = ap.parse_args(argv)
 
     def run() -> dict[str, Any]:

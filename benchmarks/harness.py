@@ -10,9 +10,12 @@ worker processes, a whole ``train.py`` run.
 Report: a benchmark's ``main`` parses its flags on ``parser`` (which adds ``--out``, ``--json`` and
 ``--render``) and hands ``publish`` one function measuring a JSON-able result and one rendering it as
 markdown lines. ``publish`` adds the command, date, commit and machine to the result, prints the
-markdown, saves the result (``--json``) and replaces the benchmark's marked section of ``--out``
-(``<!-- section:NAME -->`` ... ``<!-- /section:NAME -->``), leaving the rest of the file as it is.
-``--render`` writes the section again from a saved result, without measuring.
+markdown, saves the result (``--json``) and, only when ``--out`` names a file, replaces the benchmark's marked
+section there (``<!-- section:NAME -->`` ... ``<!-- /section:NAME -->``), leaving the rest of the file as it
+is. ``--out`` defaults to none, so a benchmark run never rewrites the published figures unless asked with
+``--out BENCHMARKS.md``.
+``--render`` prints the section again from a saved result (and writes it with ``--out``), without
+measuring.
 
 Also here, for the benchmarks that build tessera: configs by path and overrides, synthetic batches,
 the training stack through ``build_training_stack``, and whole ``train.py`` runs under torchrun.
@@ -36,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
-OUT = "BENCHMARKS.md"
+PUBLISHED = "BENCHMARKS.md"  # the published figures: written only when ``--out`` names it
 # the CPU flags that decide the bf16/fp16 kernels
 FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_fp16")
 
@@ -171,12 +174,15 @@ def commit(path: str = ROOT) -> str:
 
 
 # ---------------------------------------------------------------------------------------- the report
-def parser(prog: str, doc: str, out: str = OUT) -> argparse.ArgumentParser:
+def parser(prog: str, doc: str) -> argparse.ArgumentParser:
     """An argument parser with the report's flags (``--out``, ``--json``, ``--render``)."""
     ap = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0])
-    ap.add_argument("--out", default=out, help=f"file whose section this benchmark replaces ('' = none; default {out})")
+    ap.add_argument("--out", default="", metavar="FILE",
+                    help=f"also replace this benchmark's section of FILE (default: none, the report is only "
+                         f"printed; --out {PUBLISHED} updates the published figures)")
     ap.add_argument("--json", default=None, help="also write the raw result as JSON here")
-    ap.add_argument("--render", default=None, metavar="JSON", help="write the section from a saved --json result")
+    ap.add_argument("--render", default=None, metavar="JSON",
+                    help="print the section from a saved --json result (and write it with --out), without measuring")
     return ap
 
 

@@ -1,18 +1,25 @@
-"""The precision study: the demo trained under each optimizer / fp8 policy, same seed and data.
+"""The precision study: the demo trained under each optimizer / fp8 policy, over seeds, the same data.
 
-    python -m benchmarks precision-study [--config configs/demo.py] [--only NAME ...] [--workdir runs/precision_study]
-                                         [--telemetry-every 50] [--out BENCHMARKS.md] [key.sub=value ...]
-    python -m benchmarks precision-study --render runs/precision_study/study.json   # the section again
+    python -m benchmarks precision-study [--config configs/demo.py] [--seeds 3] [--only NAME ...]
+                                         [--workdir runs/precision_study] [--telemetry-every 50]
+                                         [--out BENCHMARKS.md] [key.sub=value ...]
+    python -m benchmarks precision-study --render runs/precision_study/study.json --out BENCHMARKS.md
 
-Each policy is one full ``train.py`` run (``harness.train_run``: torchrun, as many processes as the
-config's layout needs) from scratch in its own folder. A run's final validation bits per byte, its
-median tokens/s per device (the first 10% of the steps left out as warm-up) and its persistent bytes per
-parameter (the closed form of ``precision_report``) are kept in ``<workdir>/study.json``, so the policies
-can be run one invocation at a time (``--only``); the section is rendered from every row there.
+Each policy is trained ``--seeds`` times (the seeds ``SEEDS`` in order: the demo's own first), each a full
+``train.py`` run (``harness.train_run``: torchrun, as many processes as the config's layout needs) from
+scratch in ``<workdir>/<policy>/seed<N>``. Per run: the final validation bits per byte, the median tokens/s
+per device (the first 10% of the steps left out as warm-up); per policy the persistent bytes per parameter
+(the closed form of ``precision_report``). They are kept in ``<workdir>/study.json``, so policies can be run
+one invocation at a time (``--only``). The section's statistics are ``tools/compare_runs.py``'s
+(``tessera.train.run_compare.summarize``): per policy the mean and standard deviation of the final bits per
+byte over its seeds, and the difference from the default policy with Welch's 95% interval and the verdict;
+its picture (the training-loss curves, a seed band per policy, the differences) goes to
+``<pictures>/study_curves.png``.
 
-Every run also records the precision telemetry (``metrics.precision_every``, ``--telemetry-every``; 0
-turns it off), and ``tools/precision_telemetry.py`` draws one heat map per policy, of the measure that
-tells the most about it (``PICTURES``), into ``--pictures`` (docs/precision/<policy>.png).
+The runs of the first seed also record the precision telemetry (``metrics.precision_every``,
+``--telemetry-every``; 0 turns it off), and ``tools/precision_telemetry.py`` draws one heat map per policy,
+of the measure that tells the most about it (``PICTURES``), into ``--pictures`` (docs/precision/<policy>.png
+when ``--out BENCHMARKS.md`` publishes, else under the workdir; the curves picture goes there too).
 """
 
 from __future__ import annotations
@@ -27,9 +34,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from benchmarks import harness
-from tessera.cli_args import nonnegative_int
+from tessera.cli_args import nonnegative_int, positive_int
+from tessera.train.run_compare import Group, read_series, summarize, verdict
 
 TITLE = "## 8. Precision study: the demo under each optimizer and fp8 policy"
+PICTURES_PUBLISHED = "docs/precision"  # the heat maps BENCHMARKS.md section 8 links to
 STUDY: dict[str, list[str]] = {  # name -> config overrides (bf16 model, as the demo)
     "fp32 masters (default)": [],
     "bf16 masters": ["hybrid_zero_optimizer.master_dtype='bf16'"],
@@ -60,7 +69,9 @@ PICTURES: dict[str, str] = {
     "nvfp4": "block_flushed",
     "per module: ends bf16, attention mxfp8, MLP nvfp4": "block_flushed",
 }
-SEED_SPREAD = 0.03  # bits/byte: 1.670 / 1.695 / 1.663 for seeds 1024 / 7 / 3 of the demo (configs/demo.py)
+BASELINE = "fp32 masters (default)"
+SEEDS = (1024, 7, 3, 11, 13, 17, 19, 23, 29, 31)  # the demo's own three first (configs/demo.py's docstring)
+CURVES = "study_curves.png"  # compare_runs' picture of every policy's training curves, under --pictures
 
 
 def _slug(name: str) -> str:
@@ -98,20 +109,67 @@ def picture(name: str, log_dir: str, out: str) -> dict[str, Any]:
             "worst": [(w[0], w[1]) for w in tool.worst(rows, values, tool.MEASURES[measure], 3)]}
 
 
+def _run_dir(args: Any, name: str, seed: int) -> str:
+    return os.path.join(args.workdir, _slug(name), f"seed{seed}")
+
+
 def run_policy(name: str, args: Any) -> dict[str, Any]:
-    extra = [*args.overrides, *([f"metrics.precision_every={args.telemetry_every}"] if args.telemetry_every else [])]
-    overrides = [*extra, *STUDY[name]]
-    run_dir = os.path.join(args.workdir, _slug(name))
-    records = harness.train_run(harness.ROOT, args.config, overrides, run_dir)
-    train = [r for r in records if r.get("kind") == "train"]
-    valid = [r for r in records if r.get("kind") == "valid"]
-    row = {"name": name, "overrides": STUDY[name], "bits_per_byte": valid[-1]["bits_per_byte"],
-           "tgs": statistics.median(r["tgs"] for r in train[len(train) // 10:]), "skipped": train[-1]["skipped_steps"],
-           "bytes_per_param": _bytes_per_param(args.config, overrides), "steps": train[-1]["step"]}
-    if args.telemetry_every:
-        row["telemetry"] = {"every": args.telemetry_every, **picture(
-            name, os.path.join(run_dir, "run"), os.path.join(args.pictures, f"{_slug(name)}.png"))}
+    """Train policy ``name`` once per seed; its per-seed figures (and, for the first seed, the telemetry)."""
+    seeds: dict[str, Any] = {}
+    row: dict[str, Any] = {"name": name, "overrides": STUDY[name], "seeds": seeds}
+    for i, seed in enumerate(SEEDS[:args.seeds]):
+        telemetry = args.telemetry_every and i == 0
+        extra = [*args.overrides, f"seed={seed}",
+                 *([f"metrics.precision_every={args.telemetry_every}"] if telemetry else [])]
+        overrides = [*extra, *STUDY[name]]
+        run_dir = _run_dir(args, name, seed)
+        records = harness.train_run(harness.ROOT, args.config, overrides, run_dir)
+        train = [r for r in records if r.get("kind") == "train"]
+        valid = [r for r in records if r.get("kind") == "valid"]
+        seeds[str(seed)] = {"bits_per_byte": valid[-1]["bits_per_byte"], "skipped": train[-1]["skipped_steps"],
+                            "tgs": statistics.median(r["tgs"] for r in train[len(train) // 10:]),
+                            "steps": train[-1]["step"], "run": os.path.join(run_dir, "run")}
+        harness.log(f"[study] {name}, seed {seed}: {seeds[str(seed)]['bits_per_byte']:.4f} bits/byte")
+        if telemetry:
+            row["telemetry"] = {"every": args.telemetry_every, **picture(
+                name, os.path.join(run_dir, "run"), os.path.join(args.pictures, f"{_slug(name)}.png"))}
+        row["bytes_per_param"] = _bytes_per_param(args.config, overrides)
     return row
+
+
+def statistics_of(rows: dict[str, Any], kind: str = "valid", metric: str = "bits_per_byte") -> list[dict[str, Any]]:
+    """compare_runs' statistics of the rows' runs: per policy the final ``metric`` over seeds, and against the
+    baseline policy (the first policy when the default was not run) Welch's 95% interval and the verdict."""
+    names = [n for n in STUDY if n in rows]
+    groups = [Group(n, tuple(read_series(s["run"], kind, metric) for s in rows[n]["seeds"].values())) for n in names]
+    baseline = BASELINE if BASELINE in names else names[0]
+    out = []
+    for g in summarize(groups, baseline):
+        w = g.vs_baseline
+        out.append({"name": g.name, "n": len(g.values), "mean": g.mean, "std": g.std, "baseline": baseline,
+                    "welch": None if w is None else {"difference": w.difference, "low": w.low, "high": w.high,
+                                                     "df": w.df},
+                    "verdict": "baseline" if g.name == baseline else verdict(w)})
+    return out
+
+
+def curves(rows: dict[str, Any], out: str) -> str:
+    """compare_runs' picture of the training curves, one group per policy: mean line and seed band, smoothed
+    view, differences from the baseline; the path written (relative to the repository root)."""
+    spec = importlib.util.spec_from_file_location("compare_runs_tool", os.path.join(harness.ROOT, "tools",
+                                                                                  "compare_runs.py"))
+    assert spec is not None and spec.loader is not None
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    names = [n for n in STUDY if n in rows]
+    runs = {n: ",".join(s["run"] for s in rows[n]["seeds"].values()) for n in names}
+    argv = [a for n in names for a in ("--group", f"{_slug(n)}={runs[n]}")]
+    baseline = BASELINE if BASELINE in names else names[0]
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    code = tool.main([*argv, "--baseline", _slug(baseline), "--rows", "0", "--plot", out])
+    if code != 0:
+        raise RuntimeError(f"tools/compare_runs.py exited {code} drawing {out}")
+    return os.path.relpath(out, harness.ROOT)
 
 
 def measure(args: Any) -> dict[str, Any]:
@@ -119,40 +177,57 @@ def measure(args: Any) -> dict[str, Any]:
     if os.path.exists(args.json):
         with open(args.json) as f:
             rows = json.load(f).get("rows", {})
+    rows = {n: r for n, r in rows.items() if "seeds" in r}  # rows of the one-seed study have no runs to compare
     for name in args.only or list(STUDY):
         harness.log(f"[study] {name} ...")
         rows[name] = run_policy(name, args)
-        harness.log(f"[study] {name}: {rows[name]['bits_per_byte']:.4f} bits/byte, {rows[name]['tgs']:.0f} tokens/s")
-        with open(args.json, "w") as f:  # kept after each run: a study can be run one policy at a time
+        with open(args.json, "w") as f:  # kept after each policy: a study can be run one policy at a time
             json.dump({"rows": rows}, f, indent=1)
-    return {"config": args.config, "rows": rows}
+    return {"config": args.config, "rows": rows, "stats": statistics_of(rows),
+            "curves": curves(rows, os.path.join(args.pictures, CURVES))}
+
+
+def _interval(st: dict[str, Any]) -> str:
+    w = st["welch"]
+    if w is None:
+        return "-"
+    return f"{w['difference']:+.4f} [{w['low']:+.4f}, {w['high']:+.4f}]"
 
 
 def markdown(res: dict[str, Any]) -> list[str]:
     rows = [res["rows"][n] for n in STUDY if n in res["rows"]]
-    base = res["rows"].get("fp32 masters (default)")
+    stats = {st["name"]: st for st in res["stats"]}
+    seeds = sorted({len(r["seeds"]) for r in rows})
     config = "" if res["config"] == "configs/demo.py" else f" --config {res['config']}"
-    lines = [f"Reproduce: `python -m benchmarks precision-study{config}` ({harness.machine_line(res['machine'])}; "
-             f"{res['date']}). Each row is a full demo run (`configs/demo.py`: bf16 model, TP=2, seed 1024, the same "
-             "data), from scratch; bits per byte over every held-out file; tokens/s per device is the median over the "
-             "run (first 10% of steps left out); bytes per parameter are the persistent training state of this "
-             "layout (closed form, `tools/precision_report.py --policies` measures it).", "",
-             "| policy | overrides | final bits/byte | vs fp32 masters | tokens/s per device | bytes/param | "
-             "skipped steps |", "|---|---|---:|---:|---:|---:|---:|"]
+    n_seeds = "/".join(map(str, seeds))
+    lines = [f"Reproduce: `python -m benchmarks precision-study{config} --seeds {seeds[-1]}` "
+             f"({harness.machine_line(res['machine'])}; {res['date']}). Each policy is trained {n_seeds} times, "
+             f"seeds {', '.join(map(str, SEEDS[:seeds[-1]]))} (the same data otherwise), each run from scratch; the "
+             "figure is the final bits per byte over every held-out file, its mean and standard deviation over the "
+             "seeds; the difference from the default policy comes with Welch's 95% interval and the verdict of "
+             "`tools/compare_runs.py` (docs/compare-runs.md says what it means: \"within seed noise\" is no proof "
+             "of equality). Tokens/s per device is the median over the runs' steps (first 10% left out); bytes per "
+             "parameter are the persistent training state of this layout (closed form, `tools/precision_report.py "
+             "--policies` measures it).", "",
+             "| policy | overrides | seeds | final bits/byte (mean ± std) | vs fp32 masters [95% interval] | verdict | "
+             "tokens/s per device | bytes/param | skipped steps |",
+             "|---|---|---:|---:|---:|---|---:|---:|---:|"]
     for r in rows:
-        delta = f"{r['bits_per_byte'] - base['bits_per_byte']:+.4f}" if base else "-"
-        lines.append(f"| {r['name']} | `{' '.join(r['overrides']) or '-'}` | {r['bits_per_byte']:.4f} | {delta} | "
-                     f"{r['tgs']:.0f} | {r['bytes_per_param']:.1f} | {r['skipped']} |")
-    beyond = [f"{r['name']} ({r['bits_per_byte'] - base['bits_per_byte']:+.3f})" for r in rows
-              if base and abs(r["bits_per_byte"] - base["bits_per_byte"]) > SEED_SPREAD]
-    lines += ["", f"One seed per policy: differences below about {SEED_SPREAD} bits/byte, the spread of three seeds of "
-              "the demo (`configs/demo.py`'s docstring), are not shown to be more than one trajectory's luck; "
-              f"beyond it: {', '.join(beyond) or 'none'}. Runs of a study can share the cores with other jobs, so "
-              "compare tokens/s only within one uninterrupted study; fp8 and the block formats are emulated on a CPU "
-              "(operands rounded exactly, fp32 GEMMs), so there they cost speed by construction."]
+        st = stats[r["name"]]
+        per_seed = list(r["seeds"].values())
+        tgs = statistics.median(s["tgs"] for s in per_seed)
+        skipped = "/".join(str(s["skipped"]) for s in per_seed)
+        lines.append(f"| {r['name']} | `{' '.join(r['overrides']) or '-'}` | {st['n']} | {st['mean']:.4f} ± "
+                     f"{st['std']:.4f} | {_interval(st)} | {st['verdict']} | {tgs:.0f} | {r['bytes_per_param']:.1f} "
+                     f"| {skipped} |")
+    lines += ["", f"![training loss per policy: mean over seeds with the seed band, smoothed, and the difference from "
+              f"{BASELINE} with its 95% band]({res['curves']})", "",
+              "Runs of a study can share the cores with other jobs, so compare tokens/s only within one uninterrupted "
+              "study; fp8 and the block formats are emulated on a CPU (operands rounded exactly, fp32 GEMMs), so "
+              "there they cost speed by construction."]
     drawn = [r for r in rows if r.get("telemetry")]
     if drawn:
-        lines += ["", "**What each policy does to the numerics, per module** (the same runs, "
+        lines += ["", "**What each policy does to the numerics, per module** (the runs of the first seed, "
                   f"`metrics.precision_every={drawn[0]['telemetry']['every']}`; one heat map per policy, module x "
                   "step, drawn by `python tools/precision_telemetry.py <run> --measure <name>`; README \"Precision "
                   "telemetry\" says what each measure means)."]
@@ -170,14 +245,24 @@ def markdown(res: dict[str, Any]) -> list[str]:
 def main(argv: Sequence[str] | None = None, prog: str = "python -m benchmarks precision-study") -> int:
     ap = harness.parser(prog, __doc__)
     ap.add_argument("--config", default="configs/demo.py")
+    ap.add_argument("--seeds", type=positive_int, default=3,
+                    help=f"runs per policy, seeds {', '.join(map(str, SEEDS))} in order (at most {len(SEEDS)}; "
+                         "2 or more give an interval)")
     ap.add_argument("--only", nargs="*", default=None, choices=list(STUDY), help="run only these policies")
     ap.add_argument("--workdir", default="runs/precision_study")
     ap.add_argument("--telemetry-every", type=nonnegative_int, default=50,
                     help="metrics.precision_every of every run (0: no telemetry, no pictures)")
-    ap.add_argument("--pictures", default="docs/precision", help="where the heat maps go")
+    ap.add_argument("--pictures", default=None,
+                    help=f"where the heat maps go (default: {PICTURES_PUBLISHED} with --out {harness.PUBLISHED}, "
+                         "else WORKDIR/pictures)")
     ap.add_argument("overrides", nargs="*", help="key.sub=value applied to every run")
     args = ap.parse_args(argv)
+    if args.seeds > len(SEEDS):
+        ap.error(f"--seeds {args.seeds}: at most {len(SEEDS)} (the seeds of SEEDS)")
     args.json = args.json or os.path.join(args.workdir, "study.json")
+    if args.pictures is None:  # the published pictures go with the published figures, never by default
+        publishing = os.path.basename(args.out) == harness.PUBLISHED
+        args.pictures = PICTURES_PUBLISHED if publishing else os.path.join(args.workdir, "pictures")
     os.makedirs(args.workdir, exist_ok=True)
     return harness.publish(args, argv, prog, "precision-study", TITLE, lambda: measure(args), markdown)
 

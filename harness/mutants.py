@@ -293,6 +293,11 @@ MUTANTS: tuple[Mutant, ...] = (
            "an element above the format's largest value becomes NaN (fp8) or an out-of-range code (fp4) instead "
            "of saturating: FLOOR scales put a sixth of Gaussian blocks' amax there",
            ("tests/test_block_formats.py",)),
+    Mutant("rmsnorm-eps-doubled", "tessera/model/norm.py",
+           "self.eps = eps", "self.eps = 2 * eps",
+           "every RMSNorm divides by sqrt(mean(x^2) + 2 eps): the loss curve moves (1e-4 relative at step 1 of the "
+           "tiny config) while every unit test that builds its reference with the module's own eps still passes",
+           ("tests/test_golden_curve.py",)),
     # the fp8 backends and the block-format routes (tests/test_fp8_backends.py, tests/test_block_routes.py)
     Mutant("scaled-mm-scale-not-inverted", "tessera/parallel/gemm.py",
            "a_scale.reciprocal().contiguous(), b_scale.reciprocal().contiguous()",

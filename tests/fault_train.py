@@ -62,8 +62,8 @@ def _load_train_script():
 
 
 train = _load_train_script()
-# the module whose ``write_tree`` train.py's save_checkpoint calls (patched below), wherever the
-# checkpoint package keeps it
+# the module whose ``write_tree`` and ``commit_folder`` train.py's save_checkpoint calls (patched below),
+# wherever the checkpoint package keeps it
 ckpt_mod = sys.modules[train.save_checkpoint.__module__]
 
 RANK = int(os.environ.get("RANK", "0"))
@@ -220,7 +220,7 @@ if SAVE is not None:
     if point == "before_commit" and save_rank != 0:
         raise SystemExit("TESSERA_FAULT_SAVE: before_commit runs on rank 0 only")
 
-    _orig_write_tree = ckpt_mod.write_tree
+    _orig_write_tree, _orig_commit_folder = ckpt_mod.write_tree, ckpt_mod.commit_folder
 
     def _write_tree(path, obj):
         in_save = f".step_{save_step}.partial" in path
@@ -228,13 +228,12 @@ if SAVE is not None:
             _die(f"killed while writing {path}")
         return _orig_write_tree(path, obj)
 
-    ckpt_mod.write_tree = _write_tree
-
-    def _before_commit(partial):
-        if RANK == save_rank and f".step_{save_step}.partial" in partial:
+    def _commit_folder(partial, final):  # the rename that publishes the checkpoint: meta.json is written
+        if point == "before_commit" and RANK == save_rank and f".step_{save_step}.partial" in partial:
             _die(f"killed before committing {partial}")
+        return _orig_commit_folder(partial, final)
 
-    train.save_checkpoint = functools.partial(train.save_checkpoint, before_commit=_before_commit)
+    ckpt_mod.write_tree, ckpt_mod.commit_folder = _write_tree, _commit_folder
 
 
 # ---------------------------------------------------------------------------- how main() ended

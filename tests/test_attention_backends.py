@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from harness.fake_cuda import fake_cuda_mode
+from tessera import logs
 from tessera.model import attention, flash_probe
 from tessera.model import sdpa as sdpa_module
 from tessera.model.attention import _sdpa, attend, plan_attention, select_backend
@@ -130,7 +131,7 @@ def probe(monkeypatch):
     monkeypatch.setattr(flash_probe, "_PROBE", None)
     monkeypatch.setattr(flash_probe, "_CAPABILITY", {})
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setattr(attention, "_LOGGED", set())
+    monkeypatch.setattr(logs, "_LOGGED", set())
     monkeypatch.delitem(sys.modules, "flash_attn", raising=False)
     seen: list[str] = []
     monkeypatch.setattr(sdpa_module, "scaled_dot_product_attention",
@@ -194,3 +195,49 @@ def test_flash_attn_not_installed(probe, monkeypatch):
     with fake_cuda_mode():
         assert select_backend(CUDA, torch.bfloat16, True, 64) == ("sdpa", "the flash_attn package is not installed")
     assert select_backend(torch.device("cpu"), torch.bfloat16, True, 64) == ("sdpa", "the device is cpu, not cuda")
+
+
+# ------------------------------------------------------------------------------------------ the table
+BF16, FP32 = torch.bfloat16, torch.float32
+NO_CPU_DROPOUT = "tessera's CPU kernels have no attention dropout (model.attn_drop_rate=0.1)"
+
+
+def test_the_table_lists_the_backends_in_designs_order():
+    """DESIGN.md (Model): the flash kernels, the CPU per-document kernel, SDPA is_causal, the SDPA mask last."""
+    assert [b.name for b in attention.BACKENDS] == ["flash_attn", "torch_varlen", "cpu_flash", "sdpa_causal",
+                                                    "sdpa_mask"]
+
+
+@pytest.mark.parametrize("device,dtype,packed,dropout,use_flash,expected,reasons", [
+    ("cpu", BF16, False, 0.0, True, "cpu_flash", ["the device is cpu, not cuda"]),
+    ("cpu", BF16, True, 0.0, True, "cpu_flash", ["the device is cpu, not cuda"]),  # varlen's same refusal: once
+    ("cpu", BF16, True, 0.1, True, "sdpa_mask", ["the device is cpu, not cuda", NO_CPU_DROPOUT]),
+    ("cpu", FP32, False, 0.1, False, "sdpa_causal", ["disabled by model.use_flash_attn=False", NO_CPU_DROPOUT]),
+    ("cuda", BF16, True, 0.0, False, "sdpa_mask", ["disabled by model.use_flash_attn=False"]),  # nor torch varlen
+    ("cuda", FP32, True, 0.0, True, "sdpa_mask", ["q/k/v are torch.float32, flash_attn needs float16/bfloat16"]),
+    ("cuda", BF16, False, 0.0, True, "sdpa_causal", ["the flash_attn package is not installed"]),
+    ("cuda", BF16, False, 0.1, True, "sdpa_causal", ["the flash_attn package is not installed"]),
+])
+def test_each_call_takes_the_first_backend_that_serves_and_accepts_it(monkeypatch, device, dtype, packed, dropout,
+                                                                       use_flash, expected, reasons):
+    """The refusals of the backends before the chosen one that serve such calls, each once and in table order,
+    are the reason logged; backends that do not serve the call (torch varlen for one-document rows, the CPU
+    kernel on CUDA) add none."""
+    monkeypatch.setitem(sys.modules, "flash_attn", None)  # not installed
+    monkeypatch.setattr(flash_probe, "_PROBE", None)
+    call = attention.AttentionCall(torch.device(device), dtype, 64, 8, packed, dropout, use_flash)
+    backend, why = attention.choose_backend(call)
+    assert (backend.name, why.split("; ")) == (expected, reasons)
+    legacy = expected if expected in ("flash_attn", "torch_varlen") else "sdpa"
+    assert select_backend(call.device, dtype, use_flash, 64, packed=packed, dropout_p=dropout) == (legacy, why)
+
+
+def test_packed_bf16_rows_on_cuda_without_flash_attn_take_torch_varlen_where_this_torch_has_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "flash_attn", None)
+    monkeypatch.setattr(flash_probe, "_PROBE", None)
+    backend, why = attention.choose_backend(attention.AttentionCall(CUDA, BF16, 64, 8, True, 0.0, True))
+    kernel, why_not = attention.torch_varlen()
+    if kernel is not None:
+        assert (backend.name, why) == ("torch_varlen", "the flash_attn package is not installed")
+    else:
+        assert (backend.name, why) == ("sdpa_mask", f"the flash_attn package is not installed; {why_not}")

@@ -17,7 +17,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tessera.model import attention, cpu_attention
+from tessera import logs
+from tessera.model import cpu_attention
 from tessera.model.attention import attend, plan_attention
 from tests.tolerances import allclose_tols, precision_rtol
 
@@ -203,7 +204,7 @@ def test_bf16_short_documents_in_fp32_long_ones_in_bf16(monkeypatch, caplog):
     cpu_attention.cpu_kernels.forget_cpu_kernels()  # the choice is made once per process
     monkeypatch.setattr(cpu_attention.cpu_kernels, "_cpu_flags", lambda: frozenset({"avx512_bf16"}))
     cpu_attention.cpu_kernels.forget_cpu_kernels()  # the choice is made once per process
-    monkeypatch.setattr(attention, "_LOGGED", set())
+    monkeypatch.setattr(logs, "_LOGGED", set())
     cu = torch.tensor([0, 3, 23, 320, 640], dtype=torch.int32)  # row 1: one document spanning the row
     q, k, v = _qkv(2, 320, 2, 1, 64, torch.bfloat16)
     with caplog.at_level(logging.INFO, logger="tessera"), _FlashCalls() as seen:
@@ -220,7 +221,7 @@ def test_one_log_line_per_choice(monkeypatch, caplog):
     cpu_attention.cpu_kernels.forget_cpu_kernels()  # the choice is made once per process
     monkeypatch.setattr(cpu_attention.cpu_kernels, "_cpu_flags", lambda: frozenset({"avx2"}))
     cpu_attention.cpu_kernels.forget_cpu_kernels()  # the choice is made once per process
-    monkeypatch.setattr(attention, "_LOGGED", set())
+    monkeypatch.setattr(logs, "_LOGGED", set())
     q, k, v = _qkv(3, 24, 4, 2, 16, torch.bfloat16)
     with caplog.at_level(logging.INFO, logger="tessera"):
         for _ in range(2):

@@ -59,7 +59,7 @@ def test_a_section_is_replaced_in_place_and_the_rest_kept(tmp_path):
     assert text.count("## 7. DP") == 1 and "second" in text and "first" not in text and "kept" not in text
 
 
-def test_overhead_tiny(tmp_path):
+def test_overhead_tiny(tmp_path, monkeypatch, capsys):
     """``python -m benchmarks --tiny``: sections 1 and 2 in one marked section, every figure finite, the same
     first-step loss in tessera and plain PyTorch, and ``--render`` writing the same section from the JSON."""
     out, js = tmp_path / "B.md", tmp_path / "b.json"
@@ -84,6 +84,15 @@ def test_overhead_tiny(tmp_path):
         flags = {**res["machine"]["flags"], "avx512_bf16": has_bf16, "amx_bf16": False}
         md = "\n".join(markdown({**res, "machine": {**res["machine"], "flags": flags}}))
         assert ("This CPU has no bf16 matrix instructions" in md) is (not has_bf16)
+
+    # without --out nothing is written: the published file in the working folder stays as it was
+    published = tmp_path / harness.PUBLISHED
+    published.write_text("# the published figures\n")
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    assert bench_main(["--render", str(js)]) == 0
+    assert published.read_text() == "# the published figures\n"
+    assert "Reproduce: `python -m benchmarks --tiny" in capsys.readouterr().out
 
 
 def test_attention_kernels_one_shape(tmp_path):

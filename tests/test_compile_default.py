@@ -12,6 +12,7 @@ import os
 import pytest
 import torch
 
+from tessera import logs
 from tessera.config import Config, ConfigError
 from tessera.core.job import Job
 from tessera.train import builder
@@ -29,7 +30,7 @@ TINY = os.path.join(ROOT, "configs", "tiny.py")
     ("cuda", False, False, False),
 ])
 def test_auto_compiles_on_cuda_only(device, setting, hooks, expected, monkeypatch, caplog):
-    monkeypatch.setattr(builder, "_LOGGED", set())
+    monkeypatch.setattr(logs, "_LOGGED", set())
     over = [f"model.compile.enabled={setting!r}"]
     if hooks:
         over += ["metrics.precision_every=5", "metrics.precision_activations=True"]

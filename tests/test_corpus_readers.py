@@ -141,6 +141,13 @@ def test_bad_records_name_file_and_row(tmp_path, capsys):
     (tmp_path / "bad.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(lines))
     assert f"{tmp_path / 'bad.jsonl.zst'}:4: not valid JSON" in _error_line(capsys, tmp_path,
                                                                             [tmp_path / "bad.jsonl.zst"])
+    (tmp_path / "field.jsonl").write_bytes(b'{"text": "ok"}\n{"content": "x", "id": 7}\n')
+    line = _error_line(capsys, tmp_path, [tmp_path / "field.jsonl"])
+    assert f"{tmp_path / 'field.jsonl'}:2: no field 'text'; its fields: 'content', 'id'" in line, line
+    assert "--text-column" in line
+    (tmp_path / "num.jsonl").write_bytes(b'{"text": 3}\n')
+    assert "field 'text' holds int, not a string; its fields: 'text'" in _error_line(capsys, tmp_path,
+                                                                                    [tmp_path / "num.jsonl"])
     (tmp_path / "cut.jsonl.gz").write_bytes(gzip.compress(_jsonl_bytes(DOCS))[:200])
     line = _error_line(capsys, tmp_path, [tmp_path / "cut.jsonl.gz"])
     assert str(tmp_path / "cut.jsonl.gz") in line and "truncated" in line

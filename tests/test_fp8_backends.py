@@ -273,7 +273,9 @@ def test_auto_backend_picks_the_emulation_without_fp8_tensor_cores(monkeypatch, 
     scaled_mm on a CPU runs it and warns that it is slow."""
     import logging
 
-    monkeypatch.setattr(gemm, "_LOGGED", set())
+    from tessera import logs
+
+    monkeypatch.setattr(logs, "_LOGGED", set())
     monkeypatch.setattr(gemm, "_FP8_CORES", {"cpu": False, "cuda": True})
     auto, explicit = gemm.GemmPolicy("fp8", "tensorwise"), gemm.GemmPolicy("fp8", "tensorwise", "scaled_mm")
     with caplog.at_level(logging.INFO, logger="tessera"):

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from tessera.optim import master_policy
+from tessera import logs
 from tessera.optim.hybrid_zero import HybridZeroOptimizer
 from tessera.optim.lowp_adamw import adamw_step, element_noise
 from tests.tolerances import allclose_tols, gamma, order_rtol, precision_rtol, unit_roundoff
@@ -170,7 +170,7 @@ def test_optimizer_uses_the_fused_update_for_adamw_and_the_inner_step_otherwise(
         opt = HybridZeroOptimizer(make(list(model.parameters())), zero_cfg={"clip_grad_norm": 0.0}, param_names=model)
         ref_opt = make(list(ref.parameters()))
         caplog.clear()
-        monkeypatch.setattr(master_policy, "_LOGGED", set())  # logged once per process: forget earlier tests'
+        monkeypatch.setattr(logs, "_LOGGED", set())  # logged once per process: forget earlier tests'
         with caplog.at_level(logging.INFO, logger="tessera"):
             for _ in range(3):
                 x = torch.randn(40)

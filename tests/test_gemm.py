@@ -10,6 +10,7 @@ import logging
 import pytest
 import torch
 
+from tessera import logs
 from tessera.model import sdpa
 from tessera.parallel import cpu_kernels, gemm
 from tessera.parallel.layers import ColumnParallelLinear
@@ -110,7 +111,7 @@ def test_the_table_picks_one_route_per_device_dtype_and_policy(monkeypatch, capl
     """Every row is reachable, the choice follows (device, dtype, policy) only, and each choice is logged once."""
     _use(monkeypatch, "upcast")
     fp8 = gemm.GemmPolicy("fp8", "rowwise")
-    monkeypatch.setattr(gemm, "_LOGGED", set())
+    monkeypatch.setattr(logs, "_LOGGED", set())
     with caplog.at_level(logging.INFO, logger="tessera"):
         for _ in range(2):
             assert gemm.choose_route("cpu", torch.bfloat16).name == "cpu-upcast"

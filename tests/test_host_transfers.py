@@ -83,7 +83,8 @@ def flash_standin(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(flash_attn_func=dense,
                                                                          flash_attn_varlen_func=varlen))
-    monkeypatch.setattr(attention, "select_backend", lambda device, dtype, use_flash, head_dim=None, **_: ("flash_attn", ""))
+    flash = next(b for b in attention.BACKENDS if b.name == attention.FLASH_ATTN)
+    monkeypatch.setattr(attention, "choose_backend", lambda call: (flash, ""))
     monkeypatch.setattr(flash_probe, "_PROBE", None)  # probed again: finds the stand-in above
 
     def refuse(t):  # the one sanctioned device read of older code paths: refuse it for CUDA tensors too

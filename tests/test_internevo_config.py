@@ -21,6 +21,7 @@ from harness.distributed import run_torchrun
 from harness.failure import explain
 from tessera.config import Config, ConfigError, load_python_file
 from tessera.config.internevo import KEYS, translate_internevo
+from tessera.config.internevo_rules import FAMILIES
 from tessera.config.internevo_table import markdown_table
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -352,13 +353,36 @@ def test_train_py_trains_a_shrunk_internevo_config(tmp_path):
     assert len(losses) == 3 and all(0 < loss < 20 for loss in losses)
 
 
-@pytest.mark.parametrize("family", ["INTERNLM", "INTERNLM2", "INTERNLM2_PUBLIC", "INTERNLM2_PUTLIC", "LLAMA2"])
-def test_every_model_type_internevo_releases_use_for_the_decoder(family):
+# InternEvo's names for its Llama-style decoder across releases (sources: tessera/config/internevo_rules.py)
+DECODER_NAMES = ["INTERNLM", "INTERNLM2", "INTERNLM2_PUBLIC", "INTERNLM2_PUTLIC", "INTERNLM3", "LLAMA", "LLAMA2"]
+OTHER_CASE = ["llama", "Llama2", "internlm2"]  # not InternEvo's spelling (its registry is exact): read, with a warning
+
+
+@pytest.mark.parametrize("family", DECODER_NAMES + OTHER_CASE)
+def test_every_model_type_internevo_releases_use_for_the_decoder(family, caplog):
     """INTERNLM2 is v0.2.4's configs/_base_/models name, INTERNLM2_PUTLIC the misspelling in v0.3.3's
-    published configs/7B_internlm2.py; both are the decoder InternEvo registers as INTERNLM2(_PUBLIC)."""
+    published configs/7B_internlm2.py; both are the decoder InternEvo registers as INTERNLM2(_PUBLIC).
+    LLAMA is the Llama model's name before InternEvo #539 (Dec 2023) renamed it LLAMA2; INTERNLM3 is built by
+    InternEvo's InternLM2 class. Each gives the very config that LLAMA2 gives."""
     raw = sft()
     raw.update(model_type=family)
-    cfg = Config.from_dict(raw)
+    with caplog.at_level(logging.WARNING, logger="tessera"):
+        cfg = Config.from_dict(raw)
     assert cfg.model.bias is True and cfg.model.mlp_bias is False  # InternEvo's default q/k/v/o biases
+    reference = Config.from_dict(dict(sft(), model_type="LLAMA2"))
+    assert cfg.model == reference.model and cfg.data == reference.data
+    renamed = [r for r in caplog.records if f"model_type={family!r} is read as" in r.getMessage()]
+    assert len(renamed) == (family not in FAMILIES)
     raw["model"]["no_bias"] = True
     assert Config.from_dict(raw).model.bias is False
+
+
+@pytest.mark.parametrize("family,why", [("INTERNLM_MoE", "mixture-of-experts"), ("MIXTRALMOE", "mixture-of-experts"),
+                                        ("QWEN2MOE", "mixture-of-experts"), ("LLAVA", "vision-language"),
+                                        ("QWEN2", "q/k/v only"), ("GEMMA", "GeGLU"), ("BAICHUAN2", "ALiBi"),
+                                        ("INTERNLM2_FROM_HF", "Hugging Face"), ("GPT2", "LLAMA2"), ("llama3", "LLAMA2"),
+                                        (None, "LLAMA2"), (["LLAMA2"], "LLAMA2")])
+def test_other_architectures_are_refused_saying_why(family, why):
+    """InternEvo's other model types (its ModelType enum and registry) and names of no InternEvo model: one
+    refusal naming the value, what it is, and the names that are tessera's decoder."""
+    refusal(dict(sft(), model_type=family), f"model_type={family!r}", why, "INTERNLM3")

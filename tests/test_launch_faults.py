@@ -71,14 +71,17 @@ def _finish(proc: subprocess.Popen) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
-def _one_error(proc: subprocess.CompletedProcess, rank: str) -> str:
-    """The launch failed and rank ``rank`` said why in exactly one ``error:`` line, with no traceback."""
+def _one_error(proc: subprocess.CompletedProcess, rank: str | None) -> str:
+    """The launch failed and rank ``rank`` (None: a process no launcher gave a rank, whose line has no rank
+    prefix) said why in exactly one ``error:`` line, with no traceback."""
     assert proc.returncode not in (0, None), explain(proc)
-    lines = [line for line in proc.stderr.splitlines() if line.startswith(f"[rank {rank}] error: ")]
+    prefix = f"[rank {rank}] " if rank is not None else ""
+    lines = [line for line in proc.stderr.splitlines() if line.startswith(f"{prefix}error: ")]
     assert len(lines) == 1, explain(proc)
+    assert rank is not None or "[rank" not in proc.stderr, explain(proc)  # no rank to name: none named
     assert "Traceback" not in proc.stderr and "training failed" not in proc.stderr, explain(proc)
     assert "step 1 |" not in proc.stdout
-    return lines[0].split(" error: ", 1)[1]
+    return lines[0][len(f"{prefix}error: "):]
 
 
 @pytest.fixture
@@ -204,7 +207,7 @@ def test_config_errors_name_the_file_the_line_and_its_text(tmp_path):
     raising_line = len(open(TINY).read().splitlines()) + 3
     procs = [_start(tmp_path, config=str(raising)), _start(tmp_path, config=str(syntax)),
              _start(tmp_path, overrides=["data.seq_len=64", "model.hidden_size=[1,"])]
-    raised, bad_syntax, bad_override = (_one_error(_finish(p), "?") for p in procs)
+    raised, bad_syntax, bad_override = (_one_error(_finish(p), None) for p in procs)
     assert raised == (f"error while running config file {raising}, line {raising_line} `y = x / 0`: "
                       "ZeroDivisionError: division by zero"), raised
     assert re.fullmatch(rf"syntax error in config file {re.escape(str(syntax))}, line \d+, column \d+: .*`.+`",

@@ -107,7 +107,9 @@ def test_train_py_refuses_7b_on_every_rank_before_allocating(tmp_path):
                          "data.type=synthetic", "parallel.tensor.size=2", "metrics.progress_bar=False",
                          f"log_folder='{tmp_path}'"], 2, timeout=hang_guard_s, cwd=str(tmp_path))
     assert proc.returncode not in (0, 124), explain(proc)
-    reports = [line for line in proc.stderr.splitlines() if " error: training needs" in line]
+    # each rank's own line (torchrun's summary quotes them too, indented)
+    reports = [line for line in proc.stderr.splitlines()
+               if line.startswith("[rank ") and " error: training needs" in line]
     # one whole line per rank (ranks writing at once must not interleave their reports)
     assert sorted(line.split("]")[0] for line in reports) == ["[rank 0", "[rank 1"]
     assert all(line.count("error: training needs") == 1 and line.endswith("starts anyway.") for line in reports)

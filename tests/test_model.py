@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from harness.distributed import run_distributed
 from harness.peak_rss import run_measured
+from tessera import logs
 from tessera.config import Config
 from tessera.core.context import gpc, launch_from_torch
 from tessera.model import attention as attention_module
@@ -353,7 +354,7 @@ def test_build_does_not_touch_ambient_rng_and_meta_allocates_nothing():
 
 
 def test_attention_backend_logged_once(caplog):
-    attention_module._LOGGED.clear()
+    logs._LOGGED.clear()
     model = build_model(_model_cfg(), seed=1)
     ids, _, cu = _batch()
     with caplog.at_level(logging.INFO, logger="tessera"):

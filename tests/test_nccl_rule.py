@@ -23,7 +23,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from harness.fake_cuda import fake_cuda_mode
 from tessera.checkpoint import Layout, find_resumable_checkpoint
-from tessera.checkpoint.training import _all_agree
+from tessera.checkpoint.agreement import all_agree
 from tessera.config import Config
 from tessera.core.job import Job, JobGroups
 from tessera.parallel.comm import collective_device, reduce_scalars
@@ -71,7 +71,7 @@ def test_host_agreements_use_the_device_the_group_serves(cuda_only_job, tmp_path
     """Stop and checkpoint agreement (the two that crashed the first GPU step) pass on a CUDA-only group."""
     with fake_cuda_mode():
         assert StopRequest().should_stop() == (False, None)
-        assert _all_agree(True)
+        assert all_agree(True)
         assert reduce_scalars([1.0, 2.0], None) == [1.0, 2.0]  # a fake reduction returns the local values
         (tmp_path / "step_3").mkdir()
         (tmp_path / "step_3" / "meta.json").write_text("{}")

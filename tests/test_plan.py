@@ -239,9 +239,9 @@ def _rejects_cpu(monkeypatch, module: str) -> None:
     monkeypatch.setattr(mod, "reduce_scalars", on_cpu)
 
 
-@pytest.mark.parametrize("module", ["tessera.train.stop", "tessera.checkpoint.training", "tessera.train.step"])
+@pytest.mark.parametrize("module", ["tessera.train.stop", "tessera.checkpoint.agreement", "tessera.train.step"])
 def test_a_cpu_tensor_collective_anywhere_fails_the_dry_run(monkeypatch, module):
-    """The stop agreement (train.stop), the checkpoint agreement (checkpoint.training) and the trainer's
+    """The stop agreement (train.stop), the checkpoint agreement (checkpoint.agreement) and the trainer's
     token sums run in the dry run on a group that serves no CPU tensors: moving any of them to the CPU
     fails it with NCCL's error. Unpatched, the same dry run passes (the other tests)."""
     _rejects_cpu(monkeypatch, module)
@@ -321,8 +321,58 @@ def test_search_ranks_layouts_that_fit():
     assert not search_layouts(cfg, 8, 4.0, gpu="h100")  # 7B in 4 GiB per GPU: nothing fits
 
 
-def test_train_py_dry_run_prints_the_plan():
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--config", TINY, "--dry-run",
-                           "parallel.tensor.size=2"], capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert proc.returncode == 0, explain(proc)
-    assert "world 2 = tp 2 x dp 1" in proc.stdout and "= persistent state" in proc.stdout
+def _dry_run(*args: str) -> subprocess.CompletedProcess:
+    """``train.py --config tiny --dry-run parallel.tensor.size=2 ARGS`` in a process without CUDA (as on a laptop)."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    return subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--config", TINY, "--dry-run",
+                           "parallel.tensor.size=2", *args], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env=env)
+
+
+def _table_peak_gib(stdout: str) -> float:
+    """The traced ``= total peak`` of the printed plan table, in GiB."""
+    row = next(line for line in stdout.splitlines() if line.startswith("= total peak"))
+    return float(row.split()[3])
+
+
+def test_train_py_dry_run_prints_the_plan_and_a_verdict_on_any_machine():
+    """Without a target memory it says it compared against nothing (exit 0); with --gpu-memory the last line is
+    the verdict against that memory less memory.headroom (10% by default): exit 0 when the table's peak is
+    within it, 1 when it is not, even where the memory itself exceeds the peak (the headroom is kept)."""
+    plain = _dry_run()
+    assert plain.returncode == 0, explain(plain)
+    assert "world 2 = tp 2 x dp 1" in plain.stdout and "= persistent state" in plain.stdout
+    last = plain.stdout.splitlines()[-1]
+    assert last.startswith("fit not checked: compared against no GPU memory") and "--gpu-memory" in last, last
+    peak = _table_peak_gib(plain.stdout)  # rounded to 0.01 GiB: the margins below are 1% and 5%
+    roomy, tight = f"{peak / 0.9 * 1.01:.3f}", f"{peak * 1.05:.3f}"
+    fits, does_not = _dry_run("--gpu-memory", roomy), _dry_run("--gpu-memory", tight)
+    assert fits.returncode == 0, explain(fits)
+    assert does_not.returncode == 1, explain(does_not)
+    for proc, memory in ((fits, roomy), (does_not, tight)):
+        verdict = proc.stdout.splitlines()[-1]
+        assert _table_peak_gib(proc.stdout) == peak
+        usable = float(memory) * 0.9
+        word, relation = ("fits", "within") if proc is fits else ("does NOT fit", "exceeds")
+        assert verdict == (f"{word}: peak {peak:.2f} GiB per rank {relation} {usable:.2f} GiB usable of "
+                           f"{float(memory):g} GiB per GPU (--gpu-memory; 10% kept free for the CUDA context and "
+                           "allocator fragmentation)"), verdict
+        assert sum(line.startswith(("fits:", "does NOT fit:")) for line in proc.stdout.splitlines()) == 1
+
+
+def test_plan_tool_verdict_against_gpu_memory(capsys):
+    """tools/plan.py: the --gpu's datasheet memory by default, --gpu-memory when given; the verdict is the last
+    line and the exit status follows it."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_plan_tool", os.path.join(ROOT, "tools", "plan.py"))
+    assert spec is not None and spec.loader is not None
+    plan_tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plan_tool)
+    args = [TINY, "parallel.tensor.size=2", "--flash-attn"]
+    assert plan_tool.main(args) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1].startswith("fits: peak ") and "of 80 GiB per GPU (h100 datasheet;" in out[-1], out[-1]
+    assert plan_tool.main([*args, "--gpu-memory", "1"]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1].startswith("does NOT fit: peak ") and "exceeds 0.90 GiB usable of 1 GiB per GPU" in out[-1]

@@ -516,3 +516,17 @@ def test_a_model_whose_names_the_optimizer_does_not_use_is_refused():
     model, amp, opt, _ = _twins(torch.ones(4), "bf16")
     with pytest.raises(ValueError, match="parameter 'a.w' belongs to no module of the model given"):
         PrecisionTelemetry(amp, opt, every=1)  # the wrapper: its names are model.a.w
+
+
+def test_tool_list_names_every_row_even_one_a_measure_skips(tmp_path, capsys):
+    """A row only some measures have (the head's ``output``: no fp8 scale) is still named by --list."""
+    import json
+
+    rec = {"kind": "precision", "step": 5, "group_by": "module", "loss_scale": 1.0, "skipped_steps": 0,
+           "step_skipped": False, "elements": {"a": 4},
+           "measures": {"fp8_scale": {"a": 0.5}, "grad_zero": {"a": 0.0, "output": 0.1}}}
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(rec) + "\n")
+    assert _tool().main([str(tmp_path), "--list"]) == 0
+    text = capsys.readouterr().out
+    assert "2 rows by module: a, output" in text
+    assert [line.split()[:2] for line in text.splitlines()[1:]] == [["fp8_scale", "1"], ["grad_zero", "2"]]

@@ -207,10 +207,10 @@ def _check(seen: dict, where: tuple, world: int) -> None:
 
 # ------------------------------------------------------------------------------------------ agreement helper
 def _exchange(rank: int, world: int, cases: list) -> list:
-    from tessera.checkpoint.training import _exchange_errors
+    from tessera.checkpoint.agreement import exchange_errors
     from tessera.parallel.comm import agree_on_errors
 
-    checkpoint = [_exchange_errors(errors[rank]) for errors in cases]  # the checkpoint's own flag, then the texts
+    checkpoint = [exchange_errors(errors[rank]) for errors in cases]  # the checkpoint's own flag, then the texts
     general = [agree_on_errors(errors[rank]) for errors in cases]
     assert checkpoint == general, (checkpoint, general)
     return checkpoint
@@ -234,7 +234,7 @@ def test_the_agreement_and_the_error_exchange_follow_nccls_device_rule(tmp_path,
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from harness.fake_cuda import fake_cuda_mode
-    from tessera.checkpoint.training import _exchange_errors
+    from tessera.checkpoint.agreement import exchange_errors
 
     if dist.is_initialized():
         pytest.skip("a process group is already initialized in this process")
@@ -257,7 +257,7 @@ def test_the_agreement_and_the_error_exchange_follow_nccls_device_rule(tmp_path,
 
         monkeypatch.setattr(dist, "all_reduce", nccl_all_reduce)
         with fake_cuda_mode():
-            assert _exchange_errors("bad") == ["rank 0: bad"]  # a fake reduction answers with this rank's values
+            assert exchange_errors("bad") == ["rank 0: bad"]  # a fake reduction answers with this rank's values
             with pytest.raises(CheckpointError, match="no usable checkpoint.*unsupported checkpoint format"):
                 find_resumable_checkpoint(str(tmp_path), layout,
                                           load=lambda p: load_checkpoint(p, state, layout=layout))

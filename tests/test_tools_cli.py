@@ -19,6 +19,7 @@ import sys
 from types import ModuleType
 
 import pytest
+import torch
 
 from tessera import cli_args
 
@@ -124,6 +125,13 @@ BAD_FLAGS = [  # (tool, argv, the "argument --flag: value" that stderr must cont
      "argument --valid-fraction: -0.1 "),
     ("prepare_data.py", ["--input", MISSING, "--output", "out", "--valid-every-nth", "1"],
      "argument --valid-every-nth: 1 "),
+    ("plan.py", [TINY, "--mfu", "2"], "argument --mfu: 2 is not in (0, 1]"),
+    ("plan.py", [TINY, "--mfu", "0"], "argument --mfu: 0 "),
+    ("plan.py", [TINY, "--world", "0"], "argument --world: 0 "),
+    ("plan.py", [TINY, "--rank", "-1"], "argument --rank: -1 "),
+    ("plan.py", [TINY, "--search", "--gpus", "0"], "argument --gpus: 0 "),
+    ("plan.py", [TINY, "--search", "--memory", "-80"], "argument --gpu-memory/--memory: -80 "),
+    ("plan.py", [TINY, "--search", "--top", "0"], "argument --top: 0 "),
     ("benchmarks", ["--threads", "0"], "argument --threads: 0 "),
     ("benchmarks", ["dp", "--rounds", "0"], "argument --rounds: 0 "),
     ("benchmarks", ["activations", "--tp", "0"], "argument --tp: 0 "),
@@ -164,6 +172,19 @@ def test_generate_accepts_the_boundary_values(capsys, ckpt):
     assert out.startswith("ab") and "1 tokens in" in err
 
 
+def test_generate_picks_one_thread_for_a_small_model_and_says_so(capsys, ckpt):
+    """A decode step of a small model is too little work to split: threads only wait for each other."""
+    gen = _tool_module("generate.py")
+    assert gen.default_threads(900_000, 2) == 1 and gen.default_threads(10**6, 64) == 1
+    assert gen.default_threads(7 * 10**9, 16) == 16 and gen.default_threads(100_000_000, 16) == 4
+    before = torch.get_num_threads()
+    code, _, err = _run(capsys, "generate.py", ckpt, "--tokenizer", "byte", "--max-new-tokens", "2")
+    assert code == 0 and "threads: 1 (default for 0." in err, err
+    code, _, err = _run(capsys, "generate.py", ckpt, "--tokenizer", "byte", "--max-new-tokens", "2", "--threads", "2")
+    assert code == 0 and "threads: 2 (--threads)" in err, err
+    assert torch.get_num_threads() == before  # the caller's setting is given back
+
+
 def test_flags_the_checkpoint_rules_out_give_an_error_line(capsys, ckpt, tmp_path):
     code, _, err = _run(capsys, "convert_checkpoint.py", ckpt, str(tmp_path / "tp3"), "--tp", "3")
     assert code == 1 and err.startswith("error: ") and "TP=3" in err and "Traceback" not in err, err
@@ -176,7 +197,8 @@ def test_flags_the_config_rules_out_give_an_error_line(capsys, tmp_path):
     assert code == 2 and err.startswith("error: ") and "not divisible by tensor-parallel size 3" in err, err
     code, _, err = _run(capsys, "benchmarks", "--tiny", "--out", str(tmp_path / "b.md"),
                         "model.hidden_size=-1")
-    assert code == 2 and "error: model.hidden_size: must be > 0, got -1" in err and "Traceback" not in err, err
+    assert code == 2 and "error: override model.hidden_size=-1: model.hidden_size: must be > 0, got -1" in err \
+        and "Traceback" not in err, err
     assert not (tmp_path / "b.md").exists()
 
 
@@ -201,3 +223,11 @@ def test_python_m_benchmarks_lists_every_measurement():
     assert proc.returncode == 0, proc.stderr
     assert "python -m benchmarks precision-study" in proc.stdout and "python -m benchmarks activations" in proc.stdout
     assert not [f for f in os.listdir(os.path.join(ROOT, "tools")) if "bench" in f or "study" in f]
+
+
+def test_model_summary_counts_in_a_readable_unit(capsys):
+    summary = _tool_module("model_summary.py")
+    assert [summary.short_count(n) for n in (512, 919_168, 915_410_944, 7_321_423_872)] == [
+        "512", "919.17 K", "915.41 M", "7.32 B"]
+    code, out, _ = _run(capsys, "model_summary.py", os.path.join(ROOT, "configs", "demo.py"))
+    assert code == 0 and "parameters: 919,168 (919.17 K)" in out and " B)" not in out

@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from harness.fake_cuda import fake_cuda_mode
-from tessera.model import attention, flash_probe, sdpa
+from tessera import logs
+from tessera.model import flash_probe, sdpa
 from tessera.model.attention import attend, plan_attention, select_backend
 from tessera.model.documents import AttentionPlan
 from tessera.model.torch_varlen import adapt_varlen, torch_varlen
@@ -119,7 +120,7 @@ def test_packed_rows_reach_torch_varlen_attn_with_the_boundaries_and_no_mask(no_
     sdpa_calls = []
     monkeypatch.setattr(sdpa, "scaled_dot_product_attention",
                         lambda *a, **k: sdpa_calls.append(k) or torch.empty_like(a[0]))
-    monkeypatch.setattr(attention, "_LOGGED", set())
+    monkeypatch.setattr(logs, "_LOGGED", set())
     plan = plan_attention(CU, B, S, use_flash_attn=True)
     assert plan.max_seqlen == 5
     with caplog.at_level(logging.INFO, logger="tessera"), fake_cuda_mode():

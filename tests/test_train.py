@@ -217,3 +217,41 @@ def test_plain_python_without_torchrun_runs_as_one_process(tmp_path):
     assert proc.returncode == 0, explain(proc)
     assert "running as a single process, world size 1" in proc.stdout + proc.stderr
     assert sorted(losses(os.path.join(log_folder, "plain"))) == [1, 2]
+
+
+def test_resuming_with_more_steps_recomputes_the_lr_schedule_and_says_so(tmp_path):
+    """Two steps saved, then resumed with ``data.total_steps=4`` (``lr_scheduler.total_steps`` follows it): the
+    cosine is recomputed over 4 steps, and the warning names both lengths and the jump. Reference by hand, without
+    warmup and with eta_min 0: step 3 (index 2) of a 4-step cosine is lr * (1 + cos(pi / 2)) / 2 = lr / 2, where
+    the saved 2-step schedule had reached eta_min = 0."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    log_folder, ckpt = str(tmp_path / "logs"), str(tmp_path / "ckpt")
+    common = [a for a in COMMON if not a.startswith("lr_scheduler.")] + [
+        "lr_scheduler.warmup_ratio=0.0", "lr_scheduler.eta_min=0.0", "ckpt.enable_save_ckpt=True",
+        f"ckpt.save_ckpt_folder='{ckpt}'", "ckpt.auto_resume=True", "data.valid_every=0", "generate.max_new_tokens=0"]
+
+    def run(steps: int, name: str) -> subprocess.CompletedProcess:
+        proc = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--config", TINY, *common,
+                               f"data.total_steps={steps}", f"log_folder='{log_folder}'", f"job_name='{name}'"],
+                              cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)
+        assert proc.returncode == 0, explain(proc)
+        return proc
+
+    first = run(2, "first")
+    assert "lr_scheduler.total_steps is" not in first.stdout + first.stderr
+    resumed = run(4, "resumed")
+    warnings = [line for line in (resumed.stdout + resumed.stderr).splitlines() if "lr_scheduler.total_steps is" in line]
+    assert len(warnings) == 1, explain(resumed)
+    assert warnings[0].endswith("lr_scheduler.total_steps is 4 here, 2 in the checkpoint's run (it follows "
+                                "data.total_steps unless set): the learning-rate schedule is recomputed over 4 steps, "
+                                "so step 3 uses lr 1.500e-03 where the saved schedule gave 0.000e+00; set "
+                                "lr_scheduler.total_steps=2 to keep the saved schedule (past step 2 it stays at "
+                                "lr_scheduler.eta_min=0)"), warnings[0]
+    lrs = {r["step"]: r["lr"] for r in records(os.path.join(log_folder, "resumed"))}
+    assert sorted(lrs) == [3, 4]
+    assert lrs[3] == pytest.approx(3e-3 * (1 + math.cos(math.pi * 2 / 4)) / 2, rel=1e-12)
+    assert lrs[4] == pytest.approx(3e-3 * (1 + math.cos(math.pi * 3 / 4)) / 2, rel=1e-12)

@@ -10,11 +10,17 @@ folders: theirs; an imported HF checkpoint: its tokenizer.json), or ``--tokenize
 the tokenizer cannot produce (the demo's model has 258 outputs, the byte tokenizer 257 ids) are never
 sampled. The same seed gives the same text; ``--no-kv-cache`` recomputes the whole window per token
 (slow, the reference). The text (prompt + continuation) goes to stdout, everything else to stderr.
+
+Threads: with a KV cache a decode step multiplies one token's vector by each weight, work too small to
+split over threads for a small model (the threads only add synchronisation, and on a busy machine they
+wait for each other's cores), so the default is one thread per ``PARAMS_PER_THREAD`` parameters, at
+least one and at most the cores this process may use; ``--threads`` overrides it. The choice is logged.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -32,6 +38,17 @@ from tessera.data.errors import DataError
 from tessera.model.generation import generate_ids
 from tessera.model.kv_cache import generate_ids_cached
 
+PARAMS_PER_THREAD = 25_000_000  # a decode step's weights per thread below which another thread costs more than it saves
+
+
+def default_threads(num_params: int, cores: int) -> int:
+    """Torch threads for sampling a model of ``num_params`` parameters on ``cores`` usable cores."""
+    return max(1, min(cores, num_params // PARAMS_PER_THREAD))
+
+
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -46,10 +63,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-kv-cache", action="store_true", help="recompute the full window for every token")
     p.add_argument("--tokenizer", default=None, help="'byte' or a tokenizer.json, instead of the run's")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32", help="compute dtype")
-    p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
+    p.add_argument("--threads", type=positive_int, default=None,
+                   help=f"torch CPU threads (default: one per {PARAMS_PER_THREAD // 10**6}M parameters, "
+                        f"at least 1, at most the usable cores)")
     p.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the shards")
     a = p.parse_args(argv)
-    if a.threads is not None:
+    caller_threads = torch.get_num_threads()
+    try:
+        return _generate(a)
+    finally:  # main() may run inside another program (the tests): give its thread count back
+        torch.set_num_threads(caller_threads)
+
+
+def _generate(a: argparse.Namespace) -> int:
+    if a.threads is not None:  # loading a large checkpoint uses them too
         torch.set_num_threads(a.threads)
     try:
         model, meta = load_for_inference(a.checkpoint, dtype=parse_dtype_name(a.dtype), verify=not a.no_verify)
@@ -59,6 +86,11 @@ def main(argv: list[str] | None = None) -> int:
     except (CheckpointError, DataError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    num_params = sum(t.numel() for t in model.parameters())
+    threads = a.threads or default_threads(num_params, usable_cores())
+    torch.set_num_threads(threads)
+    print(f"threads: {threads} ({'--threads' if a.threads else f'default for {num_params / 1e6:.2f}M parameters'})",
+          file=sys.stderr)
     prompt_ids = tokenizer.encode(a.prompt) or [tokenizer.eod_id]  # an empty prompt starts a new document
     max_len = meta["config"]["model"].get("max_position_embeddings")
     vocab = min(tokenizer.vocab_size, model.args.vocab_size)

@@ -44,7 +44,7 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from typing import Any
 
-from tessera.cli_args import positive_int
+from tessera.cli_args import positive_float, positive_int, probability
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -311,9 +311,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=positive_int, default=1200, help="seconds allowed to each part at most")
     p.add_argument("--budget", type=positive_int, default=290, help="seconds for the whole report (default 290)")
     p.add_argument("--skip-peers", action="store_true", help="leave out the peer comparison")
-    p.add_argument("--peer-target", type=float, default=1.25,
+    p.add_argument("--peer-target", type=positive_float, default=1.25,
                    help="tessera compiled / HF compiled tokens/s to pass (default 1.25)")
-    p.add_argument("--mfu-target", type=float, default=0.55,
+    p.add_argument("--mfu-target", type=probability, default=0.55,
                    help="tessera compiled's MFU against the datasheet to pass (default 0.55)")
     p.add_argument("--benchmarks", default=None, metavar="BENCHMARKS.md",
                    help="write the report and the peer table into their sections of this file")

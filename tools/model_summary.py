@@ -22,6 +22,14 @@ from tessera.model import build_model, count_parameters, flops_per_token
 from tessera.parallel import MetaGroup, partition_dim
 
 
+def short_count(n: int) -> str:
+    """A count in the largest unit it reaches: 6.74 B, 915.41 M, 921.60 K, 512."""
+    for unit, size in (("B", 10**9), ("M", 10**6), ("K", 10**3)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return str(n)
+
+
 def _meta_model(model_cfg: ModelConfig, tp: int) -> torch.nn.Module:
     return build_model(model_cfg, tp_group=MetaGroup(tp), seed=0, device="meta", tensor_rng=None)
 
@@ -49,8 +57,8 @@ def summarize(config_path: str, tp: int | None = None, seq_len: int | None = Non
     flops = flops_per_token(cfg.model, seq_len)
     lines = [
         f"config: {config_path}",
-        f"parameters: {expected:,} ({expected / 1e9:.3f} B), checked against the tp=1 meta build",
-        f"tensor parallel: tp={tp}; per rank {per_rank:,} parameters ({per_rank / 1e9:.3f} B)",
+        f"parameters: {expected:,} ({short_count(expected)}), checked against the tp=1 meta build",
+        f"tensor parallel: tp={tp}; per rank {per_rank:,} parameters ({short_count(per_rank)})",
         f"training FLOPs per token at seq_len={seq_len}: {flops:.4e} (fwd+bwd, no causal halving)",
         "",
         f"shapes per TP rank (tp={tp}); layers.1..{cfg.model.num_layers - 1} are like layers.0:",

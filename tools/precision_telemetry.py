@@ -54,6 +54,15 @@ def load(run_dir: str) -> tuple[str, list[dict[str, Any]]]:
     return path, [by_step[s] for s in sorted(by_step)]
 
 
+def all_rows(records: list[dict[str, Any]]) -> list[str]:
+    """Every row of the run in model order ("elements" lists every row; a measure may skip some, e.g. the head)."""
+    rows: list[str] = []
+    for r in records:
+        for names in (r.get("elements", {}), *r["measures"].values()):
+            rows += [row for row in names if row not in rows]
+    return rows
+
+
 def table(records: list[dict[str, Any]], measure: str) -> tuple[list[str], list[int], list[list[float]]]:
     """(rows, steps, values[row][step]) of one measure; NaN where a step has no value for a row."""
     present = sorted({m for r in records for m in r["measures"]})
@@ -61,10 +70,7 @@ def table(records: list[dict[str, Any]], measure: str) -> tuple[list[str], list[
         raise ToolError(f"--measure {measure}: unknown; the measures are {list(MEASURES)}")
     if measure not in present:
         raise ToolError(f"--measure {measure}: this run has no values of it; it has {present}")
-    rows: list[str] = []
-    for r in records:  # the rows in model order ("elements" lists every row; a measure may skip some)
-        for names in (r.get("elements", {}), *r["measures"].values()):
-            rows += [row for row in names if row not in rows]
+    rows = all_rows(records)
     steps = [r["step"] for r in records]
     values = [[float(r["measures"].get(measure, {}).get(row, math.nan)) for r in records] for row in rows]
     keep = [i for i, v in enumerate(values) if any(not math.isnan(x) for x in v)]
@@ -109,21 +115,33 @@ def render(out: str, rows: list[str], steps: list[int], values: list[list[float]
 
     data = np.ma.masked_invalid(np.array(values, dtype=np.float64))
     positive = data[data > 0]
+    label = m.name
+    # no value at that step (and, on a log scale, zero): grey, never a colour of the scale
+    cmap = matplotlib.colormaps["viridis"].with_extremes(bad="lightgrey")
     if m.log_scale:
         data = np.ma.masked_where(data <= 0, data)
         lo = float(positive.min()) if positive.size else 1e-12
-        norm: Normalize = LogNorm(vmin=lo, vmax=max(float(positive.max()) if positive.size else 1.0, lo * 10))
+        hi = max(float(positive.max()) if positive.size else 1.0, lo * 10)
+        norm: Normalize = LogNorm(vmin=lo, vmax=hi)
+        label += " (log scale)"
+        grey = "grey: 0 or no value"
     else:
         norm = Normalize(vmin=0.0, vmax=max(float(data.max()) if data.count() else 1.0, 1e-12))
+        grey = "grey: no value"
     height = min(2.0 + 0.22 * len(rows), 40.0)
     fig, ax = plt.subplots(figsize=(min(6.0 + 0.12 * len(steps), 16.0), height))
-    image = ax.imshow(data, aspect="auto", interpolation="nearest", cmap="viridis", norm=norm)
+    image = ax.imshow(data, aspect="auto", interpolation="nearest", cmap=cmap, norm=norm)
     ax.set_yticks(range(len(rows)), rows, fontsize=7)
     ticks = list(range(0, len(steps), max(1, len(steps) // 12)))
     ax.set_xticks(ticks, [str(steps[i]) for i in ticks], fontsize=7)
-    ax.set_xlabel("step")
+    ax.set_xlabel(f"step ({grey})")
     ax.set_title(title, fontsize=9)
-    fig.colorbar(image, ax=ax, label=m.name + (" (log scale)" if m.log_scale else ""))
+    bar = fig.colorbar(image, ax=ax, label=label)
+    if m.log_scale:  # a log bar's ends fall between its decades: say where it starts and stops
+        from matplotlib.ticker import FuncFormatter
+
+        bar.set_ticks(sorted({lo, hi, *(float(v) for v in bar.get_ticks() if lo <= v <= hi)}))
+        bar.ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:.3g}"))
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     fig.savefig(out, dpi=90)
@@ -145,10 +163,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         path, records = load(args.run_dir)
         if args.list:
             present = sorted({m for r in records for m in r["measures"]})
+            rows = all_rows(records)
             print(f"{path}: {len(records)} precision records, steps {records[0]['step']}..{records[-1]['step']}, "
-                  f"rows by {records[-1].get('group_by', '?')}: {', '.join(table(records, present[0])[0])}")
+                  f"{len(rows)} rows by {records[-1].get('group_by', '?')}: {', '.join(rows)}")
             for name in present:
-                print(f"  {name:<22} {MEASURES[name].doc if name in MEASURES else '(not a known measure)'}")
+                n = len({row for r in records for row in r["measures"].get(name, {})})
+                doc = MEASURES[name].doc if name in MEASURES else "(not a known measure)"
+                print(f"  {name:<22} {n:>3} rows  {doc}")
             return 0
         if args.measure is None:
             raise ToolError(f"--measure is required (one of {list(MEASURES)}; --list shows this run's)")

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Tokenize text into tessera token folders (``OUTPUT/train`` and ``OUTPUT/valid``).
+"""Tokenize text into tessera token folders (``OUTPUT/train``, and ``OUTPUT/valid`` when a split is asked for).
 
 Inputs: UTF-8 text files (one document each); JSON lines, plain, gzip or zstd (.jsonl, .jsonl.gz,
 .jsonl.zst: one document per line, its ``--text-column`` field); Parquet files (one per row of the
@@ -17,7 +17,8 @@ holding one of them. Tokenizing runs on ``--workers`` processes (default: every 
 the same bytes whatever their number.
 
 Then train with ``data=dict(type="tokens", train_folder="data/mycorpus/train",
-valid_folder="data/mycorpus/valid", ...)``.
+valid_folder="data/mycorpus/valid", ...)`` and the ``model.vocab_size`` the last lines print (the
+tokenizer's ids, rounded up to a multiple of 64 so tensor parallelism can split it: 320 for bytes).
 """
 
 from __future__ import annotations
@@ -32,13 +33,15 @@ from tessera.data.prepare import prepare_corpus
 from tessera.data.readers import DEFAULT_PATTERNS, input_size, iter_documents, list_input_files
 from tessera.data.tokenize_pool import default_workers
 from tessera.data.tokenizer import build_tokenizer
+from tessera.data.vocab import vocab_advice
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--input", nargs="+", required=True, metavar="PATH",
                    help="text, .jsonl[.gz|.zst], .parquet files, save_to_disk folders, or folders of them")
-    p.add_argument("--output", required=True, metavar="FOLDER", help="gets train/ and valid/ sub-folders")
+    p.add_argument("--output", required=True, metavar="FOLDER",
+                   help="gets a train/ sub-folder, and valid/ with --valid-fraction or --valid-every-nth")
     p.add_argument("--tokenizer", default="byte",
                    help="'byte' (default), a tokenizer.json, a SentencePiece .model, or a folder holding one")
     p.add_argument("--eod-token", default=None,
@@ -82,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"-> {os.path.join(args.output, split)}")
     if not metas.get("valid"):
         print("valid: none held out (use --valid-fraction or --valid-every-nth)")
+    print(f"vocabulary: {tokenizer.vocab_size} ids; train with {vocab_advice(tokenizer.vocab_size)}")
     st = metas["stats"]
     print(f"tokenized {st['documents']} documents, {st['text_bytes'] / 1e6:.1f} MB of text in {st['seconds']:.1f} s: "
           f"{st['text_mb_per_s']:.2f} MB/s on {st['workers']} worker{'s' * (st['workers'] > 1)}")

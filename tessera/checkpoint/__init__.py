@@ -7,7 +7,9 @@
     lock.py            one writer per save folder: an advisory flock held while writing
     reshard.py         which tensor is TP-sharded along which dim; the one resharding routine
     state.py           TrainState: the resumable components of a run, registered once
-    training.py        save / load (resharded) / auto-resume with every rank agreeing
+    agreement.py       the cross-rank agreements: every rank learns every rank's failure before a collective
+    save.py            save_checkpoint: plan_save, write_shards, commit_save (atomic), every rank agreeing
+    training.py        load (resharded) / auto-resume with every rank agreeing
     source.py          offline reader: any TP layout in, one full tensor at a time out
     safetensors_io.py  streaming safetensors reader and writer
     convert.py         offline TP x DP conversion and consolidation into one file
@@ -42,9 +44,10 @@ from tessera.checkpoint.meta import (
     write_meta,
 )
 from tessera.checkpoint.reshard import ParamLayout, param_layout, reshard
+from tessera.checkpoint.save import save_checkpoint
 from tessera.checkpoint.source import CheckpointSource
 from tessera.checkpoint.state import Progress, RngStreams, Stateful, TrainState
-from tessera.checkpoint.training import find_resumable_checkpoint, load_checkpoint, save_checkpoint
+from tessera.checkpoint.training import find_resumable_checkpoint, load_checkpoint
 from tessera.checkpoint.tree import read_tree, write_tree
 from tessera.core.layout import Layout  # the rank layout, re-exported: checkpoint code takes it
 from tessera.data.run_tokenizer import tokenizer_for_checkpoint  # re-exported

@@ -12,15 +12,13 @@ its own (``tessera.checkpoint.tree.prepare_tree`` does so).
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 
 import torch
 
-__all__ = ["host_copies", "release_pinned_memory"]
+from tessera.logs import log_once
 
-logger = logging.getLogger("tessera")
-_LOGGED = False
+__all__ = ["host_copies", "release_pinned_memory"]
 
 
 def _pinned_buffer(t: torch.Tensor) -> torch.Tensor:
@@ -40,7 +38,6 @@ def host_copies(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     CPU tensors are used as they are (copied only when not contiguous), meta tensors (a dry run plans a
     save) stay meta, CUDA tensors go through pinned buffers and are complete when this returns.
     """
-    global _LOGGED
     out: dict[str, torch.Tensor] = {}
     pending: set[torch.device] = set()
     for name, t in tensors.items():
@@ -54,10 +51,8 @@ def host_copies(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         else:  # another accelerator: a plain (synchronous) copy
             out[name] = t.to("cpu").contiguous()
     if pending:
-        if not _LOGGED:
-            _LOGGED = True
-            logger.info("checkpoint: CUDA tensors are copied to the host through pinned buffers (asynchronous "
-                        "copies, one wait per device before writing; the buffers are released after each file)")
+        log_once("checkpoint: CUDA tensors are copied to the host through pinned buffers (asynchronous copies, one "
+                 "wait per device before writing; the buffers are released after each file)")
         _wait_for_copies(pending)
     return out
 

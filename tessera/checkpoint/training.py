@@ -1,183 +1,37 @@
-"""Checkpoints during training: every rank saves its part, loads its part (resharded when the TP size
-changed), and all ranks agree on which checkpoint to resume from.
+"""Loading a training checkpoint and choosing the one to resume from: every rank loads its part (resharded
+when the TP size changed), and all ranks agree on which checkpoint to resume from. Saving is
+``tessera.checkpoint.save``; the agreements are ``tessera.checkpoint.agreement``.
 
-Every file is written through ``write_tree`` into ``.step_<N>.partial``; rank 0 writes meta.json last
-and publishes the folder with the atomic folder commit. Auto-resume tries complete checkpoints newest
-first. Before any collective of a load, every rank checks the files it will read (present, size and
-sha256 as meta.json lists them) and all ranks agree on the verdict, exchanging the error texts (on the
-device of the group's backend: NCCL refuses CPU tensors): a file damaged or missing on one rank's side
-makes all ranks skip that step together, and every rank logs which file on which rank was bad. A
-second agreement after every attempt catches what only the load itself finds.
+Auto-resume tries complete checkpoints newest first. Before any collective of a load, every rank checks
+the files it will read (present, size and sha256 as meta.json lists them) and all ranks agree on the
+verdict, exchanging the error texts (on the device of the group's backend: NCCL refuses CPU tensors): a
+file damaged or missing on one rank's side makes all ranks skip that step together, and every rank logs
+which file on which rank was bad. A second agreement after every attempt catches what only the load
+itself finds.
 """
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
-import shutil
 from collections.abc import Callable, Mapping
-from dataclasses import asdict
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from tessera.checkpoint.agreement import barrier, exchange_errors
 from tessera.checkpoint.errors import CheckpointError
-from tessera.checkpoint.folders import PARTIAL, clean_partial_checkpoints, list_checkpoints, step_folder
-from tessera.checkpoint.meta import new_meta, read_meta, rng_name, shard_files, shard_name, verify_files, write_meta
-from tessera.checkpoint.optim_shards import OptimizerShards, optim_shard_files, optim_shard_name
+from tessera.checkpoint.folders import clean_partial_checkpoints, list_checkpoints
+from tessera.checkpoint.meta import read_meta, rng_name, shard_files, shard_name, verify_files
+from tessera.checkpoint.optim_shards import OptimizerShards, optim_shard_files
 from tessera.checkpoint.reshard import model_param_dims, reshard_tree
 from tessera.checkpoint.state import TrainState
-from tessera.checkpoint.tree import read_tree, tree_nbytes, write_tree
+from tessera.checkpoint.tree import read_tree
 from tessera.core.layout import Layout
-from tessera.files import commit_folder, discard_folder, hidden_sibling, os_error_text
-from tessera.parallel.comm import reduce_scalars, share_texts
 
-__all__ = ["save_checkpoint", "load_checkpoint", "find_resumable_checkpoint"]
+__all__ = ["load_checkpoint", "find_resumable_checkpoint"]
 
 logger = logging.getLogger("tessera")
-
-
-# ---------------------------------------------------------------------------------------- collectives
-def _dist() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _barrier() -> None:
-    if _dist():
-        dist.barrier()
-
-
-def _gather_to_rank0(obj: Any, layout: Layout) -> list[Any] | None:
-    if not _dist() or layout.world_size == 1:
-        return [obj]
-    out = [None] * layout.world_size if layout.global_rank == 0 else None
-    dist.gather_object(obj, out, dst=0)
-    return out
-
-
-def _all_agree(ok: bool) -> bool:
-    """True only when ``ok`` holds on every rank (so all ranks take the same branch)."""
-    if not _dist():
-        return ok
-    # on the device the default group's backend serves: NCCL refuses a CPU flag
-    return bool(reduce_scalars([1 if ok else 0], None, op=dist.ReduceOp.MIN, dtype=torch.int32)[0])
-
-
-def _exchange_errors(error: str | None) -> list[str]:
-    """Every rank's error text, the same list on every rank; ``[]`` when no rank has one. A collective.
-
-    The success path is the one flag of ``_all_agree``; only when a rank failed are the texts exchanged
-    (``tessera.parallel.comm.share_texts``: lengths, then bytes, on the device the group's backend serves).
-    """
-    return [] if _all_agree(error is None) else share_texts(error, None)
-
-
-# ---------------------------------------------------------------------------------------- save
-def save_checkpoint(
-    folder: str,
-    step: int,
-    state: TrainState,
-    *,
-    config: Mapping[str, Any] | None,
-    layout: Layout,
-    keep_last: int = 0,
-    before_commit: Callable[[str], None] | None = None,
-    writer: Callable[[str, Any], dict[str, Any]] | None = None,
-) -> str:
-    """Save ``state`` as step ``step`` atomically; every rank must call this. Returns the final folder.
-
-    Every component of ``state`` is written: the model shards, the optimizer shards (its
-    ``shard_state_dict()``), the per-rank components in this rank's file and the others in meta.json.
-    ``before_commit`` is a test hook run on rank 0 just before the rename that publishes the checkpoint.
-    ``writer(path, tree)`` writes one file and returns its meta.json entry (default ``write_tree``; the
-    dry run plans without writing).
-    """
-    write = writer or write_tree
-    final = step_folder(folder, step)
-    partial = hidden_sibling(final, PARTIAL)
-
-    # this rank's files: (name, state tree)
-    model, optimizer = state.model, state.optimizer
-    todo: list[tuple[str, Any]] = []
-    if layout.dp_rank == 0:
-        todo.append((shard_name("model", layout.tp_rank), dict(model.state_dict())))
-    # the ZeRO group of the DP-rank-0 replica (DP ranks 0..zero1-1) writes one optimizer file per ZeRO
-    # rank: its own shard, as views of the live buffers (nothing gathered, nothing copied on the device)
-    if optimizer is not None and layout.dp_rank < optimizer.zero1_size:
-        todo.append((optim_shard_name(layout.tp_rank, layout.dp_rank), optimizer.shard_state_dict()))
-    rank_state = state.rank_state_dict()
-    if rank_state is not None:
-        todo.append((rng_name(layout.global_rank), rank_state))
-    planned = sum(tree_nbytes(tree) for _, tree in todo)
-
-    # every failure to write (no space left, quota, I/O error) is agreed on: every rank stops together
-    error = None
-    if layout.global_rank == 0:
-        try:
-            os.makedirs(folder, exist_ok=True)
-            shutil.rmtree(partial, ignore_errors=True)
-            os.makedirs(partial)
-        except OSError as e:
-            error = os_error_text(e)
-    _check_save(_exchange_errors(error), folder, step, partial, planned, layout)  # also the barrier: partial exists
-    files: dict[str, Any] = {}
-    try:
-        for name, tree in todo:
-            files[name] = write(os.path.join(partial, name), tree)
-    except OSError as e:
-        error = os_error_text(e)
-    _check_save(_exchange_errors(error), folder, step, partial, planned, layout)
-
-    gathered = _gather_to_rank0(files, layout)
-    if layout.global_rank == 0:
-        assert gathered is not None  # rank 0 receives every rank's list
-        try:
-            all_files: dict[str, Any] = {}
-            for part in gathered:
-                all_files.update(part)
-            write_meta(partial, new_meta(step=step, layout=asdict(layout), has_optimizer=optimizer is not None,
-                                         trainer_state=state.state_dict(), config=config, files=all_files))
-            if before_commit is not None:
-                before_commit(partial)
-            commit_folder(partial, final)
-        except OSError as e:
-            error = os_error_text(e)
-        if error is None and keep_last > 0:
-            for old in list_checkpoints(folder)[:-keep_last]:
-                try:
-                    discard_folder(old)
-                except OSError as e:
-                    logger.warning("could not remove the old checkpoint %s (ckpt.keep_last=%d): %s", old, keep_last,
-                                   os_error_text(e))
-    _check_save(_exchange_errors(error), folder, step, partial, planned, layout)  # also the final barrier
-    return final
-
-
-def _check_save(errors: list[str], folder: str, step: int, partial: str, planned: int, layout: Layout) -> None:
-    """After an agreement of a save: when any rank failed, rank 0 removes the partial folder and every rank
-    raises the same ``CheckpointError`` (the space it needs and has when a disk or quota was full, and the
-    newest complete checkpoint, untouched). A collective, on every rank."""
-    if not errors:
-        return
-    if layout.global_rank == 0:
-        shutil.rmtree(partial, ignore_errors=True)
-    full = any(m in e for e in errors for m in (os.strerror(errno.ENOSPC), os.strerror(errno.EDQUOT)))
-    free = shutil.disk_usage(folder).free if full and layout.global_rank == 0 and os.path.isdir(folder) else 0
-    # the checkpoint's size (the ranks' tensors; the files add a little) and rank 0's view of the free
-    # space once the partial folder is gone; also the barrier before anyone reports
-    needed, free = (int(v) for v in reduce_scalars([float(planned), float(free)], None)) if _dist() else (planned, free)
-    last = list_checkpoints(folder)
-    why = "; ".join(errors)
-    space = f"; the checkpoint needs at least {_bytes(needed)}, {_bytes(free)} free" if full else ""
-    raise CheckpointError(f"cannot save step {step} in {folder}: {why}{space}; step_{step} was not saved (its "
-                          f"partial folder is removed), the last complete checkpoint is {last[-1] if last else 'none'}",
-                          every_rank=True)
-
-
-def _bytes(n: int) -> str:
-    return f"{n} bytes ({n / 2**30:.2f} GiB)" if n >= 2**30 else f"{n} bytes ({n / 2**20:.1f} MiB)"
 
 
 # ---------------------------------------------------------------------------------------- load
@@ -257,7 +111,7 @@ def load_checkpoint(
     except OSError as e:  # unreadable (permissions, I/O error) rather than damaged
         error = f"{path}: cannot read {e.filename or 'a file'}: {e.strerror or e}"
     # the agreement: before the optimizer's ZeRO all-gather, which a rank that stopped here would never join
-    errors = _exchange_errors(error)
+    errors = exchange_errors(error)
     if errors:
         raise CheckpointError("; ".join(errors), every_rank=True)
 
@@ -282,7 +136,7 @@ def load_checkpoint(
         error = str(e)
     except (ValueError, KeyError, OSError, RuntimeError) as e:  # a parse error, a missing entry, a short read
         error = f"{path}: cannot load it: {type(e).__name__}: {e}"
-    errors = _exchange_errors(error)
+    errors = exchange_errors(error)
     if errors:
         raise CheckpointError("; ".join(errors), every_rank=True)
     if publish and optimizer is not None:
@@ -343,7 +197,7 @@ def find_resumable_checkpoint(folder: str, layout: Layout, *, load: Callable[[st
     """
     if layout.global_rank == 0:
         clean_partial_checkpoints(folder)
-    _barrier()
+    barrier()
     candidates = list_checkpoints(folder)
     failures = []
     for path in reversed(candidates):
@@ -353,7 +207,7 @@ def find_resumable_checkpoint(folder: str, layout: Layout, *, load: Callable[[st
             result = load(path)
         except CheckpointError as e:
             error = str(e)
-        errors = _exchange_errors(error)  # agreed before the load's collectives too (load_checkpoint)
+        errors = exchange_errors(error)  # agreed before the load's collectives too (load_checkpoint)
         if not errors:
             return path, result
         why = "; ".join(errors)

@@ -18,10 +18,25 @@ from tessera.config.internevo_keys import MISSING, Translating, local_path
 
 __all__ = ["file_rules", "FAMILIES"]
 
-# InternEvo's model types tessera's decoder is, across its releases (INTERNLM2: v0.2.4's configs; the misspelt
-# INTERNLM2_PUTLIC: v0.3.3's published configs/7B_internlm2.py)
-FAMILIES = ("INTERNLM", "INTERNLM2", "INTERNLM2_PUBLIC", "LLAMA2")
+# InternEvo's model types that name tessera's decoder (RMSNorm, rotary, grouped-query attention, SwiGLU), from
+# InternEvo's own code and configs across its releases:
+#   INTERNLM          the default, every release (internlm/model/modeling_internlm.py);
+#   INTERNLM2         v0.2.4's configs/_base_/models, and later releases' ModelType enum (internlm/utils/utils.py);
+#   INTERNLM2_PUBLIC  modeling_internlm2.py's MODEL_TYPE, v0.3.x's registry and published configs;
+#   INTERNLM3         later releases' ModelType, built by the InternLM2 class as INTERNLM2 is (model/registry.py);
+#   LLAMA             modeling_llama.py's name from InternEvo #532 until #539 renamed it (Dec 2023), and the
+#                     configs/70B_pretrain_llama2.py / 70B_sft_llama2.py written with it (Nov 2023);
+#   LLAMA2            every release since.
+FAMILIES = ("INTERNLM", "INTERNLM2", "INTERNLM2_PUBLIC", "INTERNLM3", "LLAMA", "LLAMA2")
+# the misspelt INTERNLM2_PUTLIC: v0.3.3's published configs/7B_internlm2.py
 _MISSPELT = {"INTERNLM2_PUTLIC": "INTERNLM2_PUBLIC"}
+# InternEvo's other model types, each refused with what makes it another architecture
+_OTHER_FAMILIES = {
+    "INTERNLM_MoE": "mixture-of-experts", "MIXTRALMOE": "mixture-of-experts", "QWEN2MOE": "mixture-of-experts",
+    "LLAVA": "a vision-language model", "QWEN2": "biases on q/k/v only (not o)",
+    "BAICHUAN2": "ALiBi positions (13B) and a normalized head", "GEMMA": "GeGLU, (1 + weight) RMSNorm and a scaled "
+    "embedding", "INTERNLM_FROM_HF": "a Hugging Face model class", "INTERNLM2_FROM_HF": "a Hugging Face model class",
+}
 # InternEvo's value of a key the file leaves out, where tessera's default differs
 DEFAULTS: tuple[tuple[str, Any, str], ...] = (
     ("model.mlp_ratio", 4.0, "InternEvo's model default"),
@@ -57,17 +72,20 @@ def file_rules(t: Translating) -> None:
 def _model_family(t: Translating) -> None:
     family = t.get("model_type", "INTERNLM")
     if t.has("model_type"):
-        if family in _MISSPELT:
-            t.noop("model_type", family, f"read as {_MISSPELT[family]}")
-            t.differ(f"model_type={family!r} is read as {_MISSPELT[family]!r} (InternEvo registers no model of that "
-                     "name)")
-        elif family in FAMILIES:
-            t.noop("model_type", family, "tessera's decoder")
-        else:
-            t.refuse("model_type", family, f"tessera's decoder is InternEvo's {list(FAMILIES)} (RMSNorm, rotary, "
-                                           "grouped-query attention, SwiGLU); mixture-of-experts and other families "
-                                           "are not implemented")
+        name = family.upper() if isinstance(family, str) else ""
+        read_as = _MISSPELT.get(name, name if name in FAMILIES else None)
+        if read_as is None:
+            kind = _OTHER_FAMILIES.get(family) if isinstance(family, str) else None
+            other = f"InternEvo's {family} is {kind}; " if kind else ""
+            t.refuse("model_type", family, f"{other}tessera's decoder is InternEvo's {list(FAMILIES)} (RMSNorm, "
+                                           "rotary, grouped-query attention, SwiGLU); mixture-of-experts and other "
+                                           "families are not implemented")
             return
+        if read_as == family:
+            t.noop("model_type", family, "tessera's decoder")
+        else:  # InternEvo registers no model of this spelling: it would stop here
+            t.noop("model_type", family, f"read as {read_as}")
+            t.differ(f"model_type={family!r} is read as {read_as!r} (InternEvo registers no model of that name)")
     if not t.has("model.no_bias") and not t.has("model.bias"):
         why = f"InternEvo's {family} biases q/k/v/o unless model.no_bias=True, never the MLP"
         t.default("model.bias", True, why)

@@ -46,10 +46,12 @@ _RUNTIME = "InternEvo's runtime tuning; tessera has its own"
 KEYS: dict[str, Entry] = {
     # ---- top level
     "JOB_NAME": job_name,
-    "model_type": deferred("`INTERNLM` (the default), `INTERNLM2`, `INTERNLM2_PUBLIC` (and the misspelt "
-                           "`INTERNLM2_PUTLIC` of one published config), `LLAMA2`: tessera's decoder, with "
-                           "InternEvo's default q/k/v/o biases (`model.bias=True`, `model.mlp_bias=False`) unless "
-                           "`model.no_bias=True`; any other family refused"),
+    "model_type": deferred("`INTERNLM` (the default), `INTERNLM2`, `INTERNLM2_PUBLIC`, `INTERNLM3`, `LLAMA` (the "
+                           "Llama model's name before InternEvo #539), `LLAMA2` (and the misspelt `INTERNLM2_PUTLIC` "
+                           "of one published config, or these names in other letter case, with a warning): tessera's "
+                           "decoder, with InternEvo's default q/k/v/o biases (`model.bias=True`, "
+                           "`model.mlp_bias=False`) unless `model.no_bias=True`; any other family (MoE, LLaVA, Qwen2, "
+                           "Baichuan2, Gemma, ...) refused, saying why"),
     "use_fp32_norm": renamed("model.use_fp32_norm"),
     "cudnn_deterministic": same(),
     "cudnn_benchmark": same(),

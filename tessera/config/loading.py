@@ -16,6 +16,7 @@ import copy
 import importlib.util
 import linecache
 import os
+import re
 import traceback
 import types
 from collections.abc import Iterable, Mapping
@@ -30,7 +31,7 @@ from tessera.config.schema import SCHEMA, Key, Section
 from tessera.config.typed import RunConfig, typed_config
 from tessera.config.validate import suggest, validate_config
 
-__all__ = ["Config", "load_python_file", "parse_override", "apply_overrides"]
+__all__ = ["Config", "load_python_file", "parse_override", "apply_overrides", "blame_overrides"]
 
 
 class Config(dict):
@@ -83,8 +84,12 @@ class Config(dict):
     def from_file(cls, path: str | os.PathLike, overrides: Iterable[str] = ()) -> Config:
         """Execute a Python config file, apply ``key.sub=value`` overrides, fill defaults, validate."""
         raw = load_python_file(path)
-        apply_overrides(raw, overrides, source=str(path))
-        return cls.from_dict(raw, source=str(path))
+        texts = list(overrides)
+        apply_overrides(raw, texts, source=str(path))
+        try:
+            return cls.from_dict(raw, source=str(path))
+        except ConfigError as e:
+            raise blame_overrides(e, texts, str(path)) from None
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any], source: str | None = None) -> Config:
@@ -221,3 +226,19 @@ def apply_overrides(raw: dict[str, Any], overrides: Iterable[str], source: str |
                 if not isinstance(node, dict):
                     raise ConfigError(f"{label}: {dotted!r} is not a dict in the config")
                 spec = sub if isinstance(sub, Section) else None
+
+
+def blame_overrides(error: ConfigError, overrides: Iterable[str], source: str) -> ConfigError:
+    """``error`` (found validating a config file with ``overrides`` applied) as the overrides' error when its
+    message names a key one of them set (or a key inside a section one set): ``override model.dtype=bogus: ...``
+    without the `` (in FILE)`` that would send the reader to a file that does not hold the value. Otherwise
+    ``error`` unchanged."""
+    blamed = []
+    for text in overrides:
+        key = text.split("=", 1)[0].strip()
+        if key and re.search(rf"(?<![\w.]){re.escape(key)}(?!\w)", str(error)):
+            blamed.append(text)
+    if not blamed:
+        return error
+    message = str(error).removesuffix(where(source))
+    return ConfigError(f"override{'s' * (len(blamed) > 1)} {' '.join(blamed)}: {message}")

@@ -164,6 +164,9 @@ SCHEMA = Section(
         "seed": Key(INT, 1024, _non_negative, doc="global seed (train.py --seed overrides)"),
         "log_folder": Key(STR, "runs", doc="metrics.jsonl, TensorBoard events and text logs go here"),
         "cudnn_deterministic": Key(BOOL, False),
+        "deterministic": Key(BOOL, False, doc="the same config on the same machine gives the same losses bit for bit: "
+                                             "deterministic kernels, cuBLAS workspace, cuDNN and NCCL settings "
+                                             "(docs/compare-runs.md); what cannot be made so is refused"),
         "cudnn_benchmark": Key(BOOL, False),
         "dist": Section(
             {
@@ -408,6 +411,20 @@ SCHEMA = Section(
                 "precision_activations": Key(BOOL, True,
                                              doc="the precision telemetry also hooks module outputs (activation "
                                                  "amax, fp8 input scales); False: gradients and updates only"),
+                "wandb": Section(
+                    {
+                        "project": Key(STR, None, nullable=True,
+                                       doc="Weights & Biases project: the scalars of TensorBoard and metrics.jsonl "
+                                           "also go to W&B (rank 0, once a step) and the resolved config once; "
+                                           "None: W&B off (extra 'wandb'; tessera.train.wandb_log)"),
+                        "entity": Key(STR, None, nullable=True, doc="W&B team or user; None: the account's default"),
+                        "mode": Key(STR, "online", _one_of("online", "offline", "disabled"),
+                                    doc="offline: written under log_folder/job_name/wandb for `wandb sync`; "
+                                        "disabled: W&B off"),
+                        "name": Key(STR, None, nullable=True, doc="the W&B run's display name; None: job_name"),
+                        "tags": Key((list, tuple), [], _str_list, doc="the W&B run's tags"),
+                    }
+                ),
             }
         ),
         "memory": Section(

@@ -25,7 +25,7 @@ from tessera.config.errors import ConfigError, where
 __all__ = ["RunConfig", "DistConfig", "ModelConfig", "CompileConfig", "Fp8Config", "ParallelConfig",
            "TensorParallelConfig", "Zero1Config", "PipelineConfig", "DataConfig", "AdamConfig", "LrSchedulerConfig",
            "GradScalerConfig", "Fp16ScalerConfig", "HybridZeroConfig", "LossConfig", "CkptConfig", "MetricsConfig",
-           "MemoryConfig", "GenerateConfig", "FILLED_KEYS", "typed_config"]
+           "WandbConfig", "MemoryConfig", "GenerateConfig", "FILLED_KEYS", "typed_config"]
 
 # nullable in the schema, but never None after ``check_config`` fills them from other keys
 FILLED_KEYS = frozenset({"model.num_kv_attention_heads", "model.max_position_embeddings", "lr_scheduler.total_steps"})
@@ -205,6 +205,15 @@ class CkptConfig(_Section):
 
 
 @dataclass(frozen=True)
+class WandbConfig(_Section):
+    project: str | None
+    entity: str | None
+    mode: Literal["online", "offline", "disabled"]
+    name: str | None
+    tags: Sequence[str]
+
+
+@dataclass(frozen=True)
 class MetricsConfig(_Section):
     log_every: int
     tensorboard: bool
@@ -213,6 +222,7 @@ class MetricsConfig(_Section):
     precision_every: int
     precision_group: Literal["module", "layer", "kind"]
     precision_activations: bool
+    wandb: WandbConfig
 
 
 @dataclass(frozen=True)
@@ -237,6 +247,7 @@ class RunConfig(_Section):
     seed: int
     log_folder: str
     cudnn_deterministic: bool
+    deterministic: bool
     cudnn_benchmark: bool
     dist: DistConfig
     model: ModelConfig

@@ -40,8 +40,8 @@ def _validate_value(key: Key, value: Any, dotted: str, source: str | None) -> An
         raise ConfigError(f"{dotted}: must be finite, got {value!r}{where(source)}")
     if key.check is not None:
         problem = key.check(value)
-        if problem:
-            raise ConfigError(f"{dotted}: {problem}, got {value!r}{where(source)}")
+        if problem:  # (a check that names its key already is not prefixed twice)
+            raise ConfigError(f"{dotted}: {problem.removeprefix(f'{dotted}: ')}, got {value!r}{where(source)}")
     if isinstance(value, tuple):
         value = list(value)
     return value

@@ -4,7 +4,8 @@
 rank, never a hang), joins the default group (through ``tessera.core.rendezvous``: every launch failure
 is a one-line ``LaunchError`` within ``dist.timeout_s``), builds the TENSOR/DATA/ZERO1 groups, warns
 when a TP group crosses nodes, routes a node-local CPU TP group's all-reduces and all-gathers through shared
-memory and applies the precision switches (TF32, reduced-precision reductions, cuDNN). It returns what it
+memory and applies the precision switches (TF32, reduced-precision reductions, cuDNN) and, first of all, the
+determinism switches (``tessera.core.determinism``: ``deterministic=True``). It returns what it
 did as a ``Launched`` and records it nowhere: ``tessera.core.context`` fills ``gpc`` from it and seeds the
 RNG streams. ``torchrun_peer`` / ``slurm_peer`` read a launcher's environment into the arguments it takes.
 """
@@ -26,6 +27,7 @@ import torch.distributed as dist
 
 from tessera.config import Config, check_world_size
 from tessera.core.config import as_config
+from tessera.core.determinism import apply_determinism
 from tessera.core.job import Job, JobGroups
 from tessera.core.layout import Layout, ParallelMode, group_layout
 from tessera.core.rendezvous import LaunchError, Rendezvous, check_backend, check_rank
@@ -73,6 +75,7 @@ def join_job(config: ConfigLike, peer: Peer, backend: str | None = None, seed: i
     if backend is None:
         backend = cfg.dist.backend or ("nccl" if torch.cuda.is_available() else "gloo")
     check_backend(backend)
+    apply_determinism(cfg.typed, backend, peer.world_size)  # before the group and CUDA: env vars read at their start
     init_method = peer.init_method
     if isinstance(init_method, Rendezvous):  # every rank has joined the store once this returns
         init_method = init_method.connect(cfg.dist.timeout_s)
@@ -87,8 +90,8 @@ def join_job(config: ConfigLike, peer: Peer, backend: str | None = None, seed: i
     nodes = _tensor_group_nodes(job)
     shm = _shm_collectives(cfg, job, nodes)
     job.precision.apply()
-    torch.backends.cudnn.deterministic = cfg.cudnn_deterministic
-    torch.backends.cudnn.benchmark = cfg.cudnn_benchmark
+    torch.backends.cudnn.deterministic = cfg.cudnn_deterministic or cfg.deterministic
+    torch.backends.cudnn.benchmark = cfg.cudnn_benchmark  # refused with deterministic=True (apply_determinism)
     return Launched(cfg, job, peer.local_rank, nodes, shm)
 
 

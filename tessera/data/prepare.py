@@ -10,6 +10,7 @@ crash never leaves a half-written folder that looks done.
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
 import os
 import re
@@ -24,7 +25,7 @@ from tessera.data.readers import DEFAULT_PATTERNS, Document, iter_documents, lis
 from tessera.data.token_file import META_FILE, TokenFileWriter
 from tessera.data.tokenize_pool import TokenizePool
 from tessera.data.tokenizer import AnyTokenizer
-from tessera.files import commit_folder
+from tessera.files import commit_folder, os_error_text
 
 __all__ = ["DEFAULT_PATTERNS", "Document", "is_valid_document", "iter_documents", "list_input_files",
            "prepare_corpus"]
@@ -77,15 +78,28 @@ def prepare_corpus(
     os.makedirs(os.path.dirname(output), exist_ok=True)
     tmp = f"{output}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
-        splits = _Splits(tmp, tokenizer, created_by)
-        stats = splits.fill(documents, valid_fraction, valid_every_nth, workers, progress, total_bytes)
-        metas = splits.close(valid_fraction, valid_every_nth, extra_meta or {})
+        with _writing(output):
+            splits = _Splits(tmp, tokenizer, created_by)
+        stats = splits.fill(documents, valid_fraction, valid_every_nth, workers, progress, total_bytes, output)
+        with _writing(output):
+            metas = splits.close(valid_fraction, valid_every_nth, extra_meta or {})
         _publish(tmp, output, exist_ok=exist_ok, overwrite=overwrite)
     finally:
         if os.path.exists(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
     metas["stats"] = stats
     return metas
+
+
+@contextlib.contextmanager
+def _writing(output: str) -> Iterator[None]:
+    """A failed write (a full disk, a quota, an I/O error) becomes one ``DataError`` naming ``output``; the
+    caller removes the temporary folder, so nothing under ``output`` looks complete."""
+    try:
+        yield
+    except OSError as e:
+        raise DataError(f"cannot write the prepared data for {output}: {os_error_text(e)}; nothing was kept "
+                        "(free space or choose another --output, then run again)") from None
 
 
 def _batches(documents: Iterable[Document], valid_fraction: float, valid_every_nth: int
@@ -114,8 +128,9 @@ class _Splits:
         self.tokenizer = tokenizer
 
     def fill(self, documents: Iterable[Document], valid_fraction: float, valid_every_nth: int, workers: int,
-             progress: bool, total_bytes: int | None) -> dict[str, Any]:
-        """Tokenize every document (on ``workers`` processes) into its split's writer, in input order."""
+             progress: bool, total_bytes: int | None, output: str) -> dict[str, Any]:
+        """Tokenize every document (on ``workers`` processes) into its split's writer, in input order.
+        ``output``: the final folder, named when a write fails."""
         from tqdm import tqdm
 
         bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="tokenizing",
@@ -134,7 +149,8 @@ class _Splits:
                 batch = pending.popleft()
                 for (split, doc), toks in zip(batch, ids):
                     n = len(doc.text.encode("utf-8"))
-                    self.writers[split].add(toks, n, doc.source)
+                    with _writing(output):
+                        self.writers[split].add(toks, n, doc.source)
                     self.invalid[split] += doc.invalid_utf8
                     self.tokens[split] += len(toks)
                     text_bytes += n

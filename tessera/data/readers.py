@@ -88,23 +88,31 @@ def iter_documents(files: Sequence[str], text_column: str = "text", strict_utf8:
     which holds a few deliberately invalid files). ``hf_split``: the split of a ``DatasetDict`` folder.
     """
     for path in files:
-        fmt = file_format(path, check_text=strict_utf8)
-        if fmt == JSONL:
-            with open(path, "rb") as f:
-                yield from _jsonl(path, f, f, text_column)
-        elif fmt == JSONL_GZ:
-            with open(path, "rb") as raw, gzip.GzipFile(fileobj=raw, mode="rb") as gz:
-                yield from _jsonl(path, gz, raw, text_column)
-        elif fmt == JSONL_ZST:
-            zstd: Any = require("zstandard", f"reading {path}")
-            with open(path, "rb") as raw, zstd.ZstdDecompressor().stream_reader(raw) as z:
-                yield from _jsonl(path, io.BufferedReader(z), raw, text_column)
-        elif fmt == PARQUET:
-            yield from _parquet(path, text_column)
-        elif fmt == HF_DATASET:
-            yield from _hf_dataset(path, text_column, hf_split)
-        else:
-            yield _text_file(path, strict_utf8)
+        try:
+            yield from _file_documents(path, text_column, strict_utf8, hf_split)
+        except OSError as e:  # e.g. permission denied: a read problem, never reported as a write problem
+            raise DataError(f"cannot read {path}: {e.strerror or e}") from None
+
+
+def _file_documents(path: str, text_column: str, strict_utf8: bool, hf_split: str) -> Iterator[Document]:
+    """The documents of one input (see ``iter_documents``)."""
+    fmt = file_format(path, check_text=strict_utf8)
+    if fmt == JSONL:
+        with open(path, "rb") as f:
+            yield from _jsonl(path, f, f, text_column)
+    elif fmt == JSONL_GZ:
+        with open(path, "rb") as raw, gzip.GzipFile(fileobj=raw, mode="rb") as gz:
+            yield from _jsonl(path, gz, raw, text_column)
+    elif fmt == JSONL_ZST:
+        zstd: Any = require("zstandard", f"reading {path}")
+        with open(path, "rb") as raw:
+            yield from _jsonl(path, io.BufferedReader(_ZstdFrames(raw, zstd)), raw, text_column)
+    elif fmt == PARQUET:
+        yield from _parquet(path, text_column)
+    elif fmt == HF_DATASET:
+        yield from _hf_dataset(path, text_column, hf_split)
+    else:
+        yield _text_file(path, strict_utf8)
 
 
 def _text_file(path: str, strict_utf8: bool) -> Document:
@@ -145,8 +153,61 @@ def _jsonl(path: str, lines: Iterable[bytes], raw: IO[bytes], key: str) -> Itera
         except json.JSONDecodeError as e:
             raise DataError(f"{path}:{lineno}: not valid JSON: {e}") from None
         if not isinstance(record, dict) or not isinstance(record.get(key), str):
-            raise DataError(f"{path}:{lineno}: expected an object with a string field {key!r}")
+            raise DataError(f"{path}:{lineno}: {_not_a_text_record(record, key)}")
         yield Document(record[key], f"{path}:{lineno}", False, used)
+
+
+def _not_a_text_record(record: Any, key: str) -> str:
+    """Why a JSON line gives no document, with the fields it has (so the right --text-column can be named)."""
+    if not isinstance(record, dict):
+        return f"expected a JSON object with a string field {key!r}, got {type(record).__name__}"
+    fields = ", ".join(map(repr, record)) or "none"
+    problem = (f"no field {key!r}" if key not in record
+               else f"field {key!r} holds {type(record[key]).__name__}, not a string")
+    return f"{problem}; its fields: {fields} (name the text field with --text-column)"
+
+
+class _ZstdFrames(io.RawIOBase):
+    """Every frame of a zstd file, decompressed, as a raw byte stream; an unfinished frame at the end of
+    the file raises ``EOFError``.
+
+    zstandard's own ``stream_reader`` returns end-of-file, without a word, for a frame cut short (an
+    interrupted download) and by default stops after the first frame: both would drop documents silently.
+    """
+
+    _READ = 1 << 18  # compressed bytes fed per step
+
+    def __init__(self, raw: IO[bytes], zstd: Any):
+        self._raw, self._dctx = raw, zstd.ZstdDecompressor()
+        self._frame: Any = None  # the decompressor of the frame under way (None: between frames)
+        self._unfed = b""  # compressed bytes read past the end of the last frame
+        self._out = b""
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        while not self._out:
+            if not self._decompress_more():
+                return 0
+        n = min(len(buffer), len(self._out))
+        buffer[:n] = self._out[:n]
+        self._out = self._out[n:]
+        return n
+
+    def _decompress_more(self) -> bool:
+        """Decompress one more step into ``_out``; False at the end of the file after a finished frame."""
+        data, self._unfed = self._unfed or self._raw.read(self._READ), b""
+        if not data:
+            if self._frame is not None:
+                raise EOFError("the file ends inside a zstd frame (cut short, e.g. an interrupted download)")
+            return False
+        if self._frame is None:
+            self._frame = self._dctx.decompressobj()
+        self._out = self._frame.decompress(data)
+        if self._frame.eof:
+            self._unfed, self._frame = self._frame.unused_data, None
+        return True
 
 
 def _zstd_errors() -> tuple[type[BaseException], ...]:

@@ -30,6 +30,7 @@ import numpy as np
 from tessera import __version__
 from tessera.data.errors import DataError
 from tessera.data.tokenizer import AnyTokenizer, ByteTokenizer, load_tokenizer
+from tessera.data.vocab import vocab_advice
 from tessera.files import atomic_write_text, sha256_file
 
 FORMAT = "tessera-tokens"
@@ -196,9 +197,11 @@ class TokenShard:
             chunk = np.asarray(self.tokens[a:a + _CHUNK])
             if int(chunk.max()) >= limit:
                 pos = int(np.argmax(chunk >= limit))
+                made = int(self.meta["vocab_size"])
+                advice = f"; use {vocab_advice(made)}" if limit < made else ""
                 raise DataError(f"{self.tokens_path}: token id {int(chunk[pos])} at position {a + pos} is >= "
-                                f"{what} {limit}; the data was made with a vocab of {self.meta['vocab_size']} "
-                                f"({self.meta['tokenizer'].get('kind')} tokenizer)")
+                                f"{what} {limit}; the data was made with a vocab of {made} "
+                                f"({self.meta['tokenizer'].get('kind')} tokenizer){advice}")
 
     def read(self, start: int, stop: int) -> np.ndarray:
         """Tokens ``[start, stop)`` (clipped to the file) as int64."""

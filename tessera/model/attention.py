@@ -4,21 +4,26 @@ Heads are split contiguously over the TP group: rank r holds query heads
 ``[r*Hq/tp, (r+1)*Hq/tp)`` and KV heads ``[r*Hkv/tp, (r+1)*Hkv/tp)``; since both counts divide by tp,
 every local query head's KV head is local too.
 
-Backends, chosen per call from the q/k/v actually passed (an fp32-marked attention in a bf16 model
-gets fp32 tensors) and logged once per distinct choice, with the reason:
+Backends: the table ``BACKENDS``, in order of preference; each call takes the first that serves it and
+accepts the q/k/v actually passed (an fp32-marked attention in a bf16 model gets fp32 tensors), and the
+choice is logged once per backend and reason (the refusals of the ones before it):
 
-1. the ``flash_attn`` package (``flash_attn_varlen_func`` with ``cu_seqlens``, ``flash_attn_func``
+1. ``flash_attn``: the package (``flash_attn_varlen_func`` with ``cu_seqlens``, ``flash_attn_func``
    otherwise) with ``use_flash_attn=True``, on CUDA, for fp16/bf16, when it really imports and the GPU and
    head dim suit it (``tessera.model.flash_probe``);
-2. on the CPU without attention dropout, ``tessera.model.cpu_attention``: torch's CPU flash kernel with
-   ``is_causal`` when every row is one document, run per document (grouped by length) for packed rows
-   -- no ``[S, S]`` mask -- bf16/fp16 inputs computed in fp32 or in their own dtype by a measured rule
-   (that module says which and why);
-3. otherwise ``F.scaled_dot_product_attention``: ``is_causal=True`` when every row is one document
-   (torch picks its flash / memory-efficient kernel on CUDA), or a block-diagonal causal boolean mask
-   ``[B, 1, S, S]`` built once per forward and shared by all layers when rows hold several documents.
-   With grouped KV heads on CUDA, K/V are expanded where SDPA's GQA support would fall to the math
-   kernel (see ``_sdpa``).
+2. ``torch_varlen``: packed rows under the same conditions, without attention dropout, where this torch
+   has its own varlen kernel (``tessera.model.torch_varlen``);
+3. ``cpu_flash``: on the CPU without attention dropout, ``tessera.model.cpu_attention``: torch's CPU flash
+   kernel with ``is_causal`` when every row is one document, run per document (grouped by length) for
+   packed rows -- no ``[S, S]`` mask -- bf16/fp16 inputs computed in fp32 or in their own dtype by a
+   measured rule (that module says which and why);
+4. ``sdpa_causal``: ``F.scaled_dot_product_attention`` with ``is_causal=True`` when every row is one
+   document (torch picks its flash / memory-efficient kernel on CUDA);
+5. ``sdpa_mask``: SDPA with a block-diagonal causal boolean mask ``[B, 1, S, S]``, built once per forward
+   and shared by all layers, for packed rows nothing else serves.
+
+With grouped KV heads on CUDA, SDPA gets K/V expanded where its GQA support would fall to the math
+kernel (see ``_sdpa``).
 
 With a KV cache (generation), the same module forward runs on the new positions only and attends
 over the cached keys/values (``attend_cached``).
@@ -26,15 +31,15 @@ over the cached keys/values (``attend_cached``).
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn as nn
 from einops import rearrange
 
+from tessera.logs import log_once
 from tessera.model import cpu_attention, flash_probe
 from tessera.model import sdpa as lowp  # attend() calls lowp.scaled_dot_product_attention
 from tessera.model.args import check_sizes
@@ -56,63 +61,199 @@ from tessera.parallel.layers import ColumnParallelLinear, RowParallelLinear, col
 
 __all__ = ["Attention", "AttentionPlan", "KVCacheLike", "plan_attention", "check_cu_seqlens",
            "check_cu_seqlens_shape", "check_max_seqlen",
-           "attend", "attend_cached", "select_backend"]
-
-logger = logging.getLogger("tessera")
-_LOGGED: set[str] = set()
+           "attend", "attend_cached", "select_backend", "choose_backend", "AttentionBackend", "AttentionCall",
+           "BACKENDS"]
 
 
-def _log_once(message: str) -> None:
-    """Log ``message`` the first time only; not from code dynamo traces (a logger call would break the graph
-    there): under ``torch.compile`` the choice is logged by the first call made eagerly."""
-    if torch.compiler.is_compiling():
-        return
-    if message not in _LOGGED:
-        _LOGGED.add(message)
-        logger.info(message)
+# ---------------------------------------------------------------------------------------- the backends
+class AttentionCall(NamedTuple):
+    """What the choice of a backend reads: the q/k/v actually passed (an fp32-marked attention in a bf16 model
+    gets fp32 tensors, which the flash kernels refuse) and the forward's plan."""
+
+    device: torch.device
+    dtype: torch.dtype
+    head_dim: int | None  # None: not checked (a choice made before the tensors exist)
+    seq_len: int  # 0 where unknown (read only by the CPU kernel's log line)
+    packed: bool  # rows hold several documents
+    dropout_p: float  # the attention dropout of this call (0 in eval)
+    use_flash_attn: bool  # model.use_flash_attn
+
+    @classmethod
+    def of(cls, q: torch.Tensor, plan: AttentionPlan, dropout_p: float) -> AttentionCall:
+        """The call ``attend(q, k, v, plan, dropout_p)`` makes, q ``[B, S, Hq, d]``."""
+        return cls(q.device, q.dtype, q.shape[-1], q.shape[1], plan.packed, dropout_p, plan.use_flash_attn)
+
+
+Run = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionPlan, float], torch.Tensor]
+
+
+class AttentionBackend(NamedTuple):
+    """One way to compute ``attend``. ``serves``: the calls it is built for (packed rows, one-document rows,
+    CPU tensors); ``refuses``: why it cannot take one of those here (None: it takes it), which the log line
+    gives as the reason a later backend runs; ``run(q, k, v, plan, dropout_p)``; ``describe``: what runs,
+    for the log line."""
+
+    name: str
+    serves: Callable[[AttentionCall], bool]
+    refuses: Callable[[AttentionCall], str | None]
+    run: Run
+    describe: Callable[[AttentionCall], str]
+
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _flash_kernels_refuse(call: AttentionCall) -> str | None:
+    """What both flash kernels (the flash_attn package, torch's varlen kernel) need: enabled, CUDA, fp16/bf16."""
+    if not call.use_flash_attn:
+        return "disabled by model.use_flash_attn=False"
+    if call.device.type != "cuda":
+        return f"the device is {call.device.type}, not cuda"
+    if call.dtype not in _HALF:
+        return f"q/k/v are {call.dtype}, flash_attn needs float16/bfloat16"
+    return None
+
+
+def _flash_attn_refuses(call: AttentionCall) -> str | None:
+    """The package when it really imports and the GPU and head dim suit it (``tessera.model.flash_probe``)."""
+    return _flash_kernels_refuse(call) or flash_probe.flash_attn_unusable(call.device, call.head_dim) or None
+
+
+def _torch_varlen_refuses(call: AttentionCall) -> str | None:
+    why = _flash_kernels_refuse(call)
+    if why:
+        return why
+    kernel, why_not = torch_varlen()
+    if kernel is None:
+        return why_not
+    if call.dropout_p > 0:
+        return f"torch's varlen attention has no dropout (model.attn_drop_rate={call.dropout_p})"
+    return None
+
+
+def _cpu_kernel_refuses(call: AttentionCall) -> str | None:
+    if call.dropout_p > 0:
+        return f"tessera's CPU kernels have no attention dropout (model.attn_drop_rate={call.dropout_p})"
+    return None
+
+
+def _tokens(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``[B, S, H, d]`` -> ``[B*S, H, d]``: the layout of the varlen kernels."""
+    q_, k_, v_ = (rearrange(t, "b s h d -> (b s) h d") for t in (q, k, v))
+    return q_, k_, v_
+
+
+def _run_flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan,
+                    dropout_p: float) -> torch.Tensor:
+    kernels = flash_probe.load_flash_attn()[0]
+    assert kernels is not None  # chosen only when it imports
+    if not plan.packed:
+        return kernels.func(q, k, v, dropout_p=dropout_p, causal=True)
+    cu, max_seqlen = plan.varlen(q.device)
+    out = kernels.varlen_func(*_tokens(q, k, v), cu, cu, max_seqlen, max_seqlen, dropout_p=dropout_p, causal=True)
+    return rearrange(out, "(b s) h d -> b s h d", b=q.shape[0])
+
+
+def _run_torch_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan,
+                      dropout_p: float) -> torch.Tensor:
+    varlen = torch_varlen()[0]
+    assert varlen is not None  # chosen only where this torch has it
+    cu, max_seqlen = plan.varlen(q.device)
+    return rearrange(varlen.call(*_tokens(q, k, v), cu, max_seqlen), "(b s) h d -> b s h d", b=q.shape[0])
+
+
+def _run_cpu_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan,
+                    dropout_p: float) -> torch.Tensor:
+    if plan.packed:
+        return cpu_attention.packed_attention(q, k, v, plan.document_buckets())
+    return cpu_attention.causal_attention(q, k, v)
+
+
+def _run_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan,
+              dropout_p: float) -> torch.Tensor:
+    """``is_causal`` for one document a row (torch takes its flash kernel on CUDA), else the plan's
+    block-diagonal causal mask ``[B, 1, S, S]``, built once per forward and shared by all layers."""
+    mask = plan.mask(q.device) if plan.packed else None
+    q, k, v = (rearrange(t, "b s h d -> b h s d") for t in (q, k, v))
+    return rearrange(_sdpa(q, k, v, mask, mask is None, dropout_p), "b h s d -> b s h d")
+
+
+def _describe_flash_attn(call: AttentionCall) -> str:
+    return f"{flash_probe.load_flash_attn()[1]} (flash_attn_varlen_func for packed rows, flash_attn_func otherwise)"
+
+
+def _describe_torch_varlen(call: AttentionCall) -> str:
+    varlen = torch_varlen()[0]
+    convention = varlen.convention if varlen is not None else "?"
+    return f"torch varlen_attn (FlashAttention-2 in torch {torch.__version__}, causal by {convention}) for packed rows"
+
+
+def _describe_cpu_kernel(call: AttentionCall) -> str:
+    assert call.head_dim is not None  # described for a call with its tensors only
+    kernel = "run per document, grouped by length (packed rows)" if call.packed else "is_causal (one document per row)"
+    rule = cpu_attention.precision_rule(call.dtype, None if call.packed else call.seq_len, call.head_dim)
+    return f"CPU flash kernel {kernel} for {str(call.dtype).removeprefix('torch.')} q/k/v, {rule}"
+
+
+def _describe_sdpa(call: AttentionCall) -> str:
+    how = "a block-diagonal causal mask (packed rows)" if call.packed else "is_causal (one document per row)"
+    return f"torch scaled_dot_product_attention with {how} on {call.device.type} for {call.dtype}"
+
+
+FLASH_ATTN, TORCH_VARLEN, CPU_KERNEL = "flash_attn", "torch_varlen", "cpu_flash"
+SDPA_CAUSAL, SDPA_MASK = "sdpa_causal", "sdpa_mask"
+# in order of preference (DESIGN.md, Model): the flash kernels, then on the CPU tessera's per-document kernel,
+# then SDPA: is_causal (its flash kernel on CUDA) for one-document rows, the block-diagonal mask where nothing
+# else serves packed rows. The two SDPA entries take every call they serve: every call finds a backend.
+BACKENDS: tuple[AttentionBackend, ...] = (
+    AttentionBackend(FLASH_ATTN, lambda c: True, _flash_attn_refuses, _run_flash_attn, _describe_flash_attn),
+    AttentionBackend(TORCH_VARLEN, lambda c: c.packed, _torch_varlen_refuses, _run_torch_varlen,
+                     _describe_torch_varlen),
+    AttentionBackend(CPU_KERNEL, lambda c: c.device.type == "cpu", _cpu_kernel_refuses, _run_cpu_kernel,
+                     _describe_cpu_kernel),
+    AttentionBackend(SDPA_CAUSAL, lambda c: not c.packed, lambda c: None, _run_sdpa, _describe_sdpa),
+    AttentionBackend(SDPA_MASK, lambda c: c.packed, lambda c: None, _run_sdpa, _describe_sdpa),
+)
+
+
+def choose_backend(call: AttentionCall) -> tuple[AttentionBackend, str]:
+    """The first of ``BACKENDS`` that serves ``call`` and takes it, and why the ones before it that serve such
+    calls refused it (each distinct reason once, "; "-joined; "" when none refused)."""
+    refusals: list[str] = []
+    for backend in BACKENDS:
+        if not backend.serves(call):
+            continue
+        why = backend.refuses(call)
+        if why is None:
+            return backend, "; ".join(refusals)
+        if why not in refusals:  # the flash kernels refuse for one shared reason (disabled, device, dtype)
+            refusals.append(why)
+    raise RuntimeError(f"no attention backend takes {call}")  # the SDPA entries take every call they serve
 
 
 def select_backend(device: torch.device, dtype: torch.dtype, use_flash_attn: bool, head_dim: int | None = None,
                    *, packed: bool = False, dropout_p: float = 0.0) -> tuple[str, str]:
-    """``("flash_attn", "")``, ``("torch_varlen", why flash_attn was not used)`` or ``("sdpa", why neither was)``.
-
-    flash_attn when it runs here; else, for packed rows on CUDA in fp16/bf16 without dropout, torch's own
-    varlen kernel (``tessera.model.torch_varlen``); else SDPA (``is_causal`` for one document a row, which
-    takes its flash kernel on CUDA; a block-diagonal mask for packed rows). ``head_dim`` None skips its check.
-    """
-    if not use_flash_attn:
-        return "sdpa", "disabled by model.use_flash_attn=False"
-    if device.type != "cuda":
-        return "sdpa", f"the device is {device.type}, not cuda"
-    if dtype not in (torch.float16, torch.bfloat16):
-        return "sdpa", f"q/k/v are {dtype}, flash_attn needs float16/bfloat16"
-    why = flash_probe.flash_attn_unusable(device, head_dim)
-    if not why:
-        return "flash_attn", ""
-    if packed:
-        kernel, why_not = torch_varlen()
-        if kernel is None:
-            why = f"{why}; {why_not}"
-        elif dropout_p > 0:
-            why = f"{why}; torch's varlen attention has no dropout (model.attn_drop_rate={dropout_p})"
-        else:
-            return "torch_varlen", why
-    return "sdpa", why
+    """The flash kernels' verdict on a call described without its tensors (what the plan prepares before a
+    forward): ``("flash_attn", "")``, ``("torch_varlen", why flash_attn was not used)`` or ``("sdpa", why
+    neither was)``, where "sdpa" means torch's SDPA or, on the CPU, tessera's kernel (``choose_backend``
+    says which). ``head_dim`` None skips its check."""
+    backend, why = choose_backend(AttentionCall(device, dtype, head_dim, 0, packed, dropout_p, use_flash_attn))
+    return (backend.name if backend.name in (FLASH_ATTN, TORCH_VARLEN) else "sdpa"), why
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, is_causal: bool,
           dropout_p: float) -> torch.Tensor:
-    """SDPA on ``[B, H, S, d]`` with grouped KV heads.
+    """SDPA on ``[B, H, S, d]`` with grouped KV heads; the one call of torch's SDPA in this module.
 
     On CUDA, SDPA honours ``enable_gqa`` only in its flash kernel, which takes neither a boolean mask
     nor fp32: in those cases the grouped call would fall to the math kernel (O(S^2) memory), so K/V
     are expanded to the query heads first and the memory-efficient kernel runs instead.
     """
     groups = q.shape[1] // k.shape[1]
-    if groups > 1 and q.device.type == "cuda" and (mask is not None or q.dtype not in (torch.float16, torch.bfloat16)):
+    if groups > 1 and q.device.type == "cuda" and (mask is not None or q.dtype not in _HALF):
         why = "a packed-document mask" if mask is not None else f"{q.dtype} q/k/v"
-        _log_once(f"attention: K/V heads expanded {groups}x for SDPA on cuda ({why}: its GQA-capable flash "
-                  "kernel does not take it, the memory-efficient kernel needs equal head counts)")
+        log_once(f"attention: K/V heads expanded {groups}x for SDPA on cuda ({why}: its GQA-capable flash "
+                 "kernel does not take it, the memory-efficient kernel needs equal head counts)")
         # torch, not einops.repeat: KV-cache decoding runs this per token, where einops' Python overhead per call
         # is a measurable share of a step on short caches
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
@@ -124,47 +265,12 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan, dropout_p: float) -> torch.Tensor:
     """Causal attention within documents: q ``[B, S, Hq, d]``, k/v ``[B, S, Hkv, d]`` -> ``[B, S, Hq, d]``.
 
-    The backend is picked here, from the tensors passed, and logged once per distinct choice.
+    The backend is chosen here, from the tensors passed, and logged once per distinct choice and reason.
     """
-    backend, why = select_backend(q.device, q.dtype, plan.use_flash_attn, q.shape[-1], packed=plan.packed,
-                                  dropout_p=dropout_p)
-    if backend == "torch_varlen":
-        varlen = torch_varlen()[0]
-        assert varlen is not None
-        _log_once(f"attention backend: torch varlen_attn (FlashAttention-2 in torch {torch.__version__}, causal by "
-                  f"{varlen.convention}) for packed rows, SDPA is_causal for one document a row; flash_attn not "
-                  f"used: {why}")
-        cu, max_seqlen = plan.varlen(q.device)
-        q_, k_, v_ = (rearrange(t, "b s h d -> (b s) h d") for t in (q, k, v))
-        return rearrange(varlen.call(q_, k_, v_, cu, max_seqlen), "(b s) h d -> b s h d", b=q.shape[0])
-    if backend == "flash_attn":
-        kernels, version = flash_probe.load_flash_attn()
-        assert kernels is not None
-        _log_once(f"attention backend: {version} (flash_attn_varlen_func for packed rows, flash_attn_func otherwise)")
-        if not plan.packed:
-            return kernels.func(q, k, v, dropout_p=dropout_p, causal=True)
-        cu, max_seqlen = plan.varlen(q.device)
-        q_, k_, v_ = (rearrange(t, "b s h d -> (b s) h d") for t in (q, k, v))
-        out = kernels.varlen_func(q_, k_, v_, cu, cu, max_seqlen, max_seqlen, dropout_p=dropout_p, causal=True)
-        return rearrange(out, "(b s) h d -> b s h d", b=q.shape[0])
-    if q.device.type == "cpu" and dropout_p == 0.0:
-        kernel = ("run per document, grouped by length (packed rows)" if plan.packed
-                  else "is_causal (one document per row)")
-        rule = cpu_attention.precision_rule(q.dtype, None if plan.packed else q.shape[1], q.shape[-1])
-        _log_once(f"attention backend: CPU flash kernel {kernel} for {str(q.dtype).removeprefix('torch.')} q/k/v, "
-                  f"{rule}; flash_attn not used: {why}")
-        if plan.packed:
-            return cpu_attention.packed_attention(q, k, v, plan.document_buckets())
-        return cpu_attention.causal_attention(q, k, v)
-    cpu_dropout = " (attention dropout: tessera's CPU kernels have none)" if q.device.type == "cpu" else ""
-    _log_once(
-        f"attention backend: torch scaled_dot_product_attention on {q.device.type} for {q.dtype}{cpu_dropout} "
-        "(is_causal for one document per row, block-diagonal causal mask for packed rows); flash_attn not used: "
-        f"{why}"
-    )
-    mask = plan.mask(q.device) if plan.packed else None
-    q, k, v = (rearrange(t, "b s h d -> b h s d") for t in (q, k, v))
-    return rearrange(_sdpa(q, k, v, mask, mask is None, dropout_p), "b h s d -> b s h d")
+    call = AttentionCall.of(q, plan, dropout_p)
+    backend, why = choose_backend(call)
+    log_once(f"attention backend: {backend.describe(call)}" + (f"; flash_attn not used: {why}" if why else ""))
+    return backend.run(q, k, v, plan, dropout_p)
 
 
 def attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int) -> torch.Tensor:

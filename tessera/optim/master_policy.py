@@ -14,7 +14,6 @@ Parameters kept fp32 by an fp32 mark keep fp32 masters.
 from __future__ import annotations
 
 import functools
-import logging
 import warnings
 from dataclasses import dataclass
 
@@ -23,6 +22,7 @@ from torch import nn
 
 from tessera.config.dtypes import ModelDtype, dtypes_by_short_name
 from tessera.core.precision import model_dtype_of
+from tessera.logs import log_once
 from tessera.optim.bucket import Bucket
 from tessera.optim.lowp_adamw import COMPENSATIONS, Noise, adamw_step, element_noise, name_key
 from tessera.optim.params import LOW_PRECISION
@@ -32,7 +32,6 @@ from tessera.optim.step_observer import StepObserver
 __all__ = ["MasterPolicy", "resolve_optimizer_dtype"]
 
 _DTYPES = dtypes_by_short_name("fp32", "bf16")
-logger = logging.getLogger("tessera")
 
 
 def resolve_optimizer_dtype(stated: ModelDtype | None, params: list[nn.Parameter]) -> ModelDtype:
@@ -111,8 +110,8 @@ class MasterPolicy:
         """Apply one update to every bucket's master shard from its unscaled, clipped fp32 grad shard;
         ``observer`` (precision telemetry) sees each chunk of the update."""
         if not self.fused(optim):
-            _log_once(f"optimizer update: {type(optim).__name__}.step() on the fp32 master shards (the fused "
-                      "update covers torch.optim.AdamW without amsgrad / maximize / differentiable)")
+            log_once(f"optimizer update: {type(optim).__name__}.step() on the fp32 master shards (the fused "
+                     "update covers torch.optim.AdamW without amsgrad / maximize / differentiable)")
             before = [b.master.detach().to(torch.float32, copy=True) for b in buckets] if observer is not None else []
             for b, g in zip(buckets, grads):
                 b.master.grad = g
@@ -123,9 +122,9 @@ class MasterPolicy:
                     after = b.master.detach().float()
                     observer.update(i, 0, after.numel(), after - before[i], before[i], after == before[i])
             return
-        _log_once(f"optimizer update: fused AdamW kernel, {_short(self.master_dtype)} masters"
-                  f"{'' if self.compensation == 'none' else ' + ' + self.compensation}, "
-                  f"{_short(self.state_dtype)} moments")
+        log_once(f"optimizer update: fused AdamW kernel, {_short(self.master_dtype)} masters"
+                 f"{'' if self.compensation == 'none' else ' + ' + self.compensation}, "
+                 f"{_short(self.state_dtype)} moments")
         for i, (b, g, group) in enumerate(zip(buckets, grads, optim.param_groups)):
             state = optim.state[b.master]
             comp = self.compensation if b.master.dtype == torch.bfloat16 else "none"
@@ -158,12 +157,3 @@ class MasterPolicy:
 
 def _short(dtype: torch.dtype) -> str:
     return {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(dtype, str(dtype))
-
-
-_LOGGED: set[str] = set()
-
-
-def _log_once(message: str) -> None:
-    if message not in _LOGGED:
-        _LOGGED.add(message)
-        logger.info(message)

@@ -20,6 +20,7 @@ scatter_to_region   keep this rank's slice       all-gather along last dim
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -100,8 +101,12 @@ def _check_can_communicate(x: torch.Tensor, group: Any) -> bool:
 _FAST_ROUTES: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 
-# the routes in use by id, for the graph op below (a compiled graph names its route by a number)
+# the routes in use, by the number each got when registered: a compiled graph names its route by that number
+# (graph ops take ints, not Python objects). A counter, not ``id()``: a number is never handed out twice, so a
+# graph traced before a route was replaced can never reach another object that reused its address.
 _ROUTES: dict[int, Any] = {}
+_ROUTE_NUMBERS = itertools.count(1)
+_NUMBER = "_tessera_route_number"  # the attribute a registered route carries its number in
 _OP_NAMES: dict[Any, str] = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.MAX: "max", dist.ReduceOp.MIN: "min"}
 
 
@@ -110,10 +115,12 @@ def use_fast_collectives(group: dist.ProcessGroup | None, impl: Any | None) -> N
     (``None`` removes the route)."""
     old = _FAST_ROUTES.pop(group, None)
     if old is not None:
-        _ROUTES.pop(id(old), None)
+        _ROUTES.pop(getattr(old, _NUMBER, 0), None)
     if impl is not None:
         _FAST_ROUTES[group] = impl
-        _ROUTES[id(impl)] = impl
+        number = next(_ROUTE_NUMBERS)
+        setattr(impl, _NUMBER, number)
+        _ROUTES[number] = impl
 
 
 def fast_collectives_for(group: Any) -> Any | None:
@@ -125,7 +132,7 @@ def fast_collectives_for(group: Any) -> Any | None:
 
 @torch.library.custom_op("tessera::routed_all_reduce", mutates_args=())
 def routed_all_reduce(x: torch.Tensor, route: int, op: str) -> torch.Tensor:
-    """A copy of ``x`` reduced over the group of fast route ``route`` (``id`` of the route object).
+    """A copy of ``x`` reduced over the group of fast route number ``route`` (``use_fast_collectives``).
 
     The route is plain Python; as one opaque op it stays inside a ``torch.compile`` graph (``model.compile``)
     instead of breaking it, and compiled blocks keep the route that eager ones use.
@@ -159,7 +166,7 @@ def all_reduce(x: torch.Tensor, group: Any,
         fast = fast_collectives_for(group)
         if fast is not None and fast.supports(x, op):
             if torch.compiler.is_compiling():  # traced: the route as one graph op
-                x.copy_(routed_all_reduce(x, id(fast), _OP_NAMES[op]))
+                x.copy_(routed_all_reduce(x, getattr(fast, _NUMBER), _OP_NAMES[op]))
             else:
                 fast.all_reduce(x, op)
         else:
@@ -285,7 +292,10 @@ def gather_tensor(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
     x = x.contiguous()
     fast = fast_collectives_for(group)
     if fast is not None and x.device.type == "cpu":
-        stacked = routed_all_gather(x, id(fast), size) if torch.compiler.is_compiling() else fast.all_gather(x)
+        if torch.compiler.is_compiling():
+            stacked = routed_all_gather(x, getattr(fast, _NUMBER), size)
+        else:
+            stacked = fast.all_gather(x)
         dim %= x.dim()  # [size, ..., n_dim, ...] -> [..., size * n_dim, ...], rank-major
         return stacked.movedim(0, dim).flatten(dim, dim + 1)
     parts = [torch.empty_like(x) for _ in range(size)]

@@ -56,6 +56,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from tessera.logs import log_once
 from tessera.parallel import wgrad
 from tessera.parallel.block_formats import BLOCK_RECIPES, BlockStats, fake_quantize, fake_quantize_with_stats
 from tessera.parallel.cpu_kernels import upcast_on_cpu
@@ -67,7 +68,6 @@ __all__ = ["BACKENDS", "BLOCK_FORMATS", "BlockObserve", "FORMATS", "GEMM_RECIPES
            "fuses_wgrad", "linear", "linear_grads", "linear_no_autograd", "policy_for", "route_for",
            "wgrad_into_main"]
 
-logger = logging.getLogger("tessera")
 
 # GemmPolicy.format: the operands' own dtype, fp8 (e4m3 / e5m2; recipe tensorwise or rowwise), or a block-scaled
 # format (recipe mxfp8 or nvfp4)
@@ -358,7 +358,6 @@ NVFP4_EMULATED = GemmRoute(
         "per-tensor scale agreed over TP), dequantized, multiplied by fp32 GEMMs")
 ROUTES: dict[str, GemmRoute] = {r.name: r for r in (NATIVE, CPU_UPCAST, FP8_EMULATED, FP8_SCALED_MM,
                                                      MXFP8_EMULATED, NVFP4_EMULATED)}
-_LOGGED: set[tuple[Any, ...]] = set()  # (device type, dtype, format, recipe, backend, route) already logged
 _FP8_CORES: dict[str, bool] = {}  # device type -> whether its (current) device has fp8 tensor cores
 
 
@@ -401,14 +400,10 @@ def choose_route(device_type: str, dtype: torch.dtype | None, policy: GemmPolicy
     else:
         route = NATIVE
     if not torch.compiler.is_compiling():  # traced code reads the route as a constant (warm-up logged it)
-        key = (device_type, dtype, policy.format, policy.recipe, policy.backend, route.name)
-        if key not in _LOGGED:
-            _LOGGED.add(key)
-            what = policy.format if policy.recipe is None else f"{policy.format} {policy.recipe}"
-            slow = route is FP8_SCALED_MM and not fp8_tensor_cores(device_type)
-            (logger.warning if slow else logger.info)(
-                "GEMMs of %s linears on %s (format %s): route %s: %s%s", str(dtype).split(".")[-1], device_type,
-                what, route.name, route.doc, f" ({why})" if why else "")
+        what = policy.format if policy.recipe is None else f"{policy.format} {policy.recipe}"
+        slow = route is FP8_SCALED_MM and not fp8_tensor_cores(device_type)
+        log_once(f"GEMMs of {str(dtype).split('.')[-1]} linears on {device_type} (format {what}): route {route.name}: "
+                 f"{route.doc}" + (f" ({why})" if why else ""), logging.WARNING if slow else logging.INFO)
     return route
 
 

@@ -31,9 +31,12 @@ __all__ = ["make_plan", "search_layouts", "Candidate", "with_layout"]
 
 def make_plan(cfg: Config, world: int, *, config_name: str = "config", gpu: str | None = None, mfu: float = 0.4,
               headroom: float | None = None, trace: bool = True, rank: int = 0, counts: tuple[int, int] | None = None,
-              flash_attn: bool | None = None) -> Plan:
+              flash_attn: bool | None = None, memory_gib: float | None = None, memory_source: str = "given"
+              ) -> Plan:
     """The plan of ``cfg`` on ``world`` ranks: closed forms, and (``trace``) one dry-run iteration.
 
+    The verdict compares the peak with ``memory_gib`` per GPU (named by ``memory_source`` in the verdict) or,
+    without it, the datasheet memory of ``gpu``; with neither there is no verdict (``Plan.fits`` is None).
     ``headroom``: the share of the GPU's memory left unplanned (None: the config's ``memory.headroom``).
     ``flash_attn``: whether flash_attn is installed on the planned GPU (None: whether it is here); without
     it, packed rows and grouped KV heads cost SDPA's masks and K/V copies, counted in both columns.
@@ -49,6 +52,9 @@ def make_plan(cfg: Config, world: int, *, config_name: str = "config", gpu: str 
     if gpu:
         plan.gpu = gpu
         plan.gpu_memory, plan.peak_tflops = gpu_spec(gpu, shape.precision.name)
+        plan.memory_source = f"{gpu} datasheet"
+    if memory_gib is not None:
+        plan.gpu_memory, plan.memory_source = memory_gib * 2**30, memory_source
     if trace:
         from tessera.plan.dry_run import dry_run
 

@@ -169,7 +169,8 @@ class Plan:
     comm_closed_form: dict[str, float] = field(default_factory=dict)
     flops_per_rank: float = 0.0
     gpu: str | None = None
-    gpu_memory: float = 0.0
+    gpu_memory: float = 0.0  # bytes per GPU the plan is compared against (0: none, no verdict)
+    memory_source: str = ""  # where ``gpu_memory`` came from, for the verdict ("h100 datasheet", "--gpu-memory")
     peak_tflops: float = 0.0
     mfu: float = 0.4
     headroom: float = DEFAULT_MEMORY_HEADROOM  # memory.headroom: the share of the GPU's memory left unplanned
@@ -210,14 +211,29 @@ class Plan:
 
     @property
     def fits(self) -> bool | None:
-        return self.peak <= self.gpu_memory * (1 - self.headroom) if self.gpu_memory else None
+        return self.peak <= self.usable_memory if self.gpu_memory else None
+
+    @property
+    def usable_memory(self) -> float:
+        """The bytes the peak may reach: the GPU's memory less the headroom."""
+        return self.gpu_memory * (1 - self.headroom)
+
+    def verdict(self) -> str | None:
+        """One line, fits or does not fit, with the figures it compared; None without a memory to compare to."""
+        if not self.gpu_memory:
+            return None
+        relation = "within" if self.fits else "exceeds"
+        return (f"{'fits' if self.fits else 'does NOT fit'}: peak {self.peak / GIB:.2f} GiB per rank {relation} "
+                f"{self.usable_memory / GIB:.2f} GiB usable of {self.gpu_memory / GIB:g} GiB per GPU "
+                f"({self.memory_source or 'given'}; {self.headroom:.0%} kept free for the CUDA context and "
+                "allocator fragmentation)")
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out.update(step_time_s=self.step_time, tp_comm_time_s=self.tp_comm_time,
                    zero_gather_time_s=self.zero_gather_time, predicted_step_time_s=self.predicted_step_time,
                    tokens_per_gpu_per_s=self.tokens_per_gpu_per_s, fits=self.fits,
-                   peak_bytes=self.peak)
+                   peak_bytes=self.peak, verdict=self.verdict())
         return out
 
     def to_json(self) -> str:
@@ -251,20 +267,19 @@ class Plan:
         for name in sorted(set(self.comm_traced) | set(self.comm_closed_form)):
             lines.append(f"{name:<44}{g(self.comm_traced.get(name))}{g(self.comm_closed_form.get(name)):>13}")
         lines += ["", f"FLOPs per step and rank: {self.flops_per_rank / 1e12:.1f} TFLOP"]
-        if self.gpu:
-            verdict = "fits" if self.fits else "does NOT fit"
-            lines.append(f"{self.gpu}: {self.gpu_memory / GIB:.0f} GiB; peak {self.peak / GIB:.1f} GiB {verdict} "
-                         f"(keeping {self.headroom:.0%} for the CUDA context and allocator fragmentation)")
-            if self.step_time:
-                link = lambda spans: "inter-node 50" if spans else "NVLink 450"  # noqa: E731
-                lines.append(f"step time: compute {self.step_time:.2f} s at {self.peak_tflops:.0f} TFLOP/s datasheet "
-                             f"peak x MFU {self.mfu:.0%}, + TP collectives {self.tp_comm_time:.2f} s "
-                             f"({link(self.layout.tp_size > GPUS_PER_NODE)} GB/s, not overlapped) + ZeRO weight "
-                             f"all-gather {self.zero_gather_time:.2f} s "
-                             f"({link(self.layout.world_size > GPUS_PER_NODE)} GB/s) = "
-                             f"{self.predicted_step_time:.2f} s, {self.tokens_per_gpu_per_s:,.0f} tokens/s per GPU")
+        if self.gpu and self.step_time:
+            link = lambda spans: "inter-node 50" if spans else "NVLink 450"  # noqa: E731
+            lines.append(f"step time on {self.gpu}: compute {self.step_time:.2f} s at {self.peak_tflops:.0f} TFLOP/s "
+                         f"datasheet peak x MFU {self.mfu:.0%}, + TP collectives {self.tp_comm_time:.2f} s "
+                         f"({link(self.layout.tp_size > GPUS_PER_NODE)} GB/s, not overlapped) + ZeRO weight "
+                         f"all-gather {self.zero_gather_time:.2f} s "
+                         f"({link(self.layout.world_size > GPUS_PER_NODE)} GB/s) = "
+                         f"{self.predicted_step_time:.2f} s, {self.tokens_per_gpu_per_s:,.0f} tokens/s per GPU")
         lines += self.notes
         lines.append("planned, not measured: traced = live tensor bytes of one dry-run iteration on meta tensors")
+        verdict = self.verdict()
+        if verdict:  # last, where a reader (and a script's tail) finds it
+            lines.append(verdict)
         return "\n".join(lines)
 
 

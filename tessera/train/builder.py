@@ -9,7 +9,6 @@ is put together anywhere else.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
@@ -22,6 +21,7 @@ from tessera.config import Config, RunConfig
 from tessera.core.context import ParallelMode, gpc
 from tessera.core.job import Job
 from tessera.core.naive_amp import NaiveAMPModel, naive_amp_for, unwrap_model
+from tessera.logs import log_once
 from tessera.model import Transformer, build_model
 from tessera.model.compile import compile_blocks
 from tessera.optim.hybrid_zero import HybridZeroOptimizer
@@ -31,8 +31,6 @@ from tessera.train.precision_telemetry import PrecisionTelemetry
 from tessera.train.step import Trainer
 
 __all__ = ["TrainingStack", "build_training_stack", "build_optimizer", "compile_enabled"]
-
-logger = logging.getLogger("tessera")
 
 
 @dataclass
@@ -111,18 +109,9 @@ def compile_enabled(cfg: RunConfig | Config, job: Job) -> bool:
     enabled = job.device.type == "cuda" and not hooks
     why = ("metrics.precision_activations hooks the blocks" if hooks and job.device.type == "cuda"
            else f"the device is {job.device.type}")
-    _log_once(f"model.compile.enabled='auto': compiled blocks {'on' if enabled else 'off'} ({why}); set it to "
-              f"{not enabled} to override")
+    log_once(f"model.compile.enabled='auto': compiled blocks {'on' if enabled else 'off'} ({why}); set it to "
+             f"{not enabled} to override")
     return enabled
-
-
-_LOGGED: set[str] = set()
-
-
-def _log_once(message: str) -> None:
-    if message not in _LOGGED:
-        _LOGGED.add(message)
-        logger.info(message)
 
 
 def build_optimizer(amp: NaiveAMPModel, cfg: RunConfig, job: Job) -> HybridZeroOptimizer:

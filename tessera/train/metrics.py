@@ -2,7 +2,8 @@
 
 Rank 0 writes every logged step three ways: a concise line (under a tqdm bar), TensorBoard scalars,
 and one JSON object per line in ``metrics.jsonl`` so scripts can read a run without parsing text; the
-precision telemetry's steps go to the same two files (``log_precision``).
+precision telemetry's steps go to the same two files (``log_precision``). With ``metrics.wandb`` the
+TensorBoard scalars also go to Weights & Biases (``tessera.train.wandb_log``).
 """
 
 from __future__ import annotations
@@ -12,13 +13,14 @@ import logging
 import os
 import resource
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 import torch
 
 from tessera.files import os_error_text
 from tessera.parallel.gemm import linear
+from tessera.train.wandb_log import WandbError, WandbRun, wanted
 
 logger = logging.getLogger("tessera")
 
@@ -146,19 +148,27 @@ class MetricsWriter:
     """
 
     def __init__(self, log_dir: str, enabled: bool, total_steps: int, start_step: int = 0,
-                 tensorboard: bool = True, progress_bar: bool = True):
+                 tensorboard: bool = True, progress_bar: bool = True, wandb: Mapping[str, Any] | None = None,
+                 run_config: Mapping[str, Any] | None = None):
         self.enabled = enabled
         self.log_dir = log_dir
         self.problem: str | None = None
         self._bar: Any = None
+        self._show_progress = False  # bars on (rank 0, metrics.progress_bar): the training one, then validation's
         self._tb: Any = None
         self._jsonl: Any = None
+        self._wandb: WandbRun | None = None
         if not enabled:
             return
         try:
             self._open(total_steps, start_step, tensorboard, progress_bar)
+            if wanted(wandb):  # ``metrics.wandb``; the run's id is kept in log_dir (see wandb_log)
+                assert wandb is not None
+                self._wandb = WandbRun(wandb, log_dir, os.path.basename(log_dir), start_step, run_config or {})
         except OSError as e:
             self._fail(e)
+        except WandbError as e:
+            self.problem = str(e)
 
     def _open(self, total_steps: int, start_step: int, tensorboard: bool, progress_bar: bool) -> None:
         os.makedirs(self.log_dir, exist_ok=True)
@@ -178,6 +188,7 @@ class MetricsWriter:
         if progress_bar:
             from tqdm import tqdm
 
+            self._show_progress = True
             self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
 
     def _fail(self, e: OSError) -> None:
@@ -209,13 +220,19 @@ class MetricsWriter:
             self._record({"kind": kind, "step": step, "time": time.time(), **values})
         except OSError as e:
             self._fail(e)
+        prefix = "" if kind == "train" else f"{kind}/"
+        self._scalars(step, {prefix + k: v for k, v in values.items()
+                             if isinstance(v, (int, float)) and not isinstance(v, bool)})
+
+    def _scalars(self, step: int, scalars: Mapping[str, float]) -> None:
+        """One step's scalars to TensorBoard and, with ``metrics.wandb``, to W&B: the same tags and values."""
+        if self._wandb is not None:
+            self._wandb.log(step, scalars)
         if self._tb is None:
             return
-        prefix = "" if kind == "train" else f"{kind}/"
         try:
-            for k, v in values.items():
-                if isinstance(v, (int, float)) and not isinstance(v, bool):
-                    self._tb.add_scalar(prefix + k, v, step)
+            for tag, v in scalars.items():
+                self._tb.add_scalar(tag, v, step)
         except OSError as e:  # raised by the event writer's thread on a later call
             e.filename = e.filename or os.path.join(self.log_dir, "tensorboard")
             self._fail(e)
@@ -235,6 +252,27 @@ class MetricsWriter:
             self._bar.set_postfix(loss=f"{values['loss']:.4f}", tgs=f"{values.get('tgs', 0):.0f}", refresh=False)
         if line:
             self._print(format_train_line(step, values))
+        if self._bar is not None and self._bar.total is not None and self._bar.n >= self._bar.total:
+            self._bar.close()  # training is over: its clock must not run on through the final validation
+            self._bar = None
+
+    def progress(self, items: Iterable[Any], total: int | None, desc: str = "valid") -> Iterable[Any]:
+        """``items`` under a bar of their own while the bars are on (a validation pass can take minutes); the
+        training bar's clock leaves that time out. Elsewhere (other ranks, bars off) ``items`` as they are."""
+        if not (self.enabled and self._show_progress):
+            return items
+        return self._progress(items, total, desc)
+
+    def _progress(self, items: Iterable[Any], total: int | None, desc: str) -> Iterator[Any]:
+        from tqdm import tqdm
+
+        try:
+            with tqdm(items, total=total, desc=desc, unit="batch", leave=False, dynamic_ncols=True) as bar:
+                yield from bar
+        finally:
+            if self._bar is not None:
+                self._bar.unpause()  # its rate and elapsed time count training only
+                self._bar.refresh()
 
     def log_valid(self, step: int, values: Mapping[str, Any]) -> None:
         if not self.enabled:
@@ -252,17 +290,10 @@ class MetricsWriter:
             self._record({"kind": "precision", "step": step, "time": time.time(), **record})
         except OSError as e:
             self._fail(e)
-        if self._tb is None:
-            return
         scalars = {"precision/loss_scale": record["loss_scale"], "precision/skipped_steps": record["skipped_steps"]}
         scalars.update({f"precision/{measure}/{row}": v for measure, rows in record["measures"].items()
                         for row, v in rows.items()})
-        try:
-            for tag, v in scalars.items():
-                self._tb.add_scalar(tag, v, step)
-        except OSError as e:  # raised by the event writer's thread on a later call
-            e.filename = e.filename or os.path.join(self.log_dir, "tensorboard")
-            self._fail(e)
+        self._scalars(step, scalars)
 
     def log_event(self, message: str, **values: Any) -> None:
         """A one-off event (resume, checkpoint, skip) in the log and in metrics.jsonl."""
@@ -277,6 +308,9 @@ class MetricsWriter:
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
+        if self._wandb is not None:
+            self._wandb.close()
+            self._wandb = None
         try:
             if self._tb is not None:
                 self._tb.close()
