@@ -49,6 +49,12 @@ STUDY: dict[str, list[str]] = {  # name -> config overrides (bf16 model, as the 
     "bf16 Adam moments": ["hybrid_zero_optimizer.optimizer_state_dtype='bf16'"],
     "fp8 tensorwise": ["model.fp8.enabled=True", "model.fp8.recipe='tensorwise'"],
     "fp8 rowwise": ["model.fp8.enabled=True", "model.fp8.recipe='rowwise'"],
+    "mxfp8": ["model.fp8.enabled=True", "model.fp8.recipe='mxfp8'"],
+    "nvfp4": ["model.fp8.enabled=True", "model.fp8.recipe='nvfp4'"],
+    # the published recipes' shape: the ends high, attention MXFP8, the MLP NVFP4
+    "per module: ends bf16, attention mxfp8, MLP nvfp4": [
+        "model.fp8.enabled=True", "model.fp8.rules=[['layers.0.*', 'bf16'], ['layers.3.*', 'bf16'], "
+        "['*.attention.*', 'mxfp8'], ['*.feed_forward.*', 'nvfp4']]"],
 }
 # the telemetry measure drawn for each policy: what it changes, or what it risks
 PICTURES: dict[str, str] = {
@@ -59,6 +65,9 @@ PICTURES: dict[str, str] = {
     "bf16 Adam moments": "update_rms_ratio",  # the moments set the update's size
     "fp8 tensorwise": "fp8_underflow",  # the input elements e4m3 flushes to zero
     "fp8 rowwise": "fp8_underflow",
+    "mxfp8": "block_flushed",  # the input elements a block's scale leaves below the element format
+    "nvfp4": "block_flushed",
+    "per module: ends bf16, attention mxfp8, MLP nvfp4": "block_flushed",
 }
 BASELINE = "fp32 masters (default)"
 SEEDS = (1024, 7, 3, 11, 13, 17, 19, 23, 29, 31)  # the demo's own three first (configs/demo.py's docstring)
@@ -214,8 +223,8 @@ def markdown(res: dict[str, Any]) -> list[str]:
     lines += ["", f"![training loss per policy: mean over seeds with the seed band, smoothed, and the difference from "
               f"{BASELINE} with its 95% band]({res['curves']})", "",
               "Runs of a study can share the cores with other jobs, so compare tokens/s only within one uninterrupted "
-              "study; fp8 is emulated (operands rounded to fp8 exactly, fp32 GEMMs), so on a CPU it costs speed by "
-              "construction."]
+              "study; fp8 and the block formats are emulated on a CPU (operands rounded exactly, fp32 GEMMs), so "
+              "there they cost speed by construction."]
     drawn = [r for r in rows if r.get("telemetry")]
     if drawn:
         lines += ["", "**What each policy does to the numerics, per module** (the runs of the first seed, "

@@ -41,6 +41,8 @@ CHUNKED_FP64 = "tests/test_chunked_loss.py::test_equals_cross_entropy_on_the_ful
 CHUNKED_TP2 = "tests/test_chunked_loss.py::test_vocab_parallel_matches_one_rank[2]"
 MSP_TP2 = "tests/test_sequence_parallel.py::test_msp_matches_mtp_tp2"
 WGRAD = "tests/test_wgrad_fusion.py"
+FP8_BACKENDS_TP1 = "tests/test_fp8_backends.py::test_scaled_mm_matches_the_emulation_at_tp1"
+BLOCK_DIMS = "tests/test_block_routes.py::test_each_gemm_blocks_along_its_reduction_dim"
 
 MUTANTS: tuple[Mutant, ...] = (
     # ------------------------------------------------------------------ HybridZeroOptimizer._clip
@@ -296,6 +298,45 @@ MUTANTS: tuple[Mutant, ...] = (
            "every RMSNorm divides by sqrt(mean(x^2) + 2 eps): the loss curve moves (1e-4 relative at step 1 of the "
            "tiny config) while every unit test that builds its reference with the module's own eps still passes",
            ("tests/test_golden_curve.py",)),
+    # the fp8 backends and the block-format routes (tests/test_fp8_backends.py, tests/test_block_routes.py)
+    Mutant("scaled-mm-scale-not-inverted", "tessera/parallel/gemm.py",
+           "a_scale.reciprocal().contiguous(), b_scale.reciprocal().contiguous()",
+           "a_scale.contiguous(), b_scale.contiguous()",
+           "torch._scaled_mm multiplies by the quantization scales instead of dividing: outputs and gradients off "
+           "by a factor of scale squared (10^4 and more), the loss diverges",
+           (FP8_BACKENDS_TP1,)),
+    Mutant("scaled-mm-gradient-in-e4m3", "tessera/parallel/gemm.py",
+           "gq, gs = scaled(g.reshape(-1, g.shape[-1]), E5M2", "gq, gs = scaled(g.reshape(-1, g.shape[-1]), E4M3",
+           "the scaled_mm backend's input gradient rounds the output gradient to e4m3, not e5m2 as the emulation "
+           "and torchao do: the two backends compute different gradients", (FP8_BACKENDS_TP1,)),
+    Mutant("auto-picks-scaled-mm-without-fp8-cores", "tessera/parallel/gemm.py", "    if cores:", "    if True:",
+           "backend 'auto' runs torch._scaled_mm's reference kernel on a CPU: the same numbers, 10x and more slower",
+           ("tests/test_fp8_backends.py::test_auto_backend_picks_the_emulation_without_fp8_tensor_cores",)),
+    Mutant("block-weight-along-output-features", "tessera/parallel/gemm.py",
+           "y = xq @ _block(w, p, 1, s, s.w_split_in or s.w_split_out).t()",
+           "y = xq @ _block(w, p, 0, s, s.w_split_in or s.w_split_out).t()",
+           "the forward blocks W across the GEMM's reduction dim: products of one sum no longer share a scale, "
+           "which no block-scaled GEMM computes", (BLOCK_DIMS,)),
+    Mutant("block-wgrad-along-features", "tessera/parallel/gemm.py",
+           "gq = _block(g2, p, 0, s, s.w_split_out, pad=True)", "gq = _block(g2, p, 1, s, s.w_split_out)",
+           "the weight gradient blocks the output gradient along the features instead of the tokens it sums over",
+           (BLOCK_DIMS,)),
+    Mutant("nvfp4-amax-not-agreed-over-tp", "tessera/parallel/gemm.py",
+           "if split and s.group is not None and dist.get_world_size(s.group) > 1:", "if False:",
+           "each TP shard takes NVFP4's per-tensor scale from its own amax: TP=2 no longer computes TP=1",
+           ("tests/test_block_routes.py::test_block_routes_at_tp2_equal_tp1",)),
+    Mutant("block-shard-check-skipped", "tessera/core/naive_amp.py", "        if size % block:", "        if False:",
+           "a block recipe on a shard the block does not divide is no longer refused at build time: the run fails "
+           "in its first GEMM with a traceback instead of one error line naming the layer",
+           ("tests/test_block_routes.py::test_a_shard_the_block_does_not_divide_is_refused_when_the_model_is_built",)),
+    Mutant("fp8-rules-last-match-wins", "tessera/core/naive_amp.py", "for pattern, rule_recipe in rules:",
+           "for pattern, rule_recipe in reversed(list(rules)):",
+           "model.fp8.rules applies the last matching rule, not the first: a catch-all rule overrides the specific "
+           "ones", ("tests/test_block_routes.py::test_rules_give_per_module_recipes_first_match_wins_after_exclude",)),
+    Mutant("block-telemetry-underflow-dropped", "tessera/train/precision_telemetry.py",
+           'self._sum[row, S["b_under"]] += stats.scale_underflow.double() * blocks', "pass",
+           "block_underflow reads 0 in metrics.jsonl whatever the blocks do",
+           ("tests/test_precision_telemetry.py::test_block_format_input_saturation_underflow_and_flushed_elements",)),
 )
 
 EQUIVALENT: tuple[Mutant, ...] = (

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tessera.config import SCHEMA, Config, ConfigError, RunConfig, typed_config, validate_config
-from tessera.config.schema import Key, OneOf, Section, _str_list
+from tessera.config.schema import Key, OneOf, Section, _fp8_rules, _str_list
 from tessera.config.typed import FILLED_KEYS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,7 +58,9 @@ def _expected_atoms(path: str, key: Key) -> set:
         kinds = set(key.types) - ({int} if float in key.types else set())
         out = set()
         for t in kinds:
-            if t in (list, tuple):
+            if t in (list, tuple) and key.check is _fp8_rules:  # (pattern, recipe) pairs
+                out.add(("sequence", tuple[str, str]))
+            elif t in (list, tuple):
                 assert key.check is _str_list, f"{path}: a list key that is not a list of strings needs its own type"
                 out.add(("sequence", str))
             elif t is dict:

@@ -121,8 +121,9 @@ def test_the_table_picks_one_route_per_device_dtype_and_policy(monkeypatch, capl
             assert gemm.choose_route("cpu", torch.bfloat16, fp8).name == "fp8-emulated"
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("GEMMs of")]
     assert len(lines) == 5 and "route cpu-upcast" in lines[0] and "format fp8 rowwise" in lines[4]
-    assert set(gemm.ROUTES) == {"native", "cpu-upcast", "fp8-emulated"}
-    assert [r.adds_into_main_grad for r in gemm.ROUTES.values()] == [True, True, False]
+    assert set(gemm.ROUTES) == {"native", "cpu-upcast", "fp8-emulated", "fp8-scaled-mm", "mxfp8-emulated",
+                                "nvfp4-emulated"}
+    assert [r.adds_into_main_grad for r in gemm.ROUTES.values()] == [True, True, False, False, False, False]
 
 
 def test_a_bad_policy_is_refused_by_name():

@@ -297,6 +297,43 @@ def test_fp8_input_scale_saturation_and_underflow(recipe):
     assert m["act_amax_ratio"]["lin"] == pytest.approx(float(y.detach().abs().max()) / torch.finfo(torch.bfloat16).max)
 
 
+@pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4"])
+def test_block_format_input_saturation_underflow_and_flushed_elements(recipe):
+    """A block-format linear's input with known extremes: one block of tiny values (its scale underflows: below
+    E8M0's 2**-127 for MXFP8, below E4M3's smallest normal relative to the tensor's scale for NVFP4) and elements
+    far below their block's amax (flushed to zero); the shares are the input's ``block_stats``, per block and
+    element, in metrics.jsonl's measures."""
+    from tessera.parallel.block_formats import BLOCK_RECIPES, block_stats
+
+    block = BLOCK_RECIPES[recipe][1]
+    g = torch.Generator().manual_seed(0)
+    rows, k = 8, 64
+    x = (torch.rand(rows, k, generator=g) + 0.1)
+    x[:, 0] = torch.arange(1, rows + 1).float()
+    x[0, :block] = 2.0**-124 if recipe == "mxfp8" else 1e-4  # the underflowing block
+    x[1:4, 1] = 1e-6  # flushed
+    x = x.to(torch.bfloat16)
+    model = nn.Module()
+    model.lin = ColumnParallelLinear(k, 32, bias=False, init_std=0.1)
+    amp = NaiveAMPModel(model, dtype="bf16", sync_buffer=False)
+    model.lin.fp8_recipe = recipe
+    opt = HybridZeroOptimizer(torch.optim.AdamW(amp.parameters(), lr=1e-3), dtype="bf16", param_names=model)
+    tel = PrecisionTelemetry(model, opt, every=1)
+    tel.begin()
+    y = amp.model.lin(x)
+    opt.backward(y.float().sum())
+    opt.step()
+    tel.detach()
+    assert model.lin.block_observe is None
+    m = tel.finish()["measures"]
+    ref = block_stats(x, recipe, 1)
+    n_blocks = rows * k // block
+    assert m["block_underflow"]["lin"] == pytest.approx(1 / n_blocks) == pytest.approx(float(ref.scale_underflow))
+    assert m["block_saturated"]["lin"] == 0.0 == float(ref.scale_saturated)
+    assert m["block_flushed"]["lin"] == pytest.approx(float(ref.flushed_to_zero)) and m["block_flushed"]["lin"] >= 3 / x.numel()
+    assert "fp8_scale" not in m
+
+
 # ------------------------------------------------------------------------------------ the training stack
 def _tiny(every=0, **extra):
     overrides = ["model.dtype='bf16'", "model.fp32_modules=['*norm*']", "hybrid_zero_optimizer.clip_grad_norm=1.0",
@@ -390,7 +427,8 @@ def test_rows_by_layer_and_kind_aggregate_the_module_rows():
                                              "layers.*.ffn_norm", "layers.*.feed_forward.w1", "layers.*.feed_forward.w3",
                                              "layers.*.feed_forward.w2", "norm", "output"}
     assert set(recs["layer"]["elements"]) == {"embedding", "layers.0", "layers.1", "norm", "output"}
-    assert set(mod["measures"]) == set(MEASURES) - {"fp8_scale", "fp8_saturated", "fp8_underflow"}
+    assert set(mod["measures"]) == set(MEASURES) - {"fp8_scale", "fp8_saturated", "fp8_underflow", "block_saturated",
+                                                    "block_underflow", "block_flushed"}
 
 
 def test_config_keys_and_the_compile_rule():

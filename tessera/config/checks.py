@@ -19,6 +19,7 @@ from tessera.config.errors import ConfigError, where
 from tessera.config.schema import SCHEMA
 from tessera.model.args import ModelArgs, ModelSizeError, check_tensor_parallel_sizes
 from tessera.model.compile import settings_problem as compile_settings_problem
+from tessera.parallel.gemm import BLOCK_FORMATS
 
 __all__ = ["check_config", "check_data", "check_model_sizes", "check_world_size", "parallel_sizes",
            "resolve_zero1_size"]
@@ -109,6 +110,11 @@ def check_optimizer_precision(cfg: dict[str, Any], source: str | None = None) ->
     model_dtype = resolve_model_dtype(cfg["model"]["dtype"])
     if cfg["model"]["fp8"]["enabled"] and model_dtype.dtype != torch.bfloat16:
         raise ConfigError(f"model.fp8.enabled=True needs model.dtype bfloat16, not {model_dtype.name}{w}")
+    fp8 = cfg["model"]["fp8"]
+    if fp8["backend"] == "scaled_mm" and fp8["recipe"] in BLOCK_FORMATS:
+        raise ConfigError(f"model.fp8.backend='scaled_mm' runs the fp8 recipes (tensorwise, rowwise); "
+                          f"model.fp8.recipe={fp8['recipe']!r} is a block format, emulated on every device: "
+                          f"use backend 'auto' or 'emulated'{w}")
     if opt["master_dtype"] == "bf16" and model_dtype.dtype != torch.bfloat16:
         raise ConfigError(f"hybrid_zero_optimizer.master_dtype='bf16' needs model.dtype bfloat16, not "
                           f"{model_dtype.name}: the masters share the bf16 weights' storage{w}")

@@ -20,6 +20,8 @@ from tessera.model.args import ModelArgs
 from tessera.model.compile import BACKENDS as COMPILE_BACKENDS
 from tessera.model.compile import MODES as COMPILE_MODES
 from tessera.model.rotary import rope_scaling_problem
+from tessera.parallel.gemm import BACKENDS as FP8_BACKENDS
+from tessera.parallel.gemm import GEMM_RECIPES
 from tessera.parallel.sequence import TENSOR_MODES
 
 __all__ = ["Key", "Section", "OneOf", "SCHEMA", "default_of", "REQUIRED", "NORM_TYPES", "PRECISION_GROUPS",
@@ -104,6 +106,19 @@ def _min_length_dict(v: Any) -> str | None:
 
 def _str_list(v: Any) -> str | None:
     return None if all(isinstance(x, str) for x in v) else "must be a list of strings"
+
+
+FP8_KEEP_HIGH = ("bf16", "none")  # a model.fp8.rules recipe that keeps the module in the model's dtype
+
+
+def _fp8_rules(v: Any) -> str | None:
+    choices = [*GEMM_RECIPES, *FP8_KEEP_HIGH]
+    for rule in v:
+        if not (isinstance(rule, (list, tuple)) and len(rule) == 2 and all(isinstance(x, str) for x in rule)):
+            return f"must be a list of (pattern, recipe) pairs of strings, got {rule!r}"
+        if rule[1] not in choices:
+            return f"rule {tuple(rule)!r}: recipe must be one of {choices}"
+    return None
 
 
 NORM_TYPES = ("rmsnorm",)
@@ -233,11 +248,22 @@ SCHEMA = Section(
                 ),
                 "fp8": Section(
                     {
-                        "enabled": Key(BOOL, False, doc="fp8 GEMMs in the parallel linears (bf16 model only)"),
-                        "recipe": Key(STR, "tensorwise", _one_of("tensorwise", "rowwise"),
-                                      doc="one scale per operand, or per row/column along the kept dims"),
+                        "enabled": Key(BOOL, False, doc="low-precision GEMMs in the parallel linears (bf16 model "
+                                                        "only): fp8 or a block format, as recipe and rules say"),
+                        "recipe": Key(STR, "tensorwise", _one_of(*GEMM_RECIPES),
+                                      doc="fp8 with one scale per operand (tensorwise) or per row/column along the "
+                                          "kept dims (rowwise); mxfp8 (E4M3, an E8M0 scale per 32) or nvfp4 (E2M1, "
+                                          "an E4M3 scale per 16 and an fp32 one per tensor), emulated"),
+                        "backend": Key(STR, "auto", _one_of(*FP8_BACKENDS),
+                                       doc="the fp8 GEMMs' kernel: torch._scaled_mm (fp8 tensor cores) or fp32 GEMMs "
+                                           "on dequantized operands (emulated); auto: scaled_mm on CUDA sm_89+, "
+                                           "emulated elsewhere. Block recipes are emulated on every device"),
                         "exclude": Key((list, tuple), ["output"], _str_list,
                                        doc="fnmatch patterns of linears kept out of fp8 (fp32-marked ones always are)"),
+                        "rules": Key((list, tuple), [], _fp8_rules,
+                                     doc="(pattern, recipe) pairs: the first whose fnmatch pattern matches a linear's "
+                                         "name gives its recipe (a GEMM recipe, or 'bf16'/'none' to keep it in the "
+                                         "model dtype); unmatched linears take recipe; exclude applies first"),
                     }
                 ),
             },

@@ -57,8 +57,10 @@ class CompileConfig(_Section):
 @dataclass(frozen=True)
 class Fp8Config(_Section):
     enabled: bool
-    recipe: Literal["tensorwise", "rowwise"]
+    recipe: Literal["tensorwise", "rowwise", "mxfp8", "nvfp4"]
+    backend: Literal["auto", "scaled_mm", "emulated"]
     exclude: Sequence[str]
+    rules: Sequence[tuple[str, str]]
 
 
 @dataclass(frozen=True)

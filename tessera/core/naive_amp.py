@@ -30,7 +30,7 @@ from tessera.config.dtypes import ModelDtype, resolve_model_dtype
 from tessera.core.context import ParallelMode, gpc
 from tessera.core.precision import Precision
 from tessera.model.transformer import Transformer
-from tessera.parallel.fp8 import RECIPES
+from tessera.parallel.gemm import BACKENDS, BLOCK_FORMATS, GEMM_RECIPES, block_size, policy_for
 from tessera.parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 _FP32_ATTR = "is_fp32_module"
@@ -45,6 +45,7 @@ __all__ = [
     "model_head",
     "naive_amp_for",
     "enable_fp8_linears",
+    "fp8_recipe_of",
     "unwrap_model",
 ]
 
@@ -296,27 +297,70 @@ def naive_amp_for(model: nn.Module, precision: Precision, *, sync_buffer: bool =
                         dtype=precision.model, fp32_modules=precision.fp32_modules,
                         use_fp32_norm=precision.use_fp32_norm)
     if precision.fp8.enabled:
-        enable_fp8_linears(amp, precision.fp8.recipe, precision.fp8.exclude)
+        f = precision.fp8
+        enable_fp8_linears(amp, f.recipe, f.exclude, backend=f.backend, rules=f.rules)
     return amp
 
 
-def enable_fp8_linears(amp: NaiveAMPModel, recipe: str, exclude: Iterable[str] = ("output",)) -> list[str]:
-    """Run the GEMMs of the model's parallel linears in fp8 (``tessera.parallel.fp8``), except fp32-marked
-    modules and names matching ``exclude``; returns the names converted (logged once)."""
+_KEEP_HIGH = ("bf16", "none")  # a rule recipe that leaves the module in the model's dtype
+
+
+def fp8_recipe_of(name: str, recipe: str, exclude: Iterable[str] = ("output",),
+                  rules: Iterable[tuple[str, str]] = ()) -> str | None:
+    """The GEMM recipe ``model.fp8`` gives the linear ``name`` (None: the model's dtype): ``exclude`` first, then
+    the first rule whose fnmatch pattern matches (``bf16``/``none`` keep it high), else ``recipe``."""
+    if any(fnmatch.fnmatchcase(name, pat) for pat in exclude):
+        return None
+    for pattern, rule_recipe in rules:
+        if fnmatch.fnmatchcase(name, pattern):
+            return None if rule_recipe in _KEEP_HIGH else rule_recipe
+    return recipe
+
+
+def _check_blocks(name: str, module: ColumnParallelLinear | RowParallelLinear, recipe: str) -> None:
+    """A block recipe's blocks must tile this rank's weight shard along both feature dims (each is a GEMM's
+    reduction dim): a block never straddles a TP shard. ConfigError naming the layer otherwise."""
+    block = block_size(policy_for(recipe))
+    assert block is not None
+    out_rank, in_rank = module.weight.shape
+    for what, size, full in (("in", in_rank, module.in_features), ("out", out_rank, module.out_features)):
+        if size % block:
+            shard = f" ({full} over tensor-parallel size {module.tp_size})" if module.tp_size > 1 else ""
+            raise ConfigError(f"model.fp8 recipe {recipe!r} on linear {name!r}: its {what}_features per rank, "
+                              f"{size}{shard}, is not a multiple of the {block}-element scale block (a block must "
+                              f"not straddle a TP shard); keep the layer out (model.fp8.exclude or a 'bf16' rule) "
+                              f"or change the sizes")
+
+
+def enable_fp8_linears(amp: NaiveAMPModel, recipe: str, exclude: Iterable[str] = ("output",), *,
+                       backend: str = "auto", rules: Iterable[tuple[str, str]] = ()) -> list[str]:
+    """Run the GEMMs of the model's parallel linears in a low-precision recipe (fp8 tensorwise/rowwise on
+    ``backend``, or the block formats mxfp8/nvfp4: ``tessera.parallel.gemm``), except fp32-marked modules and
+    names matching ``exclude``; ``rules`` give per-module recipes (``fp8_recipe_of``). Returns the names
+    converted (logged once, with each one's recipe counted)."""
     if amp.model_dtype.dtype != torch.bfloat16:
         raise ValueError(f"fp8 linears need a bf16 model, not {amp.model_dtype.name} (model.fp8.enabled)")
-    if recipe not in RECIPES:
-        raise ValueError(f"model.fp8.recipe must be one of {list(RECIPES)}, got {recipe!r}")
+    rules = [(str(p), str(r)) for p, r in rules]
+    for r in [recipe, *(r for _, r in rules if r not in _KEEP_HIGH)]:
+        if r not in GEMM_RECIPES:
+            raise ValueError(f"model.fp8.recipe must be one of {list(GEMM_RECIPES)}, got {r!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"model.fp8.backend must be one of {list(BACKENDS)}, got {backend!r}")
     fp32 = fp32_module_names(amp)
     exclude = list(exclude)
-    done = []
+    done: dict[str, str] = {}
     for name, module in unwrap_model(amp).named_modules():
-        if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+        if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)) or name in fp32:
             continue
-        if name in fp32 or any(fnmatch.fnmatchcase(name, pat) for pat in exclude):
+        chosen = fp8_recipe_of(name, recipe, exclude, rules)
+        if chosen is None:
             continue
-        module.fp8_recipe = recipe
-        done.append(name)
-    logger.info("fp8 linears (%s scaling, e4m3 forward / e5m2 gradients, emulated: quantized operands, fp32 "
-                "GEMMs) on %d modules; kept out: fp32-marked modules and %s", recipe, len(done), exclude)
-    return done
+        if chosen in BLOCK_FORMATS:
+            _check_blocks(name, module, chosen)
+        module.use_recipe(chosen, backend)
+        done[name] = chosen
+    counts = {r: sum(1 for v in done.values() if v == r) for r in dict.fromkeys(done.values())}
+    logger.info("low-precision linears (%s; fp8: e4m3 forward / e5m2 gradients, backend %s) on %d modules; kept "
+                "out: fp32-marked modules, %s and rules %s", ", ".join(f"{r} x{n}" for r, n in counts.items()) or
+                "none", backend, len(done), exclude, rules)
+    return list(done)

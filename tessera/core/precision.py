@@ -38,11 +38,14 @@ _OPTIMIZER_DTYPES = (torch.float32, torch.bfloat16)
 
 @dataclass(frozen=True)
 class Fp8Spec:
-    """``model.fp8``: emulated fp8 GEMMs in the parallel linears (``tessera.parallel.fp8``)."""
+    """``model.fp8``: low-precision GEMMs in the parallel linears (fp8 or a block format: the GEMM routes of
+    ``tessera.parallel.gemm``), with the fp8 backend and per-module rules."""
 
     enabled: bool = False
     recipe: str = "tensorwise"
     exclude: tuple[str, ...] = ("output",)
+    backend: str = "auto"
+    rules: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -113,7 +116,8 @@ class Precision:
             fp32_modules=(fp32,) if isinstance(fp32, str) else tuple(fp32),
             use_fp32_norm=bool(model.get("use_fp32_norm", False)),
             fp8=Fp8Spec(bool(fp8.get("enabled", False)), str(fp8.get("recipe", "tensorwise")),
-                        tuple(fp8.get("exclude", ("output",)))),
+                        tuple(fp8.get("exclude", ("output",))), str(fp8.get("backend", "auto")),
+                        tuple((str(p), str(r)) for p, r in fp8.get("rules", ()))),
             optimizer=optimizer_dtypes(cfg.get("hybrid_zero_optimizer") or {}, model_dtype),
         )
 

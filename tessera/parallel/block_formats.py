@@ -255,28 +255,32 @@ def dequantize(q: MXQuantized | NVFP4Quantized) -> torch.Tensor:
     return _join_blocks(elements * decode, q.dim)
 
 
-def _recipe_blocks(t: torch.Tensor, recipe: str, dim: int) -> tuple[_Blocks, torch.Tensor]:
+def _recipe_blocks(t: torch.Tensor, recipe: str, dim: int,
+                   amax: torch.Tensor | None = None) -> tuple[_Blocks, torch.Tensor]:
     if recipe not in BLOCK_RECIPES:
         raise ValueError(f"block recipe must be one of {list(BLOCK_RECIPES)}, got {recipe!r}")
     element, block = BLOCK_RECIPES[recipe]
     xb = _split_blocks(t, block, dim)
     if element is E2M1:
-        return _nvfp4_blocks(xb, nvfp4_per_tensor_scale(xb.abs().amax()))[0], xb
+        amax = xb.abs().amax() if amax is None else amax.to(device=xb.device, dtype=torch.float32).reshape(())
+        return _nvfp4_blocks(xb, nvfp4_per_tensor_scale(amax))[0], xb
     return _mx_blocks(xb, element)[0], xb
 
 
-def fake_quantize_with_stats(t: torch.Tensor, recipe: str, dim: int = -1) -> tuple[torch.Tensor, BlockStats]:
+def fake_quantize_with_stats(t: torch.Tensor, recipe: str, dim: int = -1,
+                             amax: torch.Tensor | None = None) -> tuple[torch.Tensor, BlockStats]:
     """``fake_quantize``'s values and the quantization's ``BlockStats``, from one pass."""
-    blocks, xb = _recipe_blocks(t, recipe, dim)
+    blocks, xb = _recipe_blocks(t, recipe, dim, amax)
     flushed = (blocks.grid == 0) & (xb != 0) & ~torch.isnan(xb)
     stats = BlockStats(blocks.saturated.float().mean(), blocks.underflow.float().mean(), flushed.float().mean())
     return _join_blocks(blocks.grid * blocks.decode, dim), stats
 
 
-def fake_quantize(t: torch.Tensor, recipe: str, dim: int = -1) -> torch.Tensor:
+def fake_quantize(t: torch.Tensor, recipe: str, dim: int = -1, amax: torch.Tensor | None = None) -> torch.Tensor:
     """``t`` rounded to a block recipe of ``BLOCK_RECIPES`` along ``dim`` and back, in fp32: the operand an
-    emulated block-scaled GEMM multiplies (equal to ``dequantize`` of the stored form)."""
-    blocks, _ = _recipe_blocks(t, recipe, dim)
+    emulated block-scaled GEMM multiplies (equal to ``dequantize`` of the stored form). ``amax``: NVFP4's
+    per-tensor scale from this amax instead of ``t``'s own (the whole tensor's, when ``t`` is a TP shard)."""
+    blocks, _ = _recipe_blocks(t, recipe, dim, amax)
     return _join_blocks(blocks.grid * blocks.decode, dim)
 
 

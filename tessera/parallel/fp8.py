@@ -13,11 +13,12 @@ Tensor parallelism: when the dim an amax reduces over is split across the TP gro
 weight, the row-parallel input, the column-parallel output gradient), the amax is a MAX all-reduce
 over the group, so every rank scales as the unsharded tensor would: TP=N computes what TP=1 computes.
 
-The cast is emulated: operands are quantized and dequantized (exact in fp32) and multiplied by fp32
-GEMMs. This is the same arithmetic on every device, a CPU included, so fp8 numerics can be studied
-without an fp8 GPU; it is not faster than bf16 (the tensor-core kernel, ``torch._scaled_mm``, is
-not used). This module holds the quantizer; the three GEMMs that use it are the ``fp8-emulated`` row of
-the route table (``tessera.parallel.gemm``).
+Two routes of the GEMM table (``tessera.parallel.gemm``) use this quantizer. ``fp8-emulated``: operands
+quantized and dequantized (exact in fp32) and multiplied by fp32 GEMMs, the same arithmetic on every
+device, a CPU included, so fp8 numerics can be studied without an fp8 GPU (not faster than bf16).
+``fp8-scaled-mm``: the fp8 values and their scales (``scaled``) go to ``torch._scaled_mm``, the
+tensor-core kernel on GPUs with fp8 (sm_89+), which multiplies the fp8 values exactly, accumulates in
+fp32 and applies the inverse scales to the sums. The two differ only in the fp32 summation order.
 """
 
 from __future__ import annotations
@@ -28,12 +29,27 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["E4M3", "E5M2", "RECIPES", "Observe", "quantize"]
+__all__ = ["E4M3", "E5M2", "RECIPES", "Observe", "quantize", "scaled"]
 
 RECIPES = ("tensorwise", "rowwise")
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 _EPS = 1e-12  # amax floor: an all-zero operand keeps a finite scale
 Observe = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]  # (fp32 operand, scale, fp8 values)
+
+
+def scaled(t: torch.Tensor, fmt: torch.dtype, keep_dim: int | None, group: Any = None,
+           reduce_sharded: bool = False, observe: Observe | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``t`` (2-D) cast to ``fmt`` with its scale(s): ``(q, scale)``, ``t ~ q / scale``; the operands of
+    ``torch._scaled_mm`` (which takes ``1 / scale``). Arguments as ``quantize``."""
+    t = t.float()
+    amax = t.abs().amax() if keep_dim is None else t.abs().amax(dim=1 - keep_dim, keepdim=True)
+    if reduce_sharded and group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+    scale = torch.finfo(fmt).max / amax.clamp_min(_EPS)
+    q = (t * scale).clamp(-torch.finfo(fmt).max, torch.finfo(fmt).max).to(fmt)
+    if observe is not None:
+        observe(t, scale, q)
+    return q, scale
 
 
 def quantize(t: torch.Tensor, fmt: torch.dtype, keep_dim: int | None, group: Any = None,
@@ -45,12 +61,5 @@ def quantize(t: torch.Tensor, fmt: torch.dtype, keep_dim: int | None, group: Any
     the amax is a MAX over the group. ``observe(t, scale, q)`` sees the fp32 operand, its scale(s) and
     the fp8 values (precision telemetry).
     """
-    t = t.float()
-    amax = t.abs().amax() if keep_dim is None else t.abs().amax(dim=1 - keep_dim, keepdim=True)
-    if reduce_sharded and group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
-    scale = torch.finfo(fmt).max / amax.clamp_min(_EPS)
-    q = (t * scale).clamp(-torch.finfo(fmt).max, torch.finfo(fmt).max).to(fmt)
-    if observe is not None:
-        observe(t, scale, q)
+    q, scale = scaled(t, fmt, keep_dim, group, reduce_sharded, observe)
     return q.float() / scale

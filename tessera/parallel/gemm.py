@@ -18,12 +18,22 @@ native          every device and dtype the   torch's kernels in the operands'   
 cpu-upcast      bf16/fp16 on a CPU without   fp32 GEMMs on upcast operands,     fp32, output rounded to   yes
                 avx512_bf16/AMX (or          results rounded to the dtype       the dtype once
                 TESSERA_CPU_LOWP_MATMUL)
-fp8-emulated    policy ``fp8``, any device   operands quantized (e4m3 forward,  fp32, output rounded to   no
-                and dtype                    e5m2 gradients) and dequantized,   the dtype once
-                                             then fp32 GEMMs (``fp8.quantize``)
+fp8-emulated    policy ``fp8``, backend      operands quantized (e4m3 forward,  fp32, output rounded to   no
+                ``emulated`` (or ``auto``    e5m2 gradients) and dequantized,   the dtype once
+                without fp8 tensor cores)    then fp32 GEMMs (``fp8.quantize``)
+fp8-scaled-mm   policy ``fp8``, backend      ``torch._scaled_mm`` on the same   fp32 in the kernel, times no
+                ``scaled_mm`` (or ``auto``   fp8 operands and scales (second    the inverse scales,
+                on CUDA sm_89+)              operand column-major)              rounded once
+mxfp8-emulated  policy ``block``, recipe     operands in MXFP8 (E4M3, E8M0      fp32, output rounded to   no
+                ``mxfp8``, any device        scale per 32) along each GEMM's    the dtype once
+                                             reduction dim, dequantized
+nvfp4-emulated  policy ``block``, recipe     operands in NVFP4 (E2M1, E4M3      fp32, output rounded to   no
+                ``nvfp4``, any device        scale per 16, fp32 per tensor      the dtype once
+                                             agreed over TP), as above
 ==============  ===========================  =================================  ========================  ========
 
-A layer holds a ``GemmPolicy`` (what it asks for: the model's dtype, or fp8 with a scaling recipe) and a
+A layer holds a ``GemmPolicy`` (what it asks for: the model's dtype, fp8 with a scaling recipe and a backend, or
+a block format with its recipe) and a
 ``TpSplit`` (which dims TP splits: the fp8 scales agree over them) and calls ``linear``; it never looks
 at the route. Code that writes its own backward (sequence parallelism's linears, the chunked head and
 loss) uses ``linear_no_autograd`` and ``linear_grads``, the same route's GEMMs. A new number format is a
@@ -36,47 +46,83 @@ autograd's own backward runs, as it would without tessera.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from tessera.logs import log_once
 from tessera.parallel import wgrad
+from tessera.parallel.block_formats import BLOCK_RECIPES, BlockStats, fake_quantize, fake_quantize_with_stats
 from tessera.parallel.cpu_kernels import upcast_on_cpu
-from tessera.parallel.fp8 import E4M3, E5M2, RECIPES, Observe, quantize
+from tessera.parallel.fp8 import E4M3, E5M2, RECIPES, Observe, quantize, scaled
 from tessera.parallel.wgrad import fused_main_grad, placeholder
 
-__all__ = ["FORMATS", "MODEL_DTYPE", "NO_SPLIT", "ROUTES", "GemmPolicy", "GemmRoute", "TpSplit", "choose_route",
-           "fp8_linear", "fuses_wgrad", "linear", "linear_grads", "linear_no_autograd", "route_for",
+__all__ = ["BACKENDS", "BLOCK_FORMATS", "BlockObserve", "FORMATS", "GEMM_RECIPES", "MODEL_DTYPE", "NO_SPLIT", "ROUTES",
+           "GemmPolicy", "GemmRoute", "TpSplit", "block_size", "choose_route", "fp8_linear", "fp8_tensor_cores",
+           "fuses_wgrad", "linear", "linear_grads", "linear_no_autograd", "policy_for", "route_for",
            "wgrad_into_main"]
 
 
-FORMATS = ("model", "fp8")  # GemmPolicy.format: the operands' own dtype, or fp8 (e4m3 / e5m2)
+# GemmPolicy.format: the operands' own dtype, fp8 (e4m3 / e5m2; recipe tensorwise or rowwise), or a block-scaled
+# format (recipe mxfp8 or nvfp4)
+FORMATS = ("model", "fp8", "block")
+BLOCK_FORMATS = ("mxfp8", "nvfp4")  # the block format's recipes
+GEMM_RECIPES = (*RECIPES, *BLOCK_FORMATS)  # what model.fp8.recipe (and its rules) may name
+BACKENDS = ("auto", "scaled_mm", "emulated")  # how the fp8 format's GEMMs run (model.fp8.backend)
+BlockObserve = Callable[[torch.Tensor, BlockStats], None]  # (fp32 operand, its quantization's BlockStats)
 
 
 @dataclass(frozen=True)
 class GemmPolicy:
     """What one linear asks of its GEMMs; ``choose_route`` reads it with the device and the dtype.
 
-    ``format``: ``"model"`` (the operands' own dtype) or ``"fp8"`` (``recipe``: ``"tensorwise"`` or
-    ``"rowwise"`` scaling). ``observe`` sees the fp8 forward input's quantization (precision telemetry);
-    it is no part of the choice (nor of equality).
+    ``format``: ``"model"`` (the operands' own dtype), ``"fp8"`` (``recipe``: ``"tensorwise"`` or
+    ``"rowwise"`` scaling; ``backend``: ``"auto"``, ``"scaled_mm"`` or ``"emulated"``) or ``"block"``
+    (``recipe``: ``"mxfp8"`` or ``"nvfp4"``, emulated on every device). ``observe`` sees the fp8 forward input's
+    quantization, ``observe_blocks`` a block format's (precision telemetry); they are no part of the
+    choice (nor of equality).
     """
 
     format: str = "model"
     recipe: str | None = None
+    backend: str = "auto"
     observe: Observe | None = field(default=None, compare=False)
+    observe_blocks: BlockObserve | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
             raise ValueError(f"GEMM format {self.format!r}: must be one of {list(FORMATS)}")
         if self.format == "fp8" and self.recipe not in RECIPES:
             raise ValueError(f"fp8 recipe must be one of {list(RECIPES)}, got {self.recipe!r}")
+        if self.format == "block" and self.recipe not in BLOCK_FORMATS:
+            raise ValueError(f"block recipe must be one of {list(BLOCK_FORMATS)}, got {self.recipe!r}")
         if self.format == "model" and self.recipe is not None:
             raise ValueError(f"recipe={self.recipe!r} is a setting of the fp8 format, not of {self.format!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"fp8 backend must be one of {list(BACKENDS)}, got {self.backend!r}")
+        if self.format == "block" and self.backend == "scaled_mm":
+            raise ValueError(f"{self.recipe} has no scaled_mm route: block formats are emulated on every device")
+
+
+def policy_for(recipe: str | None, backend: str = "auto") -> GemmPolicy:
+    """The policy of a ``model.fp8`` recipe: None (the model's dtype), ``tensorwise``/``rowwise`` (fp8 with
+    ``backend``) or a block format (``mxfp8``/``nvfp4``, emulated: ``backend`` is not theirs to choose)."""
+    if recipe is None:
+        return MODEL_DTYPE
+    if recipe in BLOCK_FORMATS:
+        return GemmPolicy("block", recipe)
+    return GemmPolicy("fp8", recipe, backend)
+
+
+def block_size(policy: GemmPolicy) -> int | None:
+    """Elements per scale block along each GEMM's reduction dim (None: not a block format)."""
+    return BLOCK_RECIPES[policy.recipe][1] if policy.format == "block" and policy.recipe else None
 
 
 MODEL_DTYPE = GemmPolicy()
@@ -187,6 +233,99 @@ def _fp8_grad_weight(g2: torch.Tensor, x2: torch.Tensor, w: torch.Tensor, p: Gem
     return (gtq.t() @ x_cols).to(w.dtype)
 
 
+# ------------------------------------------------------------------ fp8-scaled-mm: the emulation's operands, _scaled_mm
+# The operands and scales of the emulation (``fp8.scaled``), handed to the fp8 kernel: it multiplies the fp8 values
+# exactly, sums in fp32, multiplies the sums by the inverse scales and rounds once to ``out_dtype``. Its second
+# operand is column-major (``_col_major``); rowwise scales are ``[M, 1]`` for the first and ``[1, N]`` for the second.
+def _col_major(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with the same shape and values, stored column-major (what ``_scaled_mm`` wants of ``b``)."""
+    return t.t().contiguous().t()
+
+
+def _scaled_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+               out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``(a / a_scale) @ (b / b_scale) + bias`` on fp8 ``a`` (row-major) and ``b`` (column-major)."""
+    return torch._scaled_mm(a, b, a_scale.reciprocal().contiguous(), b_scale.reciprocal().contiguous(),
+                            bias=None if bias is None else bias.to(out_dtype), out_dtype=out_dtype)
+
+
+def _scaled_forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, p: GemmPolicy,
+                    s: TpSplit) -> torch.Tensor:
+    rowwise = p.recipe == "rowwise"
+    k = 0 if rowwise else None
+    xq, xs = scaled(x.reshape(-1, x.shape[-1]), E4M3, k, s.group, reduce_sharded=s.x_split_in, observe=p.observe)
+    wq, ws = scaled(w, E4M3, k, s.group, reduce_sharded=s.w_split_in if rowwise else (s.w_split_in or s.w_split_out))
+    y = _scaled_mm(xq, xs, wq.t(), ws.t() if rowwise else ws, x.dtype, b)  # wq row-major: wq.t() is column-major
+    return y.reshape(*x.shape[:-1], w.shape[0])
+
+
+def _scaled_grad_input(g: torch.Tensor, x: torch.Tensor, w: torch.Tensor, p: GemmPolicy,
+                       s: TpSplit) -> torch.Tensor:
+    rowwise = p.recipe == "rowwise"
+    gq, gs = scaled(g.reshape(-1, g.shape[-1]), E5M2, 0 if rowwise else None, s.group, reduce_sharded=s.w_split_out)
+    wq, ws = scaled(w, E4M3, 1 if rowwise else None, s.group,
+                    reduce_sharded=s.w_split_out if rowwise else (s.w_split_in or s.w_split_out))
+    return _scaled_mm(gq, gs, _col_major(wq), ws, x.dtype).reshape(x.shape)
+
+
+def _scaled_grad_weight(g2: torch.Tensor, x2: torch.Tensor, w: torch.Tensor, p: GemmPolicy,
+                        s: TpSplit) -> torch.Tensor:
+    rowwise = p.recipe == "rowwise"
+    gq, gs = scaled(g2, E5M2, 1 if rowwise else None, s.group, reduce_sharded=False if rowwise else s.w_split_out)
+    xq, xs = scaled(x2, E4M3, 1 if rowwise else None, s.group, reduce_sharded=False if rowwise else s.x_split_in)
+    return _scaled_mm(gq.t().contiguous(), gs.t() if rowwise else gs, _col_major(xq), xs, w.dtype)
+
+
+# ------------------------------------------------------------------ mxfp8- / nvfp4-emulated: block formats
+# Each operand is cut into blocks along its GEMM's reduction dim: forward x and W along the input features,
+# dx = g W along the output features, dW = g^T x along the tokens. A block never straddles a TP shard (the
+# layers refuse a shard the block does not divide: ``enable_fp8_linears``), so MXFP8 needs no collective;
+# NVFP4's per-tensor scale comes from the whole tensor's amax, a MAX over TP where the tensor is split. The
+# tokens (dW's reduction dim) are padded with zeros to whole blocks: a zero changes no block's amax.
+# Gradients use the forward's element format (E4M3 for MXFP8, E2M1 for NVFP4), as torchao's MX training and
+# NVIDIA's MXFP8/NVFP4 recipes do: the per-block scale gives the range E5M2's extra exponent bit would.
+def _block(t: torch.Tensor, p: GemmPolicy, dim: int, s: TpSplit, split: bool,
+           observe: BlockObserve | None = None, pad: bool = False) -> torch.Tensor:
+    """2-D ``t`` rounded to the block recipe ``p.recipe`` along ``dim`` and back, in fp32."""
+    assert p.recipe is not None
+    t = t.float()
+    n = t.shape[dim]
+    block = BLOCK_RECIPES[p.recipe][1]
+    if pad and n % block:
+        t = F.pad(t, (0, 0, 0, block - n % block) if dim == 0 else (0, block - n % block))
+    amax = None
+    if p.recipe == "nvfp4":
+        amax = t.abs().amax()
+        if split and s.group is not None and dist.get_world_size(s.group) > 1:
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=s.group)
+    if observe is not None:
+        q, stats = fake_quantize_with_stats(t, p.recipe, dim, amax)
+        observe(t, stats)
+    else:
+        q = fake_quantize(t, p.recipe, dim, amax)
+    return q.narrow(dim, 0, n)
+
+
+def _block_forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, p: GemmPolicy,
+                   s: TpSplit) -> torch.Tensor:
+    xq = _block(x.reshape(-1, x.shape[-1]), p, 1, s, s.x_split_in, p.observe_blocks)
+    y = xq @ _block(w, p, 1, s, s.w_split_in or s.w_split_out).t()
+    if b is not None:
+        y = y + b.float()
+    return y.to(x.dtype).reshape(*x.shape[:-1], w.shape[0])
+
+
+def _block_grad_input(g: torch.Tensor, x: torch.Tensor, w: torch.Tensor, p: GemmPolicy, s: TpSplit) -> torch.Tensor:
+    gq = _block(g.reshape(-1, g.shape[-1]), p, 1, s, s.w_split_out)
+    return (gq @ _block(w, p, 0, s, s.w_split_in or s.w_split_out)).to(x.dtype).reshape(x.shape)
+
+
+def _block_grad_weight(g2: torch.Tensor, x2: torch.Tensor, w: torch.Tensor, p: GemmPolicy,
+                       s: TpSplit) -> torch.Tensor:
+    gq = _block(g2, p, 0, s, s.w_split_out, pad=True)
+    return (gq.t() @ _block(x2, p, 0, s, s.x_split_in, pad=True)).to(w.dtype)
+
+
 # ------------------------------------------------------------------ the table
 NATIVE = GemmRoute(
     "native", "every device and dtype the rows below leave", _native_forward, _native_grad_input,
@@ -202,22 +341,69 @@ FP8_EMULATED = GemmRoute(
     _fp8_grad_input, _fp8_grad_weight, adds_into_main_grad=False, fp32_gemms=True, sequence_chunked=False,
     doc="operands rounded to e4m3 (forward) / e5m2 (gradients) with current-amax scales agreed over TP, "
         "dequantized, multiplied by fp32 GEMMs")
-ROUTES: dict[str, GemmRoute] = {r.name: r for r in (NATIVE, CPU_UPCAST, FP8_EMULATED)}
+FP8_SCALED_MM = GemmRoute(
+    "fp8-scaled-mm", "policy format 'fp8', backend 'scaled_mm', or 'auto' on CUDA sm_89+", _scaled_forward,
+    _scaled_grad_input, _scaled_grad_weight, adds_into_main_grad=False, fp32_gemms=True, sequence_chunked=False,
+    doc="the emulation's fp8 operands and scales through torch._scaled_mm (fp8 tensor cores): exact products, fp32 "
+        "sums scaled once, output in the model dtype")
+MXFP8_EMULATED = GemmRoute(
+    "mxfp8-emulated", "policy format 'block', recipe 'mxfp8', any device", _block_forward, _block_grad_input,
+    _block_grad_weight, adds_into_main_grad=False, fp32_gemms=True, sequence_chunked=False,
+    doc="operands rounded to MXFP8 (E4M3, one E8M0 scale per 32 along each GEMM's reduction dim; gradients E4M3 "
+        "too), dequantized, multiplied by fp32 GEMMs")
+NVFP4_EMULATED = GemmRoute(
+    "nvfp4-emulated", "policy format 'block', recipe 'nvfp4', any device", _block_forward, _block_grad_input,
+    _block_grad_weight, adds_into_main_grad=False, fp32_gemms=True, sequence_chunked=False,
+    doc="operands rounded to NVFP4 (E2M1, one E4M3 scale per 16 along each GEMM's reduction dim, an fp32 "
+        "per-tensor scale agreed over TP), dequantized, multiplied by fp32 GEMMs")
+ROUTES: dict[str, GemmRoute] = {r.name: r for r in (NATIVE, CPU_UPCAST, FP8_EMULATED, FP8_SCALED_MM,
+                                                     MXFP8_EMULATED, NVFP4_EMULATED)}
+_FP8_CORES: dict[str, bool] = {}  # device type -> whether its (current) device has fp8 tensor cores
+
+
+def fp8_tensor_cores(device_type: str) -> bool:
+    """Whether ``device_type``'s current device multiplies fp8 on tensor cores: CUDA with compute capability
+    8.9 or later (Ada, Hopper, Blackwell). Asked once per process (traced code reads the cached answer)."""
+    if device_type not in _FP8_CORES:
+        _FP8_CORES[device_type] = device_type == "cuda" and torch.cuda.is_available() \
+            and torch.cuda.get_device_capability() >= (8, 9)
+    return _FP8_CORES[device_type]
+
+
+def _fp8_route(device_type: str, backend: str) -> tuple[GemmRoute, str]:
+    """The fp8 format's route under ``backend`` on ``device_type``, and why (for the log)."""
+    cores = fp8_tensor_cores(device_type)
+    if backend == "emulated":
+        return FP8_EMULATED, "model.fp8.backend='emulated'"
+    if backend == "scaled_mm":
+        why = "model.fp8.backend='scaled_mm'"
+        if not cores:
+            why += (f"; {device_type} has no fp8 tensor cores: torch._scaled_mm runs a reference kernel there, "
+                    "with tensorwise scales 100x and more slower than the emulation (BENCHMARKS.md section 19)")
+        return FP8_SCALED_MM, why
+    if cores:
+        return FP8_SCALED_MM, f"model.fp8.backend='auto': {device_type} has fp8 tensor cores (sm_89+)"
+    return FP8_EMULATED, (f"model.fp8.backend='auto': {device_type} has no fp8 tensor cores (torch._scaled_mm "
+                          "needs CUDA sm_89+ to be fast)")
 
 
 def choose_route(device_type: str, dtype: torch.dtype | None, policy: GemmPolicy = MODEL_DTYPE) -> GemmRoute:
     """The route of a linear on ``device_type`` whose operands are ``dtype`` (None: the input's and the
-    weight's differ, torch's kernels decide) under ``policy``; logged the first time."""
+    weight's differ, torch's kernels decide) under ``policy``; logged the first time, with why for fp8."""
+    why = ""
     if policy.format == "fp8":
-        route = FP8_EMULATED
+        route, why = _fp8_route(device_type, policy.backend)
+    elif policy.format == "block":
+        route = ROUTES[f"{policy.recipe}-emulated"]
     elif device_type == "cpu" and dtype is not None and upcast_on_cpu(dtype):
         route = CPU_UPCAST
     else:
         route = NATIVE
     if not torch.compiler.is_compiling():  # traced code reads the route as a constant (warm-up logged it)
         what = policy.format if policy.recipe is None else f"{policy.format} {policy.recipe}"
+        slow = route is FP8_SCALED_MM and not fp8_tensor_cores(device_type)
         log_once(f"GEMMs of {str(dtype).split('.')[-1]} linears on {device_type} (format {what}): route {route.name}: "
-                 f"{route.doc}")
+                 f"{route.doc}" + (f" ({why})" if why else ""), logging.WARNING if slow else logging.INFO)
     return route
 
 
@@ -339,8 +525,10 @@ def wgrad_into_main(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: str, *, group: Any = None,
                x_split_in: bool = False, w_split_out: bool = False, w_split_in: bool = False,
-               observe: Observe | None = None) -> torch.Tensor:
-    """``linear`` under the fp8 policy ``recipe`` with the given TP split (``TpSplit``); ``observe`` sees the
-    forward input's quantization."""
+               observe: Observe | None = None, backend: str = "auto",
+               observe_blocks: BlockObserve | None = None) -> torch.Tensor:
+    """``linear`` under the low-precision ``recipe`` (``GEMM_RECIPES``; fp8 ones on ``backend``) with the given TP
+    split (``TpSplit``); ``observe`` / ``observe_blocks`` see the forward input's quantization."""
     split = TpSplit(group, x_split_in, w_split_out, w_split_in)
-    return linear(x, weight, bias, GemmPolicy("fp8", recipe, observe), split)
+    policy = dataclasses.replace(policy_for(recipe, backend), observe=observe, observe_blocks=observe_blocks)
+    return linear(x, weight, bias, policy, split)

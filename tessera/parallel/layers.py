@@ -38,7 +38,7 @@ from tessera.parallel.comm import (
     scatter_to_region,
 )
 from tessera.parallel.fp8 import Observe
-from tessera.parallel.gemm import MODEL_DTYPE, GemmPolicy, TpSplit, linear
+from tessera.parallel.gemm import MODEL_DTYPE, BlockObserve, GemmPolicy, TpSplit, linear, policy_for
 from tessera.parallel.seeds import derive_seed
 from tessera.parallel.sequence import (
     gather_from_sequence_region,
@@ -164,13 +164,19 @@ class _ParallelLinear(nn.Module):
 
     @property
     def fp8_recipe(self) -> str | None:
-        """The fp8 scaling recipe of the GEMMs (None: the model's dtype), as ``model.fp8`` sets it."""
-        return self.gemm_policy.recipe if self.gemm_policy.format == "fp8" else None
+        """The low-precision recipe of the GEMMs (tensorwise/rowwise fp8, mxfp8, nvfp4; None: the model's
+        dtype), as ``model.fp8`` sets it."""
+        return self.gemm_policy.recipe
 
     @fp8_recipe.setter
     def fp8_recipe(self, recipe: str | None) -> None:
-        observe = self.gemm_policy.observe
-        self.gemm_policy = MODEL_DTYPE if recipe is None else GemmPolicy("fp8", recipe, observe)
+        self.use_recipe(recipe, self.gemm_policy.backend)
+
+    def use_recipe(self, recipe: str | None, backend: str = "auto") -> None:
+        """Ask the GEMMs for ``recipe`` (``GEMM_RECIPES`` or None) on the fp8 ``backend``; observers are kept."""
+        old = self.gemm_policy
+        self.gemm_policy = dataclasses.replace(policy_for(recipe, backend), observe=old.observe,
+                                               observe_blocks=old.observe_blocks)
 
     @property
     def fp8_observe(self) -> Observe | None:
@@ -180,6 +186,15 @@ class _ParallelLinear(nn.Module):
     @fp8_observe.setter
     def fp8_observe(self, observe: Observe | None) -> None:
         self.gemm_policy = dataclasses.replace(self.gemm_policy, observe=observe)
+
+    @property
+    def block_observe(self) -> BlockObserve | None:
+        """Sees a block format's input quantization (precision telemetry sets it for a step)."""
+        return self.gemm_policy.observe_blocks
+
+    @block_observe.setter
+    def block_observe(self, observe: BlockObserve | None) -> None:
+        self.gemm_policy = dataclasses.replace(self.gemm_policy, observe_blocks=observe)
 
     def init_weights(self, seed: int, prefix: str = "") -> None:
         """TP-invariant init: weight ~ N(0, init_std) keyed by ``prefix.weight``; bias zero."""

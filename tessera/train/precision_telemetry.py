@@ -5,9 +5,11 @@ module owning parameters, each layer, or each kind of module across layers), the
 ``MEASURES``: gradient underflow, zeros, overflow and amax against the dtype's range; the update's size
 against the weight's and the updates the master storage drops (or a low-precision weight would drop);
 the module outputs' amax against their dtype's maximum; for fp8 linears the scale and the saturated and
-flushed elements of their input. The optimizer shows this object its reduced gradients and each chunk
-of its update (``tessera.optim.step_observer``); forward hooks watch the module outputs, and fp8 linears
-call back from their quantization. Hooks exist only during a measured step.
+flushed elements of their input; for block-format linears (mxfp8, nvfp4) the share of their input's scale
+blocks that saturate or underflow and of its elements flushed to zero. The optimizer shows this object
+its reduced gradients and each chunk of its update (``tessera.optim.step_observer``); forward hooks watch
+the module outputs, and fp8 and block-format linears call back from their quantization. Hooks exist only
+during a measured step.
 
 Counting over the job (one element is counted exactly once, wherever it lives): a gradient or update
 element is counted by the ZeRO rank that owns its shard, in the first ZeRO group of its DP group only
@@ -34,6 +36,7 @@ from tessera.optim.bucket import Bucket
 from tessera.optim.groups import GroupComm
 from tessera.optim.hybrid_zero import HybridZeroOptimizer
 from tessera.parallel.attrs import is_tensor_parallel
+from tessera.parallel.block_formats import BLOCK_RECIPES, BlockStats
 from tessera.parallel.comm import to_host
 from tessera.parallel.layers import ColumnParallelLinear, RowParallelLinear
 
@@ -71,11 +74,19 @@ MEASURES: dict[str, Measure] = {m.name: m for m in (
     Measure("fp8_scale", True, False, "the e4m3 scale of the fp8 linear's input (the smallest over rows and ranks)"),
     Measure("fp8_saturated", False, True, "fraction of the fp8 input elements at the format's largest magnitude"),
     Measure("fp8_underflow", False, True, "of the non-zero fp8 input elements, the fraction that became zero"),
+    Measure("block_saturated", False, True,
+            "of the scale blocks of a block-format linear's input (mxfp8, nvfp4), the fraction whose scale is above "
+            "the scale format's range or not finite"),
+    Measure("block_underflow", False, True,
+            "of the scale blocks of a block-format linear's input, the fraction of non-zero blocks whose scale is "
+            "below the scale format's range (clamped up: small elements lose bits)"),
+    Measure("block_flushed", False, True,
+            "of a block-format linear's input elements, the fraction that are non-zero and quantize to zero"),
 )}
 
 # summed counters per row, then maxima per row (the packed vector is [rows x _SUMS] + [rows x _MAXES])
 _SUMS = ("g_n", "g_nonzero", "g_under", "g_over", "u_nonzero", "u_lost", "u_sub", "u_sq", "w_sq",
-         "f_n", "f_nonzero", "f_sat", "f_under")
+         "f_n", "f_nonzero", "f_sat", "f_under", "b_n", "b_sat", "b_under", "e_n", "e_flushed")
 _MAXES = ("g_amax", "a_amax", "f_inv_scale")
 S = {k: i for i, k in enumerate(_SUMS)}
 M = {k: i for i, k in enumerate(_MAXES)}
@@ -178,7 +189,10 @@ class PrecisionTelemetry:
         self.optimizer.observe_next_step(self)
         for module, row in self._modules:
             self._hooks.append(module.register_forward_hook(self._output_hook(row)))
-            if getattr(module, "fp8_recipe", None) is not None:
+            recipe = getattr(module, "fp8_recipe", None)
+            if recipe in BLOCK_RECIPES:
+                module.block_observe = self._block_observer(module, row, BLOCK_RECIPES[recipe][1])
+            elif recipe is not None:
                 module.fp8_observe = self._fp8_observer(module, row)
 
     def detach(self) -> None:
@@ -189,6 +203,7 @@ class PrecisionTelemetry:
         for module, _ in self._modules:
             if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
                 module.fp8_observe = None
+                module.block_observe = None
         self.optimizer.observe_next_step(None)
 
     def finish(self) -> dict[str, Any]:
@@ -286,6 +301,24 @@ class PrecisionTelemetry:
 
         return observe
 
+    def _block_observer(self, module: nn.Module, row: int, block: int) -> Any:
+        """A block format's input: its blocks' scale saturation and underflow and its flushed elements, counted
+        as the fp8 input's are (a TP-split input on every TP rank, a replicated one on TP rank 0)."""
+        counted = self._tp_first or (isinstance(module, RowParallelLinear) and module.tp_size > 1)
+
+        def observe(t: torch.Tensor, stats: BlockStats) -> None:
+            assert self._sum is not None
+            if not counted:
+                return
+            blocks, n = t.numel() // block, t.numel()
+            self._host[row][S["b_n"]] += blocks
+            self._host[row][S["e_n"]] += n
+            self._sum[row, S["b_sat"]] += stats.scale_saturated.double() * blocks
+            self._sum[row, S["b_under"]] += stats.scale_underflow.double() * blocks
+            self._sum[row, S["e_flushed"]] += stats.flushed_to_zero.double() * n
+
+        return observe
+
 
 def _figures(s: Sequence[float], m: Sequence[float]) -> dict[str, float]:
     """One row's measures from its reduced counters (a measure without data is left out)."""
@@ -318,4 +351,7 @@ def _figures(s: Sequence[float], m: Sequence[float]) -> dict[str, float]:
         out["fp8_scale"] = 1.0 / inv if inv > 0 else math.inf
         frac("f_sat", "f_n", "fp8_saturated")
         frac("f_under", "f_nonzero", "fp8_underflow")
+    frac("b_sat", "b_n", "block_saturated")
+    frac("b_under", "b_n", "block_underflow")
+    frac("e_flushed", "e_n", "block_flushed")
     return out
