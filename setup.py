@@ -32,6 +32,6 @@ setup(
         "wandb": ["wandb"],
         # torchao: the independent reference the block-format quantizers are checked against, bit for bit
         "test": ["pytest", "pytest-timeout", "pytest-xdist", "transformers", "tokenizers", "matplotlib", "pyarrow",
-                 "zstandard", "sentencepiece", "torchao"],
+                 "zstandard", "sentencepiece", "torchao==0.18.0"],
     },
 )
