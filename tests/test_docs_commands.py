@@ -32,7 +32,7 @@ SHELL_LANGS = ("bash", "sh", "console")
 LINKED = ("tessera", "configs", "tools", "benchmarks", "harness", "tests", "examples", "train.py",
           "pyproject.toml", "setup.py", "pytest.ini")  # code, read only; pages are copied
 COPIED = ("README.md", "BENCHMARKS.md", "docs")
-BLOCK_TIMEOUT_S = 300
+BLOCK_TIMEOUT_S = 600  # a hang guard: a block of a few train.py runs takes minutes on a loaded 2-core machine
 MARKER = re.compile(r"^<!--\s*docs-check:\s*(skip|overrides|slow)\b(.*?)-->\s*$")
 FENCE = re.compile(r"^```(\w*)\s*$")
 

@@ -12,7 +12,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 from tessera.train.metrics import MetricsWriter
 
@@ -24,10 +23,18 @@ VALUES = {"loss": 1.0, "lr": 1e-3, "grad_norm": 1.0, "loss_scale": 1, "skipped_s
 def test_validation_gets_a_bar_and_the_training_clock_leaves_it_out(tmp_path, capsys):
     log = MetricsWriter(str(tmp_path), True, total_steps=3, tensorboard=False, progress_bar=True)
     log.log_train(1, VALUES, line=False)
-    before = log._bar.format_dict["elapsed"]
-    seen = list(log.progress((time.sleep(0.3) or i for i in range(3)), 3, desc="validation"))
-    assert seen == [0, 1, 2]
-    assert log._bar.format_dict["elapsed"] - before < 0.2  # the 0.9 s of validation is not training time
+    now = [1000.0]  # the training bar's clock, advanced by hand: no wall-clock figure decides the verdict
+    bar = log._bar
+    bar._time = lambda: now[0]
+    bar.start_t = bar.last_print_t = now[0]
+
+    def batch(i):
+        now[0] += 30.0  # each validation batch takes 30 s on that clock
+        return i
+
+    seen = list(log.progress((batch(i) for i in range(3)), 3, desc="validation"))
+    assert seen == [0, 1, 2] and now[0] == 1090.0
+    assert bar.start_t == 1090.0  # the bar's start moved by the 90 s of validation: they are not training time
     assert "validation" in capsys.readouterr().err
     log.log_train(3, VALUES, line=False)
     assert log._bar is None  # closed at its total: nothing redraws it during the final validation

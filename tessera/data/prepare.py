@@ -93,13 +93,14 @@ def prepare_corpus(
 
 @contextlib.contextmanager
 def _writing(output: str) -> Iterator[None]:
-    """A failed write (a full disk, a quota, an I/O error) becomes one ``DataError`` naming ``output``; the
-    caller removes the temporary folder, so nothing under ``output`` looks complete."""
+    """A failed write (a full disk, a quota, an I/O error) becomes one ``DataError`` naming ``output`` (the
+    ``OSError`` chained as its cause); the caller removes the temporary folder, so nothing under ``output`` looks
+    complete."""
     try:
         yield
     except OSError as e:
         raise DataError(f"cannot write the prepared data for {output}: {os_error_text(e)}; nothing was kept "
-                        "(free space or choose another --output, then run again)") from None
+                        "(free space or choose another --output, then run again)") from e
 
 
 def _batches(documents: Iterable[Document], valid_fraction: float, valid_every_nth: int

@@ -98,10 +98,15 @@ def prepare_stdlib_corpus(
         docs = (Document(d.text, os.path.relpath(d.source, root).replace(os.sep, "/"), d.invalid_utf8,
                          d.input_bytes)
                 for d in iter_documents(files, strict_utf8=False))
-        prepare_corpus(docs, target, ByteTokenizer(), valid_every_nth=VALID_EVERY_NTH,
-                       created_by="tessera.data.stdlib_corpus", total_bytes=sum(map(os.path.getsize, files)),
-                       progress=progress,
-                       exist_ok=True, extra_meta={"source_root": root, "python": sys.version.split()[0]})
+        try:
+            prepare_corpus(docs, target, ByteTokenizer(), valid_every_nth=VALID_EVERY_NTH,
+                           created_by="tessera.data.stdlib_corpus", total_bytes=sum(map(os.path.getsize, files)),
+                           progress=progress,
+                           exist_ok=True, extra_meta={"source_root": root, "python": sys.version.split()[0]})
+        except DataError as e:  # a failed write: the file error itself, which train.py names with data.cache_folder
+            if isinstance(e.__cause__, OSError):
+                raise e.__cause__ from None
+            raise
     if barrier is not None:
         barrier()
     if not os.path.isfile(done):
