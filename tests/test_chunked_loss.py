@@ -15,6 +15,8 @@ differently, which stays within the same bound.
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -195,3 +197,20 @@ def test_the_activation_closed_form_counts_the_fused_head():
         assert abs(peak - closed) <= 0.10 * closed, (case, peak, closed)
     by = {(c["mode"], c["chunk_tokens"]): p for c, p in zip(cases, measured)}
     assert by["mtp", 16] < by["mtp", 0] and by["msp", 16] < by["msp", 0]
+
+
+def test_compiled_chunk_kernels_compute_the_eager_ones():
+    """``LossSpec(compiled=True)`` (train.py's with compiled blocks): the per-chunk kernels through inductor give
+    the eager path's loss and gradients, in fp32 within the fp32 bound (the same operations, fused: only the
+    order of the exp sums and the exp implementation differ), with label smoothing and ignored rows."""
+    from torch._inductor import config
+
+    if not any(shutil.which(c) for c in [*(c for c in config.cpp.cxx if c), "g++", "c++", "clang++"]):
+        pytest.skip("inductor needs a C++ compiler on the CPU")
+    x, w, t = _data(torch.float32, seed=5)
+    for spec in (LossSpec(chunk_tokens=4), LossSpec(chunk_tokens=4, label_smoothing=0.1, reduction="sum")):
+        eager = _fused(x, w, t, spec)
+        compiled = _fused(x, w, t, LossSpec(chunk_tokens=4, label_smoothing=spec.label_smoothing,
+                                            reduction=spec.reduction, compiled=True))
+        for got, want in zip(compiled, eager):
+            torch.testing.assert_close(got, want, rtol=FP32_RTOL, atol=FP32_RTOL * float(want.abs().max()))

@@ -53,7 +53,7 @@ def _bytes(dtype: torch.dtype) -> int:
 
 def activation_bytes(model_cfg: Any, micro_bsz: int, seq_len: int, tp: int, mode: str, checkpoint: Any,
                      dtype: torch.dtype = torch.float32, chunk_tokens: int = 0,
-                     fused_wgrad: bool = False) -> dict[str, float]:
+                     fused_wgrad: bool = False, compiled: bool = False) -> dict[str, float]:
     """Bytes per TP rank: ``per_layer`` (kept by one layer), ``kept`` (everything kept at the end of the
     forward, loss included), ``peak`` (kept + the backward's largest working set); see the module doc.
     ``chunk_tokens``: the head and the loss fused in chunks of that many tokens (``loss.chunk_tokens``;
@@ -78,8 +78,13 @@ def activation_bytes(model_cfg: Any, micro_bsz: int, seq_len: int, tp: int, mode
     qk_norms = e * T * (q_t + k_t) + 4 * T * (a.num_attention_heads + a.num_kv_attention_heads) // t if a.qk_norm else 0
     layer_none = (4 * e * srh + e * T * (2 * q_t + 2 * k_t) + 3 * e * Tf
                   + 8 * sr + 4 * T * (a.num_attention_heads // t) + drop + qk_norms)
-    per_layer = {False: layer_none, "selective": e * (2 * srh + T * (q_t + 2 * k_t) + 2 * Tf),
-                 True: e * srh}[checkpoint]
+    # compiled blocks without checkpointing: the compiler recomputes the elementwise work (norm outputs, the
+    # SwiGLU product) in backward and keeps what it cannot recompute cheaply: the block input and the residual
+    # sum, q, k, v, the attention output and its log-sum-exp, gate and up, the norm statistics
+    layer_compiled = (e * (2 * srh + T * (2 * q_t + 2 * k_t) + 2 * Tf) + 8 * sr
+                      + 4 * T * (a.num_attention_heads // t) + drop + qk_norms)
+    per_layer = {False: layer_compiled if compiled else layer_none,
+                 "selective": e * (2 * srh + T * (q_t + 2 * k_t) + 2 * Tf), True: e * srh}[checkpoint]
     top_keep = 4 * T * d + (9 * T if t > 1 else 0)  # rotary cos/sin; the embedding's local ids and mask
     final_norm = 2 * e * srh + 4 * sr
     sp = mode == "msp" and t > 1
@@ -93,9 +98,12 @@ def activation_bytes(model_cfg: Any, micro_bsz: int, seq_len: int, tp: int, mode
     grad_w_head = 4 * v_t * h
     if chunk_tokens:  # fused: the input's and the fp32 weight's gradients, and one chunk's logits made again
         c = min(chunk_tokens, T)
-        chunk = (4 + (2 * e if e != 4 else 0)) * c * v_t + e * c * h + (0 if fused_wgrad else e * v_t * h)
-        grad_w_head = e * v_t * h if fused_wgrad else grad_w_head
-        head = kept + e * Th + grad_w_head + chunk + (e * srh if sp else 0)
+        # a chunk's logits and their gradient in the model dtype, and (eager) the fp32 softmax between them
+        logits = 2 * e * c * v_t if compiled else (4 + (2 * e if e != 4 else 0)) * c * v_t
+        chunk = logits + e * c * h + (0 if fused_wgrad else e * v_t * h)
+        # fused: the weight's placeholder gradient is made after the last chunk is freed
+        working = max(chunk, e * v_t * h) if fused_wgrad else grad_w_head + chunk
+        head = kept + e * Th + working + (e * srh if sp else 0)
     elif sp:
         head = kept - loss + e * T * v_t + 2 * e * Th + grad_w_head
     else:
@@ -110,6 +118,8 @@ def activation_bytes(model_cfg: Any, micro_bsz: int, seq_len: int, tp: int, mode
     base = (a.num_layers - 1) * per_layer + top_keep
     if checkpoint == "selective":
         rest = per_layer + e * srh + 4 * sr + e * Tf
+    elif checkpoint is False and compiled:  # what it keeps, and the norm output and SwiGLU product made again
+        rest = per_layer + e * srh + e * Tf
     else:
         rest = layer_none
     grad_in = e * srh + (e * Th if mode == "msp" and t > 1 else 0)  # residual gradient (+ gathered for w2)

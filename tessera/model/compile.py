@@ -40,7 +40,7 @@ from tessera.model.forward_info import ForwardContext
 from tessera.model.transformer import DecoderLayer
 from tessera.parallel import cpu_kernels
 
-__all__ = ["BACKENDS", "MODES", "compile_blocks", "compiled_blocks", "settings_problem"]
+__all__ = ["BACKENDS", "MODES", "compile_blocks", "compiles_blocks", "compiled_blocks", "settings_problem"]
 
 logger = logging.getLogger("tessera")
 
@@ -162,6 +162,15 @@ def settings_problem(backend: str, mode: str) -> str | None:
         return (f"model.compile.mode={mode!r} is a mode of the inductor backend, not of "
                 f"model.compile.backend={backend!r}")
     return None
+
+
+def compiles_blocks(setting: bool | str, device_type: str, hooks_activations: bool) -> bool:
+    """``model.compile.enabled`` resolved: True / False as set; ``"auto"`` compiles on CUDA and stays eager on
+    the CPU (where compiling a short run costs more than it saves) and where the precision telemetry hooks
+    module outputs inside the blocks. The one rule the builder and the memory check both read."""
+    if setting != "auto":
+        return bool(setting)
+    return device_type == "cuda" and not hooks_activations
 
 
 def compile_blocks(model: nn.Module, *, backend: str = "inductor", mode: str = "default") -> int:

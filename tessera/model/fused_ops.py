@@ -125,7 +125,11 @@ class _SwiGLU(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             # grad * up * sigmoid(gate) * (1 + gate * (1 - sigmoid(gate))): torch's one kernel, in place
             gu = grad * up
-            grad_gate = torch.ops.aten.silu_backward.grad_input(gu, gate, grad_input=gu)
+            if torch.compiler.is_compiling():  # traced: the functional op (inductor on CUDA returned zero gate and
+                # up gradients for the out= form below aliasing its input: tests/test_compile.py, on an H100)
+                grad_gate = torch.ops.aten.silu_backward(gu, gate)
+            else:  # eager: in place, no second buffer of gate's size
+                grad_gate = torch.ops.aten.silu_backward.grad_input(gu, gate, grad_input=gu)
         if ctx.needs_input_grad[1]:
             grad_up = F.silu(gate).mul_(grad)  # silu recomputed, not saved
         return grad_gate, grad_up

@@ -15,12 +15,14 @@ not checked (that would cost a device sync) and are treated as matching no class
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from tessera.logs import log_once
 from tessera.parallel.comm import all_reduce, group_rank, group_size
 from tessera.parallel.gemm import fuses_wgrad, linear_grads, linear_no_autograd, wgrad_into_main
 from tessera.parallel.wgrad import placeholder
@@ -39,6 +41,7 @@ class LossSpec:
     label_smoothing: float = 0.0
     reduction: str = "mean"
     chunk_tokens: int = 1024
+    compiled: bool = False  # the fused path's per-chunk math through torch.compile (``_ChunkKernels``)
 
     def __post_init__(self) -> None:
         if self.reduction not in _REDUCTIONS:
@@ -150,6 +153,80 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad.view(ctx.logits_shape).to(ctx.logits_dtype), None, None, None, None, None
 
 
+def _target_columns(t: torch.Tensor, valid: torch.Tensor, start: int,
+                    v_local: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's target column in this vocab shard (0 where another rank holds it) and whether it is here."""
+    mine = valid & (t >= start) & (t < start + v_local)
+    return torch.where(mine, t - start, torch.zeros_like(t)), mine
+
+
+def _row_max(logits: torch.Tensor, compute: torch.dtype) -> torch.Tensor:
+    """Each row's largest logit of this shard, in ``compute``."""
+    return logits.amax(dim=-1).to(compute)
+
+
+def _row_sums(logits: torch.Tensor, row_max: torch.Tensor, local_t: torch.Tensor, mine: torch.Tensor,
+              smoothing: bool) -> torch.Tensor:
+    """``[sum exp(x - max), x[t] - max where this shard holds t (else 0), sum (x - max) if smoothing]`` of each row
+    of this shard, stacked ``[2 or 3, rows]`` for one all-reduce over TP, in ``row_max``'s dtype."""
+    picked = (logits.gather(1, local_t.unsqueeze(-1)).squeeze(-1).to(row_max.dtype) - row_max) * mine
+    shifted = logits.to(row_max.dtype).sub_(row_max.unsqueeze(-1))  # overwrites fp32 logits, the caller's to give
+    logit_sum = [shifted.sum(-1)] if smoothing else []
+    return torch.stack([shifted.exp_().sum(-1), picked, *logit_sum], dim=0)
+
+
+def _logits_grad(logits: torch.Tensor, lse: torch.Tensor, local_t: torch.Tensor, mine: torch.Tensor,
+                 coef: torch.Tensor, label_smoothing: float, vocab: int) -> torch.Tensor:
+    """d loss / d logits of a chunk in the logits' dtype: (softmax - smoothed one-hot target) times each row's
+    incoming gradient ``coef`` (0 where ignored), computed in ``lse``'s dtype, in place (in the logits themselves
+    when they have that dtype: a fresh GEMM output the caller gives away)."""
+    probs = logits.to(lse.dtype).sub_(lse.unsqueeze(-1)).exp_()
+    if label_smoothing > 0:
+        probs.sub_(label_smoothing / vocab)
+    rows = torch.arange(probs.shape[0], device=probs.device)
+    probs[rows, local_t] -= (1.0 - label_smoothing) * mine.to(probs.dtype)
+    return probs.mul_(coef.unsqueeze(-1)).to(logits.dtype)
+
+
+def _logits_grad_pointwise(logits: torch.Tensor, lse: torch.Tensor, local_t: torch.Tensor, mine: torch.Tensor,
+                           coef: torch.Tensor, label_smoothing: float, vocab: int) -> torch.Tensor:
+    """``_logits_grad`` as one elementwise expression (the target column picked by a comparison, not written by
+    an index): what the compiler turns into one kernel reading the logits once and writing the gradient once."""
+    probs = (logits.to(lse.dtype) - lse.unsqueeze(-1)).exp()
+    if label_smoothing > 0:
+        probs = probs - label_smoothing / vocab
+    cols = torch.arange(logits.shape[-1], device=logits.device)
+    target = (cols.unsqueeze(0) == local_t.unsqueeze(-1)) & mine.unsqueeze(-1)
+    probs = probs - target.to(probs.dtype) * (1.0 - label_smoothing)
+    return (probs * coef.unsqueeze(-1)).to(logits.dtype)
+
+
+@dataclass(frozen=True)
+class _ChunkKernels:
+    """The fused path's per-chunk math: plain torch ops (each a pass over the chunk's logits, fp32 copies in
+    between), or the same functions through ``torch.compile``, where each is one kernel that reads the
+    model-dtype logits once (``LossSpec.compiled``: train.py sets it with ``model.compile.enabled``)."""
+
+    row_max: Any
+    row_sums: Any
+    logits_grad: Any
+
+
+_EAGER = _ChunkKernels(_row_max, _row_sums, _logits_grad)
+
+
+@functools.cache
+def _compiled_kernels() -> _ChunkKernels:
+    log_once("loss: the fused head's per-chunk softmax and its gradient run through torch.compile "
+                     "(inductor), one pass over each chunk's logits")
+    return _ChunkKernels(*(torch.compile(f, fullgraph=True, dynamic=False) for f in (_row_max, _row_sums,
+                                                                                     _logits_grad_pointwise)))
+
+
+def chunk_kernels(compiled: bool) -> _ChunkKernels:
+    return _compiled_kernels() if compiled else _EAGER
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     """The head's GEMM and the vocab-parallel loss, ``chunk`` rows at a time: each chunk's logits are made,
     reduced to per-row losses and log-sum-exps, and freed; the backward makes them again from the saved
@@ -165,12 +242,24 @@ class _LinearCrossEntropy(torch.autograd.Function):
         loss = torch.empty(x.shape[0], dtype=compute, device=x.device)
         lse = torch.empty_like(loss)
         valid = target != spec.ignore_index
+        kernels = chunk_kernels(spec.compiled)
+        smoothing = spec.label_smoothing > 0
         for a in range(0, x.shape[0], spec.chunk_tokens):
             b = min(a + spec.chunk_tokens, x.shape[0])
-            logits = linear_no_autograd(x[a:b], weight).to(compute)
-            rows = _rows_forward(logits, target[a:b], group, start, vocab, spec.ignore_index, spec.label_smoothing)
-            loss[a:b], lse[a:b] = rows.loss, rows.lse
-            del logits, rows
+            logits = linear_no_autograd(x[a:b], weight)  # the model dtype: the kernels read it once each
+            local_t, mine = _target_columns(target[a:b], valid[a:b], start, v_local)
+            row_max = kernels.row_max(logits, compute)
+            all_reduce(row_max, group, dist.ReduceOp.MAX)
+            sums = kernels.row_sums(logits, row_max, local_t, mine, smoothing)
+            sums = all_reduce(sums, group)  # exp sums, target logits (and logit sums) in one all-reduce
+            shifted_lse = sums[0].log()
+            lse[a:b] = shifted_lse + row_max
+            rows_loss = shifted_lse - sums[1]
+            if smoothing:
+                rows_loss = ((1.0 - spec.label_smoothing) * rows_loss
+                             + spec.label_smoothing * (shifted_lse - sums[2] / vocab))
+            loss[a:b] = torch.where(valid[a:b], rows_loss, torch.zeros_like(rows_loss))
+            del logits
         out, count = _reduce(loss, valid, spec.reduction, target.shape)
         ctx.save_for_backward(x, weight, target, lse, count)
         ctx.group, ctx.spec, ctx.start, ctx.vocab = group, spec, start, vocab
@@ -187,22 +276,23 @@ class _LinearCrossEntropy(torch.autograd.Function):
                          device=weight.device) if needs[1] else None
         scale = _row_scale(grad_out, spec.reduction, count, x.shape[0], lse.dtype)
         v_local = weight.shape[0]
+        kernels = chunk_kernels(spec.compiled)
         for a in range(0, x.shape[0], spec.chunk_tokens):
             b = min(a + spec.chunk_tokens, x.shape[0])
             t = target[a:b]
             valid = t != spec.ignore_index
-            mine = valid & (t >= ctx.start) & (t < ctx.start + v_local)
-            local_t = torch.where(mine, t - ctx.start, torch.zeros_like(t))
-            probs = linear_no_autograd(x[a:b], weight).to(lse.dtype).sub_(lse[a:b].unsqueeze(-1)).exp_()
-            grad = _grad_rows(probs, local_t, mine, valid, spec.label_smoothing, ctx.vocab, scale[a:b])
-            gx_c, gw_c, _ = linear_grads(grad.to(x.dtype), x[a:b], weight, False, needs)
+            local_t, mine = _target_columns(t, valid, ctx.start, v_local)
+            logits = linear_no_autograd(x[a:b], weight)
+            grad = kernels.logits_grad(logits, lse[a:b], local_t, mine, valid * scale[a:b], spec.label_smoothing,
+                                       ctx.vocab)  # in the model dtype, as the GEMMs take it
+            gx_c, gw_c, _ = linear_grads(grad, x[a:b], weight, False, needs)
             if gx is not None and gx_c is not None:
                 gx[a:b] = gx_c
             if gw is not None and gw_c is not None:
                 gw.add_(gw_c)
             if fused:
-                wgrad_into_main(grad.to(x.dtype), x[a:b], weight)
-            del probs, grad
+                wgrad_into_main(grad, x[a:b], weight)
+            del logits, grad
         if fused:
             return gx, placeholder(weight), None, None, None
         return gx, None if gw is None else gw.to(weight.dtype), None, None, None

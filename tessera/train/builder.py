@@ -23,7 +23,7 @@ from tessera.core.job import Job
 from tessera.core.naive_amp import NaiveAMPModel, naive_amp_for, unwrap_model
 from tessera.logs import log_once
 from tessera.model import Transformer, build_model
-from tessera.model.compile import compile_blocks
+from tessera.model.compile import compile_blocks, compiles_blocks
 from tessera.optim.hybrid_zero import HybridZeroOptimizer
 from tessera.optim.params import build_param_groups
 from tessera.train.lr_scheduler import WarmupCosineLR
@@ -75,7 +75,8 @@ def build_training_stack(
     if before_cast is not None:
         before_cast(model)
     amp = naive_amp_for(model, job.precision, sync_buffer=sync_buffer, parallel_mode=groups.dp)
-    if compile_enabled(cfg, job):  # a no-op on meta parameters (dry runs)
+    compiled = compile_enabled(cfg, job)
+    if compiled:  # a no-op on meta parameters (dry runs)
         compile_blocks(model, backend=cfg.model.compile.backend, mode=cfg.model.compile.mode)
     optimizer = build_optimizer(amp, cfg, job)
     scheduler = WarmupCosineLR.from_config(optimizer.param_groups, cfg.adam, cfg.lr_scheduler)
@@ -86,7 +87,7 @@ def build_training_stack(
         device=job.device) if met.precision_every > 0 else None
     trainer = trainer_cls(amp, optimizer, tp_group=groups.tp, dp_group=groups.dp, device=job.device,
                           label_smoothing=cfg.loss.label_smoothing, dp_size=job.layout.dp_size, telemetry=telemetry,
-                          chunk_tokens=cfg.loss.chunk_tokens)
+                          chunk_tokens=cfg.loss.chunk_tokens, compile_loss=compiled and job.device.type != "meta")
     return TrainingStack(amp, optimizer, scheduler, trainer, job)
 
 
@@ -103,10 +104,10 @@ def compile_enabled(cfg: RunConfig | Config, job: Job) -> bool:
     hooks module outputs inside the blocks. The choice is logged once."""
     cfg = typed_view(cfg)
     setting = cfg.model.compile.enabled
-    if setting != "auto":
-        return bool(setting)
     hooks = bool(cfg.metrics.precision_every and cfg.metrics.precision_activations)
-    enabled = job.device.type == "cuda" and not hooks
+    enabled = compiles_blocks(setting, job.device.type, hooks)
+    if setting != "auto":
+        return enabled
     why = ("metrics.precision_activations hooks the blocks" if hooks and job.device.type == "cuda"
            else f"the device is {job.device.type}")
     log_once(f"model.compile.enabled='auto': compiled blocks {'on' if enabled else 'off'} ({why}); set it to "

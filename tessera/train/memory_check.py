@@ -35,6 +35,7 @@ from tessera.core.precision import Precision
 from tessera.model import build_model
 from tessera.model.activations import activation_bytes
 from tessera.model.args import ModelArgs
+from tessera.model.compile import compiles_blocks
 from tessera.model.flash_probe import flash_attn_available
 from tessera.parallel import MetaGroup
 from tessera.parallel.comm import reduce_scalars
@@ -116,6 +117,17 @@ def head_wgrad_fused(cfg: Mapping[str, Any], device_type: str, precision: Precis
     return on and fp32_grads and (device_type != "cpu" or precision.dtype == torch.float32)
 
 
+def blocks_compiled(cfg: Mapping[str, Any], device_type: str) -> bool:
+    """Whether the run's blocks are compiled (``tessera.model.compile.compiles_blocks``): they keep fewer
+    activations, and the fused head's chunk math is compiled with them."""
+    metrics = cfg.get("metrics") or {}
+    compile_cfg = (cfg.get("model") or {}).get("compile") or {}
+    setting = compile_cfg.get("enabled", default_of("model.compile.enabled"))
+    hooks = bool(metrics.get("precision_every", default_of("metrics.precision_every"))
+                 and metrics.get("precision_activations", default_of("metrics.precision_activations")))
+    return compiles_blocks(setting, device_type, hooks)
+
+
 def plan_persistent_state(cfg: Mapping[str, Any], world_size: int, tp: int, zero1: int,
                           checkpoint: Any = None, device_type: str = "cpu",
                           flash_installed: bool | None = None, precision: Precision | None = None) -> StatePlan:
@@ -133,10 +145,11 @@ def plan_persistent_state(cfg: Mapping[str, Any], world_size: int, tp: int, zero
     checkpoint = model_cfg.get("checkpoint", False) if checkpoint is None else checkpoint
     data, mode = cfg.get("data") or {}, ((cfg.get("parallel") or {}).get("tensor") or {}).get("mode", "mtp")
     act = kept = 0.0
+    compiled = blocks_compiled(cfg, device_type)
     if checkpoint in (False, True, "selective") and not precision.fp8.enabled and data:
         chunk = int((cfg.get("loss") or {}).get("chunk_tokens", default_of("loss.chunk_tokens")))
         forms = activation_bytes(model_cfg, data["micro_bsz"], data["seq_len"], tp, mode, checkpoint,
-                                 precision.dtype, chunk, head_wgrad_fused(cfg, device_type, precision))
+                                 precision.dtype, chunk, head_wgrad_fused(cfg, device_type, precision), compiled)
         act, kept = forms["peak"], forms["kept"]
     attention = 0.0
     if device_type == "cuda" and data:

@@ -49,7 +49,8 @@ class Trainer:
 
     def __init__(self, model: torch.nn.Module, optimizer: HybridZeroOptimizer, *, tp_group: dist.ProcessGroup | None,
                  dp_group: dist.ProcessGroup | None, device: torch.device, label_smoothing: float = 0.0,
-                 dp_size: int = 1, telemetry: PrecisionTelemetry | None = None, chunk_tokens: int = 1024):
+                 dp_size: int = 1, telemetry: PrecisionTelemetry | None = None, chunk_tokens: int = 1024,
+                 compile_loss: bool = False):
         self.model = model
         self.optimizer = optimizer
         self.tp_group = tp_group
@@ -64,6 +65,7 @@ class Trainer:
         # logits whole. The telemetry does not change the path (measuring changes nothing): under the fused
         # head it sees no head output to measure
         self.chunk_tokens = chunk_tokens
+        self.compile_loss = compile_loss  # the fused path's per-chunk math compiled (with model.compile)
 
     def _loss(self, batch: Mapping[str, Any], reduction: str = "mean",
               label_smoothing: float | None = None) -> torch.Tensor:
@@ -72,7 +74,7 @@ class Trainer:
         smoothing = self.label_smoothing if label_smoothing is None else label_smoothing
         if self.chunk_tokens:
             spec = LossSpec(ignore_index=-100, label_smoothing=smoothing, reduction=reduction,
-                            chunk_tokens=self.chunk_tokens)
+                            chunk_tokens=self.chunk_tokens, compiled=self.compile_loss)
             return self.model(batch["input_ids"], cu_seqlens=batch.get("cu_seqlens"),
                               position_ids=batch.get("position_ids"), labels=batch["labels"], loss=spec, **packed)
         logits = self.model(batch["input_ids"], cu_seqlens=batch.get("cu_seqlens"),
