@@ -77,9 +77,9 @@ def parse_junit(path: str) -> list[Check]:
         failed = case.find("failure") if case.find("failure") is not None else case.find("error")
         skipped = case.find("skipped")
         if failed is not None:
-            checks.append(Check(name, False, (failed.get("message") or "")[:300]))
+            checks.append(Check(name, False, " ".join((failed.get("message") or "").split())[:300]))
         elif skipped is not None:
-            checks.append(Check(name, None, (skipped.get("message") or "")[:300]))
+            checks.append(Check(name, None, " ".join((skipped.get("message") or "").split())[:300]))
         else:
             checks.append(Check(name, True, f"{float(case.get('time', 0)):.1f} s"))
     return checks
