@@ -57,7 +57,9 @@ def _hf_step(cfg: Any, device: str, compiled: bool) -> Callable[[], float]:
     spec = hf_config_from_model_cfg(cfg.model, family="llama")
     spec = {k: v for k, v in spec.items() if k not in ("architectures", "model_type", "torch_dtype", "dtype")}
     torch.manual_seed(cfg.seed)
-    model = LlamaForCausalLM(LlamaConfig(**spec, attn_implementation="sdpa")).to(device)  # fp32 parameters
+    # through Any: transformers 5.24's stubs refuse attn_implementation as a keyword and type .to() without self
+    hf: Any = LlamaForCausalLM(LlamaConfig(**{**spec, "attn_implementation": "sdpa"}))
+    model = hf.to(device)  # fp32 parameters
     fused = {"fused": True} if device.startswith("cuda") else {}
     adam = cfg.adam
     opt = torch.optim.AdamW(model.parameters(), lr=adam.lr, betas=(adam.adam_beta1, adam.adam_beta2),
