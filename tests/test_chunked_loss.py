@@ -208,9 +208,12 @@ def test_compiled_chunk_kernels_compute_the_eager_ones():
     if not any(shutil.which(c) for c in [*(c for c in config.cpp.cxx if c), "g++", "c++", "clang++"]):
         pytest.skip("inductor needs a C++ compiler on the CPU")
     x, w, t = _data(torch.float32, seed=5)
+    torch._dynamo.reset()  # compiled here, whatever this process compiled before
+    torch._dynamo.utils.counters.clear()
     for spec in (LossSpec(chunk_tokens=4), LossSpec(chunk_tokens=4, label_smoothing=0.1, reduction="sum")):
         eager = _fused(x, w, t, spec)
         compiled = _fused(x, w, t, LossSpec(chunk_tokens=4, label_smoothing=spec.label_smoothing,
                                             reduction=spec.reduction, compiled=True))
         for got, want in zip(compiled, eager):
             torch.testing.assert_close(got, want, rtol=FP32_RTOL, atol=FP32_RTOL * float(want.abs().max()))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 3  # the three kernels did compile
