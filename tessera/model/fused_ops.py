@@ -123,13 +123,9 @@ class _SwiGLU(torch.autograd.Function):
         gate, up = ctx.saved_tensors
         grad_gate = grad_up = None
         if ctx.needs_input_grad[0]:
-            # grad * up * sigmoid(gate) * (1 + gate * (1 - sigmoid(gate))): torch's one kernel, functional. Its
-            # out= form writing into ``gu`` is the suspect of compiled blocks' zero w1/w3 gradients on an H100
-            # (torch 2.11; tests/test_compile.py::test_cuda_bf16_compiled_matches_eager), unconfirmed there.
-            # The peak is the same: gu is freed before up's gradient is made
+            # grad * up * sigmoid(gate) * (1 + gate * (1 - sigmoid(gate))): torch's one kernel, in place
             gu = grad * up
-            grad_gate = torch.ops.aten.silu_backward(gu, gate)
-            del gu
+            grad_gate = torch.ops.aten.silu_backward.grad_input(gu, gate, grad_input=gu)
         if ctx.needs_input_grad[1]:
             grad_up = F.silu(gate).mul_(grad)  # silu recomputed, not saved
         return grad_gate, grad_up
