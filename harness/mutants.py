@@ -196,7 +196,7 @@ MUTANTS: tuple[Mutant, ...] = (
            "    row_max = x.max(dim=-1).values\n",
            "TP>1: each vocab shard shifts by its own max; the loss is wrong", (LAYERS,)),
     Mutant("loss-chunk-kernels-never-compiled", "tessera/parallel/loss.py",
-           "return _compiled_kernels() if compiled else _EAGER", "return _EAGER",
+           "        return _compiled_kernels()\n    return _EAGER", "        return _EAGER\n    return _EAGER",
            "model.compile on (the CUDA default): the fused head's softmax passes run eagerly, the step is slower",
            ("tests/test_chunked_loss.py::test_compiled_chunk_kernels_compute_the_eager_ones",)),
     Mutant("fused-lse-max-not-reduced-over-tp", "tessera/parallel/loss.py",

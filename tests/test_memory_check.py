@@ -164,3 +164,29 @@ def test_cuda_check_counts_nothing_where_torch_varlen_runs(overrides, expected):
         pytest.skip("this torch has no varlen attention")
     plan = plan_persistent_state(_sdpa_cfg(*overrides), 2, 2, 1, device_type="cuda", flash_installed=False)
     assert plan.attention_bytes == expected
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "mxfp8"])
+def test_low_precision_runs_count_their_activations_and_gemm_copies(recipe, tmp_path):
+    """With fp8 or a block format on, the check counts the activations (the routes keep the model-dtype input,
+    as bf16 does) and the operand copies of one GEMM's backward: the whole step's peak that
+    ``tools/memory_phases.py`` measures on the CPU is within [0.95, 1.05] of the prediction."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "phases.json"
+    overrides = ["model.dtype=bf16", "data.type=synthetic", "model.hidden_size=128", "data.seq_len=256",
+                 "model.max_position_embeddings=256", "data.micro_bsz=4",
+                 f'model.fp8={{"enabled": True, "recipe": "{recipe}"}}']
+    proc = subprocess.run([sys.executable, os.path.join(root, "tools", "memory_phases.py"), "--config",
+                           os.path.join(root, "configs", "tiny.py"), "--json", str(out), *overrides],
+                          capture_output=True, text=True, timeout=300, cwd=root,
+                          env=dict(os.environ, PYTHONPATH=root))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    whole = rows[-1]
+    assert whole["check"] > 0
+    assert 0.95 <= whole["measured"] / whole["check"] <= 1.05, rows

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import is_fake
 
 from tessera.logs import log_once
 from tessera.parallel.comm import all_reduce, group_rank, group_size
@@ -223,8 +224,12 @@ def _compiled_kernels() -> _ChunkKernels:
                                                                                      _logits_grad_pointwise)))
 
 
-def chunk_kernels(compiled: bool) -> _ChunkKernels:
-    return _compiled_kernels() if compiled else _EAGER
+def chunk_kernels(compiled: bool, like: torch.Tensor | None = None) -> _ChunkKernels:
+    """The compiled kernels when asked for, except on meta or fake tensors (a dry run stays eager, as
+    compiled blocks do)."""
+    if compiled and not (like is not None and (like.is_meta or is_fake(like))):
+        return _compiled_kernels()
+    return _EAGER
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -242,7 +247,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         loss = torch.empty(x.shape[0], dtype=compute, device=x.device)
         lse = torch.empty_like(loss)
         valid = target != spec.ignore_index
-        kernels = chunk_kernels(spec.compiled)
+        kernels = chunk_kernels(spec.compiled, x)
         smoothing = spec.label_smoothing > 0
         for a in range(0, x.shape[0], spec.chunk_tokens):
             b = min(a + spec.chunk_tokens, x.shape[0])
@@ -276,7 +281,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                          device=weight.device) if needs[1] else None
         scale = _row_scale(grad_out, spec.reduction, count, x.shape[0], lse.dtype)
         v_local = weight.shape[0]
-        kernels = chunk_kernels(spec.compiled)
+        kernels = chunk_kernels(spec.compiled, x)
         for a in range(0, x.shape[0], spec.chunk_tokens):
             b = min(a + spec.chunk_tokens, x.shape[0])
             t = target[a:b]

@@ -4,8 +4,9 @@ The persistent state of a rank — weights, main grads, masters and optimizer st
 configured optimizer precision, with ZeRO-1 sharding — has a closed form
 (``precision_report.closed_form_bytes``) over this rank's parameters, counted exactly by building the
 model on the meta device with the run's TP size and fp32 marks. The activations of one micro-batch
-at their peak have another (``tessera.model.activations``, for checkpointing none / selective / full;
-fp8 linears and fractional checkpointing are not covered and count as zero). Both are checked against
+at their peak have another (``tessera.model.activations``, for checkpointing none / selective / full,
+eager or compiled blocks; low-precision GEMMs add their operand copies, ``memory_extras
+.low_precision_gemm_bytes``; fractional checkpointing is not covered and counts as zero). Both are checked against
 a traced dry run by ``tools/plan.py`` and its tests. On CUDA two more terms count
 (``tessera.train.memory_extras``): what SDPA keeps for packed rows and grouped KV heads when flash_attn
 does not run, and a stated allowance for NCCL communicators and cuBLAS workspaces. The sum must fit in
@@ -39,7 +40,7 @@ from tessera.model.compile import compiles_blocks
 from tessera.model.flash_probe import flash_attn_available
 from tessera.parallel import MetaGroup
 from tessera.parallel.comm import reduce_scalars
-from tessera.train.memory_extras import communicators, runtime_allowance, sdpa_extra_bytes
+from tessera.train.memory_extras import communicators, low_precision_gemm_bytes, runtime_allowance, sdpa_extra_bytes
 from tessera.train.precision_report import closed_form_bytes
 
 __all__ = ["MetaCensus", "StatePlan", "meta_census", "param_counts", "plan_persistent_state", "available_bytes",
@@ -146,11 +147,14 @@ def plan_persistent_state(cfg: Mapping[str, Any], world_size: int, tp: int, zero
     data, mode = cfg.get("data") or {}, ((cfg.get("parallel") or {}).get("tensor") or {}).get("mode", "mtp")
     act = kept = 0.0
     compiled = blocks_compiled(cfg, device_type)
-    if checkpoint in (False, True, "selective") and not precision.fp8.enabled and data:
+    if checkpoint in (False, True, "selective") and data:
         chunk = int((cfg.get("loss") or {}).get("chunk_tokens", default_of("loss.chunk_tokens")))
         forms = activation_bytes(model_cfg, data["micro_bsz"], data["seq_len"], tp, mode, checkpoint,
                                  precision.dtype, chunk, head_wgrad_fused(cfg, device_type, precision), compiled)
-        act, kept = forms["peak"], forms["kept"]
+        fp8 = precision.fp8
+        recipes = ([fp8.recipe, *(r for _, r in fp8.rules)] if fp8.enabled else [])
+        act = forms["peak"] + low_precision_gemm_bytes(model_cfg, data, tp, recipes, fp8.backend, device_type)
+        kept = forms["kept"]
     attention = 0.0
     if device_type == "cuda" and data:
         flash = flash_attn_available() if flash_installed is None else flash_installed
