@@ -43,6 +43,7 @@ from tessera.core.rendezvous import LaunchError, wait_for_peers_to_report
 from tessera.data import DataBundle, build_data
 from tessera.data.errors import DataError
 from tessera.data.stdlib_corpus import prepare_stdlib_corpus
+from tessera.data.text_corpus import text_corpus_folders
 from tessera.files import os_error_text
 from tessera.model import flops_per_token
 from tessera.model.kv_cache import generate_ids_cached
@@ -214,10 +215,14 @@ def check_it_fits(config: Config, job: Job) -> None:
 
 def load_data(cfg: RunConfig, job: Job) -> DataBundle:
     """The loaders of this DP rank; a problem on any rank (missing, unreadable, a disk full while preparing)
-    stops every rank. The stdlib corpus is prepared by rank 0 while the others wait in the agreement."""
+    stops every rank. The stdlib corpus and raw text (``data.type='text'``) are tokenized by rank 0 while the
+    others wait in the agreement, so a bad file or record is every rank's one error line before any step."""
     if cfg.data.type == "stdlib":
         _, problem = _data_step(cfg, lambda: prepare_stdlib_corpus(cfg.data.cache_folder, progress=True),
                                 job.is_rank0)
+        _exit_on(agree_on_errors(problem))
+    if cfg.data.type == "text":
+        _, problem = _data_step(cfg, lambda: text_corpus_folders(cfg.data.as_dict(), progress=True), job.is_rank0)
         _exit_on(agree_on_errors(problem))
     lay = job.layout
     data, problem = _data_step(cfg, lambda: build_data(
@@ -472,7 +477,7 @@ def output_folder_problem(cfg: RunConfig) -> str | None:
     folders = [("log_folder", cfg.log_folder, os.path.join(cfg.log_folder, cfg.job_name))]  # key, value, folder
     if cfg.ckpt.enable_save_ckpt and cfg.ckpt.save_ckpt_folder:
         folders.append(("ckpt.save_ckpt_folder", cfg.ckpt.save_ckpt_folder, cfg.ckpt.save_ckpt_folder))
-    if cfg.data.type == "stdlib" and not stdlib_corpus_ready(cfg.data.cache_folder):
+    if (cfg.data.type == "stdlib" and not stdlib_corpus_ready(cfg.data.cache_folder)) or cfg.data.type == "text":
         folders.append(("data.cache_folder", cfg.data.cache_folder, cfg.data.cache_folder))
     for key, value, path in folders:
         problem = folder_write_problem(path)
@@ -485,6 +490,8 @@ def _data_keys(cfg: RunConfig) -> str:
     """The config keys naming where the data comes from, for error lines."""
     if cfg.data.type == "stdlib":
         return f"data.cache_folder={cfg.data.cache_folder}"
+    if cfg.data.type == "text":
+        return f"data.train_folder={cfg.data.train_folder}, data.cache_folder={cfg.data.cache_folder}"
     if cfg.data.type == "tokens":
         return ", ".join(f"data.{k}={folder}" for k, folder in (("train_folder", cfg.data.train_folder),
                                                                  ("valid_folder", cfg.data.valid_folder)) if folder)

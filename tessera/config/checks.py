@@ -50,8 +50,15 @@ def check_data(data: dict[str, Any], source: str | None = None) -> None:
     if data["valid_context_len"] >= data["seq_len"]:
         raise ConfigError(f"data.valid_context_len={data['valid_context_len']} must be below "
                           f"data.seq_len={data['seq_len']} (a validation row needs a token to score){w}")
-    if data["type"] == "tokens" and not data["train_folder"]:
-        raise ConfigError(f"data.train_folder is required when data.type='tokens'{w}")
+    if data["type"] in ("tokens", "text") and not data["train_folder"]:
+        raise ConfigError(f"data.train_folder is required when data.type='{data['type']}'{w}")
+    text = data["text"]
+    if text["valid_fraction"] and text["valid_every_nth"]:
+        raise ConfigError(f"data.text.valid_fraction={text['valid_fraction']} and data.text.valid_every_nth="
+                          f"{text['valid_every_nth']}: give one rule for holding out validation documents{w}")
+    if data["type"] == "text" and data["valid_folder"] and (text["valid_fraction"] or text["valid_every_nth"]):
+        raise ConfigError(f"data.valid_folder={data['valid_folder']} and a held-out rule (data.text.valid_fraction / "
+                          f"valid_every_nth): validate on one or the other{w}")
 
 
 def check_config(cfg: dict[str, Any], source: str | None = None) -> None:
