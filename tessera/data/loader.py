@@ -248,4 +248,6 @@ def _bundle(c: Mapping[str, Any], train: TrainLoader, valid: ValidLoader | None,
         "valid_rows": valid.rows.num_rows if valid else 0,
         "tokens_per_step": train.tokens_per_step,
     }
+    if c["type"] == "text":  # source is the token folder tokenized from these
+        info["text_inputs"] = c["train_folder"]
     return DataBundle(train=train, valid=valid, tokenizer=tokenizer, info=info)

@@ -105,8 +105,8 @@ def _prepared(what: str, inputs: str, text: Mapping[str, Any], tokenizer: AnyTok
         st = metas["stats"]
         logger.info("data.type='text': %d documents, %.1f MB of text in %.1f s (%.2f MB/s)", st["documents"],
                     st["text_bytes"] / 1e6, time.perf_counter() - start, st["text_mb_per_s"])
-    elif _ready(folder):
-        logger.info("data.type='text': %s=%s already tokenized in %s", what, inputs, folder)
+    else:  # train.py's data line names the folder in use
+        logger.debug("data.type='text': %s=%s already tokenized in %s", what, inputs, folder)
     return folder
 
 
