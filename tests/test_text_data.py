@@ -242,3 +242,21 @@ def test_train_py_refuses_a_cut_short_zst_with_one_error_line_naming_it(tmp_path
     assert len(errors) == 1, explain(proc)
     assert errors[0].endswith(f"error: {expected}") and str(src) in errors[0], errors[0]
     assert "Traceback" not in proc.stderr and "step 1 |" not in proc.stdout + proc.stderr
+
+
+def test_a_bad_record_stops_both_ranks_under_torchrun_each_with_the_line(tmp_path, capsys):
+    """Rank 0 tokenizes while rank 1 waits in the agreement: both print the tool's line for the bad record and
+    exit non-zero before any step."""
+    from harness.distributed import run_torchrun
+
+    src = tmp_path / "c.jsonl"
+    src.write_bytes(_jsonl_bytes(DOCS[:30]) + b"[1, 2]\n")
+    expected = _tool_error(tmp_path, src, capsys)
+    args = [os.path.join(ROOT, "train.py"), "--config", TINY, "metrics.progress_bar=False", "model.vocab_size=320",
+            "data.type='text'", f"data.train_folder='{src}'", f"data.cache_folder='{tmp_path / 'cache'}'",
+            f"log_folder='{tmp_path / 'logs'}'", "data.total_steps=2"]
+    proc = run_torchrun(args, 2, timeout=HANG_GUARD_S, cwd=str(tmp_path))
+    assert proc.returncode not in (0, 124), explain(proc)  # 124: still running at HANG_GUARD_S (a hang)
+    reports = sorted(line for line in proc.stderr.splitlines() if line.startswith("[rank ") and "] error:" in line)
+    # each rank's line says which rank read the bad record (rank 0: it tokenizes for both)
+    assert reports == [f"[rank {r}] error: rank 0: {expected}" for r in (0, 1)], explain(proc)
