@@ -23,9 +23,9 @@ import torch
 from tessera.config.errors import ConfigError, where
 
 __all__ = ["RunConfig", "DistConfig", "ModelConfig", "CompileConfig", "Fp8Config", "ParallelConfig",
-           "TensorParallelConfig", "Zero1Config", "PipelineConfig", "DataConfig", "TextDataConfig", "AdamConfig", "LrSchedulerConfig",
-           "GradScalerConfig", "Fp16ScalerConfig", "HybridZeroConfig", "LossConfig", "CkptConfig", "MetricsConfig",
-           "WandbConfig", "MemoryConfig", "GenerateConfig", "FILLED_KEYS", "typed_config"]
+           "TensorParallelConfig", "Zero1Config", "PipelineConfig", "DataConfig", "TextDataConfig", "AdamConfig",
+           "LrSchedulerConfig", "GradScalerConfig", "Fp16ScalerConfig", "HybridZeroConfig", "LossConfig", "CkptConfig",
+           "MetricsConfig", "WandbConfig", "MemoryConfig", "GenerateConfig", "FILLED_KEYS", "typed_config"]
 
 # nullable in the schema, but never None after ``check_config`` fills them from other keys
 FILLED_KEYS = frozenset({"model.num_kv_attention_heads", "model.max_position_embeddings", "lr_scheduler.total_steps"})
