@@ -260,3 +260,39 @@ def test_a_bad_record_stops_both_ranks_under_torchrun_each_with_the_line(tmp_pat
     reports = sorted(line for line in proc.stderr.splitlines() if line.startswith("[rank ") and "] error:" in line)
     # each rank's line says which rank read the bad record (rank 0: it tokenizes for both)
     assert reports == [f"[rank {r}] error: rank 0: {expected}" for r in (0, 1)], explain(proc)
+
+
+SLOW_TOKENIZING = '''
+import importlib.util, os, sys, time
+from tessera.data import text_corpus
+real = text_corpus.prepare_corpus
+def slow(*a, **k):  # tokenizing that outlasts dist.timeout_s
+    time.sleep(float(os.environ["TEST_TOKENIZE_DELAY_S"]))
+    return real(*a, **k)
+text_corpus.prepare_corpus = slow
+spec = importlib.util.spec_from_file_location("train", os.environ["TEST_TRAIN_PY"])
+train = importlib.util.module_from_spec(spec)
+sys.modules["train"] = train
+spec.loader.exec_module(train)
+train.run()
+'''
+
+
+@pytest.mark.slow  # ~35 s: 15 s of delay on purpose, two torchrun processes
+def test_tokenizing_longer_than_the_collective_timeout_does_not_time_out_the_waiting_rank(tmp_path):
+    """Rank 0 tokenizes for 3x ``dist.timeout_s`` (a delay put in front of it) while rank 1 waits: the ranks meet
+    every few seconds instead of in one long collective, so both train. (With the ranks meeting only once rank
+    0 is done, this run stops with gloo's "Timed out waiting 5000ms".)"""
+    from harness.distributed import run_torchrun
+
+    src = _write(tmp_path / "in", "jsonl")
+    script = tmp_path / "slow_tokenizing_train.py"
+    script.write_text(SLOW_TOKENIZING)
+    args = [str(script), "--config", TINY, "metrics.progress_bar=False", "model.vocab_size=320", "data.type='text'",
+            f"data.train_folder='{src}'", f"data.cache_folder='{tmp_path / 'cache'}'", "dist.timeout_s=5",
+            f"log_folder='{tmp_path / 'logs'}'", "job_name='slow'", "data.total_steps=2", "generate.max_new_tokens=0"]
+    proc = run_torchrun(args, 2, timeout=HANG_GUARD_S, cwd=str(tmp_path),
+                        env={"TEST_TOKENIZE_DELAY_S": "15", "TEST_TRAIN_PY": os.path.join(ROOT, "train.py"),
+                             "PYTHONPATH": ROOT})
+    assert proc.returncode == 0, explain(proc)
+    assert sorted(k for k in _losses(tmp_path, "slow") if k[0] == "train") == [("train", 1), ("train", 2)]
