@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -174,6 +175,23 @@ def test_a_bad_record_is_refused_with_the_tools_message(tmp_path, capsys, fault)
                    vocab_size=320, max_seq_len=SEQ)
     assert str(e.value) == expected
     assert [p for p in os.listdir(tmp_path / "cache")] == []  # nothing that looks tokenized is left
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["data.text.tokenizer=x"], "data.text.tokenizer='x' applies only to data.type='text' (this run reads "
+                                "data.type='synthetic')"),
+    (["data.type=text"], "data.train_folder is required when data.type='text'"),
+    (["data.type=text", "data.train_folder=a", "data.text.valid_every_nth=3", "data.text.valid_fraction=0.1"],
+     "give one rule for holding out validation documents"),
+    (["data.type=text", "data.train_folder=a", "data.valid_folder=b", "data.text.valid_fraction=0.1"],
+     "validate on one or the other"),
+    (["data.type=text", "data.train_folder=a", "data.text.valid_every_nth=1"], "must be 0 (none) or >= 2, got 1"),
+])
+def test_the_config_refuses_text_keys_that_would_be_ignored_or_contradict(overrides, message):
+    from tessera.config import Config, ConfigError
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        Config.from_file(TINY, overrides)
 
 
 # ------------------------------------------------------------------------------------- train.py end to end
