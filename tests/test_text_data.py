@@ -123,6 +123,25 @@ def test_a_sentencepiece_tokenizer_and_a_separate_valid_input(tmp_path):
     assert tok_found is not None and tok_found.encode(DOCS[5]) == tokens.tokenizer.encode(DOCS[5])
 
 
+def test_a_hugging_face_tokenizer_json_on_two_workers(tmp_path):
+    """``data.text.tokenizer`` a ``tokenizer.json`` (the byte-level one tessera exports, loaded by the
+    ``tokenizers`` library), tokenized on two processes: the batches of prepare_data.py with the same file."""
+    pytest.importorskip("tokenizers")
+    from tessera.data.tokenizer import byte_tokenizer_json
+
+    tok_file = tmp_path / "tokenizer.json"
+    tok_file.write_text(byte_tokenizer_json(), encoding="utf-8")
+    src = _write(tmp_path / "in", "jsonl.zst")
+    assert _prepare(tmp_path, [src], "--tokenizer", str(tok_file), "--valid-fraction", "0.05") == 0
+    kw = {"vocab_size": 320, "max_seq_len": SEQ, "seed": 11}
+    tokens = build_data(_data_cfg(type="tokens", train_folder=str(tmp_path / "out/train"),
+                                  valid_folder=str(tmp_path / "out/valid")), **kw)
+    text = build_data(_data_cfg(type="text", train_folder=str(src), cache_folder=str(tmp_path / "cache"),
+                                text={"tokenizer": str(tok_file), "valid_fraction": 0.05, "workers": 2}), **kw)
+    assert type(text.tokenizer).__name__ == "HFTokenizer"
+    _assert_same_batches(text, tokens, 20)
+
+
 # ------------------------------------------------------------------------------------------------- the cache
 def test_the_cache_is_reused_and_a_changed_input_is_tokenized_again(tmp_path, monkeypatch):
     src = _write(tmp_path / "in", "jsonl")
