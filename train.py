@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -33,6 +34,7 @@ from tessera.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
+from tessera.checkpoint.agreement import all_agree
 from tessera.checkpoint.lock import release_held_folders
 from tessera.cli_args import positive_float
 from tessera.config import Config, ConfigError, RunConfig
@@ -43,6 +45,7 @@ from tessera.core.rendezvous import LaunchError, wait_for_peers_to_report
 from tessera.data import DataBundle, build_data
 from tessera.data.errors import DataError
 from tessera.data.stdlib_corpus import prepare_stdlib_corpus
+from tessera.data.text_corpus import text_corpus_folders
 from tessera.files import os_error_text
 from tessera.model import flops_per_token
 from tessera.model.kv_cache import generate_ids_cached
@@ -214,10 +217,15 @@ def check_it_fits(config: Config, job: Job) -> None:
 
 def load_data(cfg: RunConfig, job: Job) -> DataBundle:
     """The loaders of this DP rank; a problem on any rank (missing, unreadable, a disk full while preparing)
-    stops every rank. The stdlib corpus is prepared by rank 0 while the others wait in the agreement."""
+    stops every rank. The stdlib corpus and raw text (``data.type='text'``) are tokenized by rank 0 while the
+    others wait in the agreement, so a bad file or record is every rank's one error line before any step."""
     if cfg.data.type == "stdlib":
-        _, problem = _data_step(cfg, lambda: prepare_stdlib_corpus(cfg.data.cache_folder, progress=True),
-                                job.is_rank0)
+        problem = _on_rank0_while_others_wait(
+            job, lambda: _data_step(cfg, lambda: prepare_stdlib_corpus(cfg.data.cache_folder, progress=True))[1])
+        _exit_on(agree_on_errors(problem))
+    if cfg.data.type == "text":
+        problem = _on_rank0_while_others_wait(
+            job, lambda: _data_step(cfg, lambda: text_corpus_folders(cfg.data.as_dict(), progress=True))[1])
         _exit_on(agree_on_errors(problem))
     lay = job.layout
     data, problem = _data_step(cfg, lambda: build_data(
@@ -472,7 +480,7 @@ def output_folder_problem(cfg: RunConfig) -> str | None:
     folders = [("log_folder", cfg.log_folder, os.path.join(cfg.log_folder, cfg.job_name))]  # key, value, folder
     if cfg.ckpt.enable_save_ckpt and cfg.ckpt.save_ckpt_folder:
         folders.append(("ckpt.save_ckpt_folder", cfg.ckpt.save_ckpt_folder, cfg.ckpt.save_ckpt_folder))
-    if cfg.data.type == "stdlib" and not stdlib_corpus_ready(cfg.data.cache_folder):
+    if (cfg.data.type == "stdlib" and not stdlib_corpus_ready(cfg.data.cache_folder)) or cfg.data.type == "text":
         folders.append(("data.cache_folder", cfg.data.cache_folder, cfg.data.cache_folder))
     for key, value, path in folders:
         problem = folder_write_problem(path)
@@ -485,6 +493,8 @@ def _data_keys(cfg: RunConfig) -> str:
     """The config keys naming where the data comes from, for error lines."""
     if cfg.data.type == "stdlib":
         return f"data.cache_folder={cfg.data.cache_folder}"
+    if cfg.data.type == "text":
+        return f"data.train_folder={cfg.data.train_folder}, data.cache_folder={cfg.data.cache_folder}"
     if cfg.data.type == "tokens":
         return ", ".join(f"data.{k}={folder}" for k, folder in (("train_folder", cfg.data.train_folder),
                                                                  ("valid_folder", cfg.data.valid_folder)) if folder)
@@ -502,6 +512,34 @@ def _data_step(cfg: RunConfig, step: Callable[[], T], run_here: bool = True) -> 
         return None, str(e)
     except OSError as e:
         return None, f"{_data_keys(cfg)}: {os_error_text(e)}"
+
+
+_WAIT_ROUND_S = 2.0  # how often the ranks meet while rank 0 tokenizes
+
+
+def _on_rank0_while_others_wait(job: Job, work: Callable[[], str | None]) -> str | None:
+    """``work()`` (a problem line or None) on rank 0, in a thread, while every rank meets in a small agreement
+    every ``_WAIT_ROUND_S``: a corpus that takes longer to tokenize than ``dist.timeout_s`` never times out the
+    waiting ranks' collective. Returns rank 0's result there, None elsewhere."""
+    result: list[str | None] = [None]
+    raised: list[Exception] = []
+    thread = None
+    if job.is_rank0:
+        def run() -> None:
+            try:
+                result[0] = work()
+            except Exception as e:  # noqa: BLE001 -- raised again below, in the main thread, as before
+                raised.append(e)
+        thread = threading.Thread(target=run, name="tessera-data-preparation", daemon=True)
+        thread.start()
+    while True:
+        if thread is not None:
+            thread.join(_WAIT_ROUND_S)
+        if all_agree(thread is None or not thread.is_alive()):
+            break
+    if raised:
+        raise raised[0]
+    return result[0]
 
 
 def _has_checkpoint(cfg: RunConfig) -> bool:

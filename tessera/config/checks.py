@@ -16,7 +16,7 @@ import torch
 
 from tessera.config.dtypes import resolve_model_dtype
 from tessera.config.errors import ConfigError, where
-from tessera.config.schema import SCHEMA
+from tessera.config.schema import SCHEMA, default_of
 from tessera.model.args import ModelArgs, ModelSizeError, check_tensor_parallel_sizes
 from tessera.model.compile import settings_problem as compile_settings_problem
 from tessera.parallel.gemm import BLOCK_FORMATS
@@ -50,8 +50,20 @@ def check_data(data: dict[str, Any], source: str | None = None) -> None:
     if data["valid_context_len"] >= data["seq_len"]:
         raise ConfigError(f"data.valid_context_len={data['valid_context_len']} must be below "
                           f"data.seq_len={data['seq_len']} (a validation row needs a token to score){w}")
-    if data["type"] == "tokens" and not data["train_folder"]:
-        raise ConfigError(f"data.train_folder is required when data.type='tokens'{w}")
+    if data["type"] in ("tokens", "text") and not data["train_folder"]:
+        raise ConfigError(f"data.train_folder is required when data.type='{data['type']}'{w}")
+    text = data["text"]
+    if data["type"] != "text":
+        changed = sorted(k for k, v in text.items() if v != default_of(f"data.text.{k}"))
+        if changed:
+            raise ConfigError(f"data.text.{changed[0]}={text[changed[0]]!r} applies only to data.type='text' (this "
+                              f"run reads data.type={data['type']!r}); remove it or set data.type='text'{w}")
+    if text["valid_fraction"] and text["valid_every_nth"]:
+        raise ConfigError(f"data.text.valid_fraction={text['valid_fraction']} and data.text.valid_every_nth="
+                          f"{text['valid_every_nth']}: give one rule for holding out validation documents{w}")
+    if data["type"] == "text" and data["valid_folder"] and (text["valid_fraction"] or text["valid_every_nth"]):
+        raise ConfigError(f"data.valid_folder={data['valid_folder']} and a held-out rule (data.text.valid_fraction / "
+                          f"valid_every_nth): validate on one or the other{w}")
 
 
 def check_config(cfg: dict[str, Any], source: str | None = None) -> None:

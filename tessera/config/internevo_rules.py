@@ -102,7 +102,7 @@ def _data_type(t: Translating) -> None:
             t.default("data.type", new, why)
         elif kind == "tokenized":
             t.map("data.type", kind, "data.type", new, why)
-    elif kind not in ("tokens", "synthetic", "stdlib"):
+    elif kind not in ("tokens", "synthetic", "stdlib", "text"):
         t.refuse("data.type", kind, "InternEvo's other dataset types are not read: tessera reads InternEvo's "
                                     "tokenized folders and its own token folders (data.type='tokens')")
 

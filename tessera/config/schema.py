@@ -104,6 +104,14 @@ def _min_length_dict(v: Any) -> str | None:
     return None if ok else "must map path substrings (str) to minimum lengths (int >= 0)"
 
 
+def _below_one(v: Any) -> str | None:
+    return None if 0 <= v < 1 else "must be in [0, 1)"
+
+
+def _off_or_at_least_two(v: Any) -> str | None:
+    return None if v == 0 or v >= 2 else "must be 0 (none) or >= 2"
+
+
 def _str_list(v: Any) -> str | None:
     return None if all(isinstance(x, str) for x in v) else "must be a list of strings"
 
@@ -292,12 +300,18 @@ SCHEMA = Section(
                 "micro_bsz": Key(INT, 1, _positive),
                 "micro_num": Key(INT, 1, _positive, doc="micro-batches accumulated per optimizer step"),
                 "total_steps": Key(INT, 1000, _positive),
-                "type": Key(STR, "tokens", _one_of("tokens", "synthetic", "stdlib"),
+                "type": Key(STR, "tokens", _one_of("tokens", "synthetic", "stdlib", "text"),
                             doc="tokens: prepared token folders; synthetic: random tokens; "
-                                "stdlib: Python's own source"),
-                "train_folder": Key(STR, None, nullable=True),
-                "valid_folder": Key(STR, None, nullable=True),
-                "cache_folder": Key(STR, "data_cache", doc="where type='stdlib' prepares its token files"),
+                                "stdlib: Python's own source; text: raw files (data.text), tokenized at start "
+                                "into data.cache_folder exactly as tools/prepare_data.py would"),
+                "train_folder": Key(STR, None, nullable=True,
+                                    doc="type='tokens': a token folder; type='text': a raw file, a folder of them or "
+                                        "a save_to_disk folder (what prepare_data.py --input takes)"),
+                "valid_folder": Key(STR, None, nullable=True,
+                                    doc="as train_folder, for validation (type='text': or hold documents out with "
+                                        "data.text.valid_fraction / valid_every_nth)"),
+                "cache_folder": Key(STR, "data_cache",
+                                    doc="where type='stdlib' and type='text' keep the token files they make"),
                 "valid_every": Key(INT, 0, _non_negative, doc="0: validate only at the end"),
                 "valid_micro_num": Key(INT, 8, _positive),
                 "valid_micro_bsz": Key(INT, None, _positive, nullable=True,
@@ -313,6 +327,32 @@ SCHEMA = Section(
                 "min_length_dict": Key((dict,), None, _min_length_dict, nullable=True,
                                        doc="InternEvo's tokenized folders: min_length per file whose path contains "
                                            "a key, e.g. {'cn/': 50}"),
+                "text": Section(
+                    {
+                        "tokenizer": Key(STR, "byte", doc="'byte', a tokenizer.json, a SentencePiece .model, or a "
+                                                          "folder holding one (prepare_data.py --tokenizer)"),
+                        "eod_token": Key(STR, None, nullable=True,
+                                         doc="end-of-document token; None: a SentencePiece model's EOS, guessed "
+                                             "for a tokenizer.json (--eod-token)"),
+                        "add_bos": Key(BOOL, False, doc="start each document with the SentencePiece model's BOS "
+                                                        "(--add-bos)"),
+                        "text_column": Key(STR, "text", doc="the JSON field / Parquet or datasets column holding "
+                                                            "the text (--text-column)"),
+                        "hf_split": Key(STR, "train", doc="the split of a DatasetDict folder (--hf-split)"),
+                        "patterns": Key((list, tuple), None, _str_list, nullable=True,
+                                        doc="file name patterns searched in folders; None: prepare_data.py's "
+                                            "default (--pattern)"),
+                        "valid_fraction": Key(FLOAT, 0.0, _below_one,
+                                              doc="hold out this fraction of train_folder's documents for "
+                                                  "validation, evenly spread (--valid-fraction)"),
+                        "valid_every_nth": Key(INT, 0, _off_or_at_least_two,
+                                               doc="hold out every Nth document (--valid-every-nth); 0: none"),
+                        "workers": Key(INT, None, _positive, nullable=True,
+                                       doc="tokenizer processes (rank 0's); None: every core (--workers). The "
+                                           "token files are the same bytes whatever the number"),
+                    },
+                    doc="data.type='text': how raw files become tokens, with prepare_data.py's flags",
+                ),
             }
         ),
         "adam": Section(

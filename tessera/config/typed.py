@@ -23,9 +23,9 @@ import torch
 from tessera.config.errors import ConfigError, where
 
 __all__ = ["RunConfig", "DistConfig", "ModelConfig", "CompileConfig", "Fp8Config", "ParallelConfig",
-           "TensorParallelConfig", "Zero1Config", "PipelineConfig", "DataConfig", "AdamConfig", "LrSchedulerConfig",
-           "GradScalerConfig", "Fp16ScalerConfig", "HybridZeroConfig", "LossConfig", "CkptConfig", "MetricsConfig",
-           "WandbConfig", "MemoryConfig", "GenerateConfig", "FILLED_KEYS", "typed_config"]
+           "TensorParallelConfig", "Zero1Config", "PipelineConfig", "DataConfig", "TextDataConfig", "AdamConfig",
+           "LrSchedulerConfig", "GradScalerConfig", "Fp16ScalerConfig", "HybridZeroConfig", "LossConfig", "CkptConfig",
+           "MetricsConfig", "WandbConfig", "MemoryConfig", "GenerateConfig", "FILLED_KEYS", "typed_config"]
 
 # nullable in the schema, but never None after ``check_config`` fills them from other keys
 FILLED_KEYS = frozenset({"model.num_kv_attention_heads", "model.max_position_embeddings", "lr_scheduler.total_steps"})
@@ -122,12 +122,25 @@ class ParallelConfig(_Section):
 
 
 @dataclass(frozen=True)
+class TextDataConfig(_Section):
+    tokenizer: str
+    eod_token: str | None
+    add_bos: bool
+    text_column: str
+    hf_split: str
+    patterns: Sequence[str] | None
+    valid_fraction: float
+    valid_every_nth: int
+    workers: int | None
+
+
+@dataclass(frozen=True)
 class DataConfig(_Section):
     seq_len: int
     micro_bsz: int
     micro_num: int
     total_steps: int
-    type: Literal["tokens", "synthetic", "stdlib"]
+    type: Literal["tokens", "synthetic", "stdlib", "text"]
     train_folder: str | None
     valid_folder: str | None
     cache_folder: str
@@ -138,6 +151,7 @@ class DataConfig(_Section):
     pack_sample_into_one: bool
     min_length: int
     min_length_dict: Mapping[str, int] | None
+    text: TextDataConfig
 
 
 @dataclass(frozen=True)

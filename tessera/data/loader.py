@@ -34,6 +34,7 @@ from tessera.data.packing import PackedRows, TokenStream
 from tessera.data.sampler import GlobalRowSampler
 from tessera.data.stdlib_corpus import prepare_stdlib_corpus
 from tessera.data.synthetic import SyntheticStream
+from tessera.data.text_corpus import text_corpus_folders
 from tessera.data.token_file import open_token_folder
 from tessera.data.tokenizer import AnyTokenizer
 
@@ -152,7 +153,7 @@ def build_data(
 
     ``vocab_size``: the model's (token ids must be below it). ``max_seq_len``: the longest sequence
     the model supports (``model.max_position_embeddings``). ``barrier``/``is_main`` (default: DP rank
-    0) only matter for ``type="stdlib"``, which prepares its corpus on first use.
+    0) only matter for ``type="stdlib"`` and ``type="text"``, which tokenize their corpus on first use.
     """
     c = _data_settings(data_cfg)
     L, B, M = c["seq_len"], c["micro_bsz"], c["micro_num"]
@@ -197,13 +198,17 @@ def build_data(
 
 def _folders(c: Mapping[str, Any], dp_rank: int, is_main: bool | None, barrier: Callable[[], None] | None,
              progress: bool) -> tuple[str, str | None] | None:
-    """(train folder, valid folder) of ``tokens`` and ``stdlib`` data (prepared here); None for synthetic."""
+    """(train folder, valid folder) of ``tokens`` data, and of ``stdlib`` and ``text`` data (tokenized here into
+    ``cache_folder`` when missing); None for synthetic."""
     if c["type"] == "synthetic":
         return None
     if c["type"] == "stdlib":
         folder = prepare_stdlib_corpus(c["cache_folder"], is_main=dp_rank == 0 if is_main is None else is_main,
                                        barrier=barrier, progress=progress)
         return f"{folder}/train", f"{folder}/valid"
+    if c["type"] == "text":
+        return text_corpus_folders(c, is_main=dp_rank == 0 if is_main is None else is_main, barrier=barrier,
+                                   progress=progress)
     return c["train_folder"], c["valid_folder"]  # "tokens" (the config's rules: a train_folder is set)
 
 
@@ -243,4 +248,6 @@ def _bundle(c: Mapping[str, Any], train: TrainLoader, valid: ValidLoader | None,
         "valid_rows": valid.rows.num_rows if valid else 0,
         "tokens_per_step": train.tokens_per_step,
     }
+    if c["type"] == "text":  # source is the token folder tokenized from these
+        info["text_inputs"] = c["train_folder"]
     return DataBundle(train=train, valid=valid, tokenizer=tokenizer, info=info)

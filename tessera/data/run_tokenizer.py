@@ -1,5 +1,6 @@
-"""The tokenizer a checkpoint was trained with: recorded by an import, the run's byte corpus, or the tokenizer
-stored in the run's token folders (``tools/generate.py`` and the Hugging Face export ask for it).
+"""The tokenizer a checkpoint was trained with: recorded by an import, the run's byte corpus, the tokenizer
+stored in the run's token folders, or the one its raw text was tokenized with (``data.text.tokenizer``);
+``tools/generate.py`` and the Hugging Face export ask for it.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from tessera.data.errors import DataError
+from tessera.data.text_corpus import text_tokenizer
 from tessera.data.token_file import find_shards
 from tessera.data.tokenizer import AnyTokenizer, ByteTokenizer, build_tokenizer, load_tokenizer
 
@@ -37,5 +39,12 @@ def tokenizer_for_checkpoint(path: str, meta: Mapping[str, Any], override: str |
                 return load_tokenizer(json.load(f), shard), f"data.train_folder={folder}"
         except (DataError, OSError, ValueError, TypeError) as e:
             return None, (f"the run's data.train_folder={folder!r} is not readable from here ({e}); "
+                          "pass --tokenizer byte|PATH/tokenizer.json|PATH/tokenizer.model")
+    if kind == "text":
+        spec = (data.get("text") or {}).get("tokenizer", "byte")
+        try:
+            return text_tokenizer({"eod_token": None, "add_bos": False, **data["text"]}), f"data.text.tokenizer={spec}"
+        except (DataError, OSError, KeyError, TypeError) as e:
+            return None, (f"the run's data.text.tokenizer={spec!r} is not readable from here ({e}); "
                           "pass --tokenizer byte|PATH/tokenizer.json|PATH/tokenizer.model")
     return None, f"data.type={kind!r} has no tokenizer; pass --tokenizer byte|PATH/tokenizer.json|PATH/tokenizer.model"
