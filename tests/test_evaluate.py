@@ -31,6 +31,9 @@ from tessera.data.tokenizer import ByteTokenizer
 from tests.tolerances import order_rtol, transformer_depth
 
 lm_eval = pytest.importorskip("lm_eval")
+# the shared fixture trains, converts, exports and runs both evaluations (~45 s on 2 cores); lm-eval's task
+# index alone takes ~10 s, so even the error-line test is over the quick run's ~20 s
+pytestmark = pytest.mark.slow
 pytest.importorskip("transformers")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -167,10 +170,11 @@ def _run(capsys, *argv: str) -> tuple[int, str, str]:
     return code, out, err
 
 
-def test_an_unknown_task_and_a_missing_lm_eval_are_one_error_line(ckpt, capsys, monkeypatch):
-    code, out, err = _run(capsys, ckpt["tp2"], "--tasks", "no_such_task", "--include-path", TASKS)
+def test_an_unknown_task_and_a_missing_lm_eval_are_one_error_line(tmp_path, capsys, monkeypatch):
+    missing = str(tmp_path / "no_checkpoint")  # both are reported before the checkpoint is read
+    code, out, err = _run(capsys, missing, "--tasks", "no_such_task", "--include-path", TASKS)
     assert code == 1 and err.strip().splitlines()[-1] == "error: --tasks: lm-eval knows no task no_such_task", err
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # import lm_eval raises ImportError
-    code, out, err = _run(capsys, ckpt["tp2"], "--tasks", "tiny_facts_mc")
+    code, out, err = _run(capsys, missing, "--tasks", "tiny_facts_mc")
     assert code == 1 and err.strip().splitlines() == [
         "error: tools/evaluate.py needs lm-evaluation-harness: pip install 'tessera[eval]' (the lm-eval package)"]

@@ -40,6 +40,7 @@ from tessera.data.errors import DataError
 from tessera.data.tokenizer import AnyTokenizer
 from tessera.model.kv_cache import generate_ids_cached
 from tessera.model.scoring import continuation_logprobs
+from tessera.model.transformer import Transformer
 
 MISSING_EXTRA = "tools/evaluate.py needs lm-evaluation-harness: pip install 'tessera[eval]' (the lm-eval package)"
 
@@ -70,10 +71,10 @@ def tessera_lm_class(lm_eval: Any) -> type:
     from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
     from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
-    class TesseraLM(TemplateLM):  # type: ignore[misc,valid-type]
+    class TesseraLM(TemplateLM):
         """A TP=1 tessera model and its tokenizer, answering lm-eval's three request kinds."""
 
-        def __init__(self, model: torch.nn.Module, tokenizer: AnyTokenizer, *, max_length: int, batch_size: int,
+        def __init__(self, model: Transformer, tokenizer: AnyTokenizer, *, max_length: int, batch_size: int,
                      seed: int = 0, max_gen_toks: int = 256):
             super().__init__()
             self.model, self.tok = model, tokenizer
@@ -186,6 +187,15 @@ def main(argv: list[str] | None = None) -> int:
 
 def _evaluate(a: argparse.Namespace) -> int:
     lm_eval = import_lm_eval()
+    from lm_eval.tasks import TaskManager
+    from lm_eval.utils import make_table
+
+    manager = TaskManager(include_path=a.include_path)  # tasks checked before a large checkpoint is read
+    tasks = [t for t in a.tasks.split(",") if t]
+    unknown = [t for t in tasks if t not in manager.all_tasks]
+    if unknown or not tasks:
+        raise EvalSetupError(f"--tasks: lm-eval knows no task {', '.join(unknown) or '(none given)'}"
+                             + ("" if a.include_path else " (a local task needs --include-path FOLDER)"))
     if a.threads is not None:
         torch.set_num_threads(a.threads)
     model, meta = load_for_inference(a.checkpoint, dtype=parse_dtype_name(a.dtype), verify=not a.no_verify)
@@ -197,15 +207,6 @@ def _evaluate(a: argparse.Namespace) -> int:
           f"{max_length} positions, batch {a.batch_size}, generation with the KV cache", file=sys.stderr)
     lm = tessera_lm_class(lm_eval)(model, tokenizer, max_length=max_length, batch_size=a.batch_size, seed=a.seed,
                                    max_gen_toks=a.max_gen_toks)
-    from lm_eval.tasks import TaskManager
-    from lm_eval.utils import make_table
-
-    manager = TaskManager(include_path=a.include_path)
-    tasks = [t for t in a.tasks.split(",") if t]
-    unknown = [t for t in tasks if t not in manager.all_tasks]
-    if unknown or not tasks:
-        raise EvalSetupError(f"--tasks: lm-eval knows no task {', '.join(unknown) or '(none given)'}"
-                             + ("" if a.include_path else " (a local task needs --include-path FOLDER)"))
     logging.getLogger("lm_eval").setLevel(logging.WARNING)
     results = lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=manager, num_fewshot=a.num_fewshot,
                                       limit=a.limit, log_samples=a.log_samples, random_seed=a.seed,
