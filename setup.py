@@ -30,6 +30,8 @@ setup(
         "plots": ["matplotlib"],
         # Weights & Biases logging (metrics.wandb); its tests skip without it
         "wandb": ["wandb"],
+        # lm-evaluation-harness on a checkpoint (tools/evaluate.py); 0.4.9 does not import beside transformers 5
+        "eval": ["lm-eval>=0.4.13"],
         # torchao: the independent reference the block-format quantizers are checked against, bit for bit
         "test": ["pytest", "pytest-timeout", "pytest-xdist", "transformers", "tokenizers", "matplotlib", "pyarrow",
                  "zstandard", "sentencepiece", "torchao==0.18.0"],

@@ -10,6 +10,7 @@ only: no dropout, no activation checkpointing, one document per row.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,8 +72,12 @@ def forward_with_cache(model: torch.nn.Module, input_ids: torch.Tensor, cache: K
 def generate_ids_cached(model: Transformer, prompt_ids: list[int], max_new_tokens: int, *, tp_group: Any = None,
                         device: torch.device | str = "cpu", temperature: float = 0.8, top_k: int = 0,
                         top_p: float = 1.0, seed: int = 0, max_seq_len: int | None = None,
-                        vocab_size: int | None = None) -> list[int]:
+                        vocab_size: int | None = None, stop: Callable[[list[int]], bool] | None = None
+                        ) -> list[int]:
     """``tessera.model.generation.generate_ids`` with a KV cache: same arguments, same sampling stream.
+
+    ``stop``, given the ids generated so far (the prompt excluded) after each new token, ends generation
+    early when it returns True (an end-of-document id, an evaluation task's stop strings).
 
     Within ``max_seq_len`` it picks the same tokens as the full recomputation (greedy: exactly, barring
     float near-ties). Past ``max_seq_len`` the cache restarts from the last ``max_seq_len // 2`` tokens
@@ -97,7 +102,7 @@ def generate_ids_cached(model: Transformer, prompt_ids: list[int], max_new_token
         logits = run(ids[-limit:] if limit else ids, cache)
         for i in range(max_new_tokens):
             ids.append(int(sample_next(logits.float().cpu(), generator, temperature, top_k, top_p)[0]))
-            if i == max_new_tokens - 1:
+            if i == max_new_tokens - 1 or (stop is not None and stop(ids[len(prompt_ids):])):
                 break
             if limit and cache.length + 1 > limit:
                 cache = KVCache()
