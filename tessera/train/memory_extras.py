@@ -129,7 +129,8 @@ def low_precision_gemm_bytes(model_cfg: Mapping[str, Any], data: Mapping[str, An
     is unchanged); the copies live only inside one GEMM's backward. Per operand element: emulated tensorwise or
     rowwise 4 bytes (fp32 dequantized; the 1-byte copies are freed as they are read), the emulated block formats
     12 (their scales, the padded blocks and the reshaped copies too), ``torch._scaled_mm`` 3 (the e4m3/e5m2
-    copies and a column-major one). Calibrated with ``tools/memory_phases.py`` on the CPU; zero without low-precision recipes."""
+    copies and a column-major one). Calibrated with ``tools/memory_phases.py`` on the CPU; zero without
+    low-precision recipes."""
     if not recipes:
         return 0.0
     a = ModelArgs.from_config(model_cfg)
