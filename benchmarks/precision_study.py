@@ -1,6 +1,6 @@
 """The precision study: the demo trained under each optimizer / fp8 policy, over seeds, the same data.
 
-    python -m benchmarks precision-study [--config configs/demo.py] [--seeds 3] [--only NAME ...]
+    python -m benchmarks precision-study [--config configs/demo.py] [--seeds 3] [--jobs 1] [--only NAME ...]
                                          [--workdir runs/precision_study] [--telemetry-every 50]
                                          [--out BENCHMARKS.md] [key.sub=value ...]
     python -m benchmarks precision-study --render runs/precision_study/study.json --out BENCHMARKS.md
@@ -10,7 +10,8 @@ Each policy is trained ``--seeds`` times (the seeds ``SEEDS`` in order: the demo
 scratch in ``<workdir>/<policy>/seed<N>``. Per run: the final validation bits per byte, the median tokens/s
 per device (the first 10% of the steps left out as warm-up); per policy the persistent bytes per parameter
 (the closed form of ``precision_report``). They are kept in ``<workdir>/study.json``, so policies can be run
-one invocation at a time (``--only``). The section's statistics are ``tools/compare_runs.py``'s
+one invocation at a time (``--only``). ``--jobs N`` trains N runs at a time (a machine with many cores: the
+whole 3-seed study is 30 demo runs, hours on 2 cores). The section's statistics are ``tools/compare_runs.py``'s
 (``tessera.train.run_compare.summarize``): per policy the mean and standard deviation of the final bits per
 byte over its seeds, and the difference from the default policy with Welch's 95% interval and the verdict;
 its picture (the training-loss curves, a seed band per policy, the differences) goes to
@@ -31,6 +32,7 @@ import os
 import statistics
 import sys
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Any
 
 from benchmarks import harness
@@ -113,28 +115,53 @@ def _run_dir(args: Any, name: str, seed: int) -> str:
     return os.path.join(args.workdir, _slug(name), f"seed{seed}")
 
 
-def run_policy(name: str, args: Any) -> dict[str, Any]:
-    """Train policy ``name`` once per seed; its per-seed figures (and, for the first seed, the telemetry)."""
-    seeds: dict[str, Any] = {}
-    row: dict[str, Any] = {"name": name, "overrides": STUDY[name], "seeds": seeds}
-    for i, seed in enumerate(SEEDS[:args.seeds]):
-        telemetry = args.telemetry_every and i == 0
-        extra = [*args.overrides, f"seed={seed}",
-                 *([f"metrics.precision_every={args.telemetry_every}"] if telemetry else [])]
-        overrides = [*extra, *STUDY[name]]
-        run_dir = _run_dir(args, name, seed)
-        records = harness.train_run(harness.ROOT, args.config, overrides, run_dir)
-        train = [r for r in records if r.get("kind") == "train"]
-        valid = [r for r in records if r.get("kind") == "valid"]
-        seeds[str(seed)] = {"bits_per_byte": valid[-1]["bits_per_byte"], "skipped": train[-1]["skipped_steps"],
-                            "tgs": statistics.median(r["tgs"] for r in train[len(train) // 10:]),
-                            "steps": train[-1]["step"], "run": os.path.join(run_dir, "run")}
-        harness.log(f"[study] {name}, seed {seed}: {seeds[str(seed)]['bits_per_byte']:.4f} bits/byte")
-        if telemetry:
-            row["telemetry"] = {"every": args.telemetry_every, **picture(
-                name, os.path.join(run_dir, "run"), os.path.join(args.pictures, f"{_slug(name)}.png"))}
-        row["bytes_per_param"] = _bytes_per_param(args.config, overrides)
-    return row
+def run_seed(name: str, index: int, seed: int, args: Any) -> dict[str, Any]:
+    """Train policy ``name`` once, with ``seed`` (the ``index``-th of ``SEEDS``); its figures, and for the first seed
+    its telemetry's heat map."""
+    telemetry = args.telemetry_every and index == 0
+    extra = [*args.overrides, f"seed={seed}",
+             *([f"metrics.precision_every={args.telemetry_every}"] if telemetry else [])]
+    run_dir = _run_dir(args, name, seed)
+    records = harness.train_run(harness.ROOT, args.config, [*extra, *STUDY[name]], run_dir)
+    train = [r for r in records if r.get("kind") == "train"]
+    valid = [r for r in records if r.get("kind") == "valid"]
+    out: dict[str, Any] = {"bits_per_byte": valid[-1]["bits_per_byte"], "skipped": train[-1]["skipped_steps"],
+                           "tgs": statistics.median(r["tgs"] for r in train[len(train) // 10:]),
+                           "steps": train[-1]["step"], "run": os.path.join(run_dir, "run")}
+    harness.log(f"[study] {name}, seed {seed}: {out['bits_per_byte']:.4f} bits/byte")
+    if telemetry:
+        out["telemetry"] = {"every": args.telemetry_every, **picture(
+            name, os.path.join(run_dir, "run"), os.path.join(args.pictures, f"{_slug(name)}.png"))}
+    return out
+
+
+def run_policies(names: Sequence[str], args: Any, rows: dict[str, Any]) -> None:
+    """Train every policy of ``names`` once per seed, ``args.jobs`` runs at a time, into ``rows`` (a policy's row
+    replaced once all its seeds are done); ``args.json`` is rewritten after each policy, so a study can be run a
+    few policies at a time. With ``--jobs`` above 1 the runs share the cores: tokens/s then measure a loaded
+    machine, while the losses are those of the same runs alone (each run's numerics depend on its seed only)."""
+    seeds = SEEDS[:args.seeds]
+    pending = {name: len(seeds) for name in names}
+    done: dict[str, dict[int, dict[str, Any]]] = {name: {} for name in names}
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:  # each run is its own torchrun: threads only wait
+        futures = {pool.submit(run_seed, name, i, seed, args): (name, i)
+                   for name in names for i, seed in enumerate(seeds)}
+        for future in as_completed(futures):
+            name, i = futures[future]
+            done[name][i] = future.result()  # a failed run stops the study with its train.py error
+            pending[name] -= 1
+            if pending[name]:
+                continue
+            per_seed = [done[name][j] for j in range(len(seeds))]
+            row: dict[str, Any] = {"name": name, "overrides": STUDY[name],
+                                   "seeds": {str(seed): {k: v for k, v in s.items() if k != "telemetry"}
+                                             for seed, s in zip(seeds, per_seed, strict=True)},
+                                   "bytes_per_param": _bytes_per_param(args.config, [*args.overrides, *STUDY[name]])}
+            if "telemetry" in per_seed[0]:
+                row["telemetry"] = per_seed[0]["telemetry"]
+            rows[name] = row
+            with open(args.json, "w") as f:
+                json.dump({"rows": rows}, f, indent=1)
 
 
 def statistics_of(rows: dict[str, Any], kind: str = "valid", metric: str = "bits_per_byte") -> list[dict[str, Any]]:
@@ -178,12 +205,10 @@ def measure(args: Any) -> dict[str, Any]:
         with open(args.json) as f:
             rows = json.load(f).get("rows", {})
     rows = {n: r for n, r in rows.items() if "seeds" in r}  # rows of the one-seed study have no runs to compare
-    for name in args.only or list(STUDY):
-        harness.log(f"[study] {name} ...")
-        rows[name] = run_policy(name, args)
-        with open(args.json, "w") as f:  # kept after each policy: a study can be run one policy at a time
-            json.dump({"rows": rows}, f, indent=1)
-    return {"config": args.config, "rows": rows, "stats": statistics_of(rows),
+    names = args.only or list(STUDY)
+    harness.log(f"[study] {len(names)} policies x {args.seeds} seeds, {args.jobs} run(s) at a time")
+    run_policies(names, args, rows)
+    return {"config": args.config, "jobs": args.jobs, "rows": rows, "stats": statistics_of(rows),
             "curves": curves(rows, os.path.join(args.pictures, CURVES))}
 
 
@@ -200,7 +225,9 @@ def markdown(res: dict[str, Any]) -> list[str]:
     seeds = sorted({len(r["seeds"]) for r in rows})
     config = "" if res["config"] == "configs/demo.py" else f" --config {res['config']}"
     n_seeds = "/".join(map(str, seeds))
-    lines = [f"Reproduce: `python -m benchmarks precision-study{config} --seeds {seeds[-1]}` "
+    jobs = res.get("jobs", 1)
+    lines = [f"Reproduce: `python -m benchmarks precision-study{config} --seeds {seeds[-1]}"
+             f"{f' --jobs {jobs}' if jobs > 1 else ''}` "
              f"({harness.machine_line(res['machine'])}; {res['date']}). Each policy is trained {n_seeds} times, "
              f"seeds {', '.join(map(str, SEEDS[:seeds[-1]]))} (the same data otherwise), each run from scratch; the "
              "figure is the final bits per byte over every held-out file, its mean and standard deviation over the "
@@ -222,9 +249,11 @@ def markdown(res: dict[str, Any]) -> list[str]:
                      f"| {skipped} |")
     lines += ["", f"![training loss per policy: mean over seeds with the seed band, smoothed, and the difference from "
               f"{BASELINE} with its 95% band]({res['curves']})", "",
-              "Runs of a study can share the cores with other jobs, so compare tokens/s only within one uninterrupted "
-              "study; fp8 and the block formats are emulated on a CPU (operands rounded exactly, fp32 GEMMs), so "
-              "there they cost speed by construction."]
+              ("The runs were trained " + (f"{jobs} at a time, sharing the machine's cores, so tokens/s are those of "
+                                           "a loaded machine" if jobs > 1 else "one at a time") +
+               ". Runs of a study can share the cores with other jobs, so compare tokens/s only within one "
+               "uninterrupted study; fp8 and the block formats are emulated on a CPU (operands rounded exactly, fp32 "
+               "GEMMs), so there they cost speed by construction.")]
     drawn = [r for r in rows if r.get("telemetry")]
     if drawn:
         lines += ["", "**What each policy does to the numerics, per module** (the runs of the first seed, "
@@ -248,6 +277,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m benchmarks pr
     ap.add_argument("--seeds", type=positive_int, default=3,
                     help=f"runs per policy, seeds {', '.join(map(str, SEEDS))} in order (at most {len(SEEDS)}; "
                          "2 or more give an interval)")
+    ap.add_argument("--jobs", type=positive_int, default=1,
+                    help="runs trained at a time (each a torchrun of the config's TP size): on a machine with many "
+                         "cores, about cores / TP size; tokens/s are then those of a shared machine")
     ap.add_argument("--only", nargs="*", default=None, choices=list(STUDY), help="run only these policies")
     ap.add_argument("--workdir", default="runs/precision_study")
     ap.add_argument("--telemetry-every", type=nonnegative_int, default=50,
