@@ -292,9 +292,10 @@ def train_run(checkout: str, config: str, overrides: Sequence[str], run_dir: str
     nproc = load_config(config, overrides).parallel.tensor.size
     shutil.rmtree(run_dir, ignore_errors=True)
     os.makedirs(run_dir)
+    cache_folder = cache_folder or os.path.join(ROOT, "data_cache")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            os.path.join(checkout, "train.py"), "--config", config, *overrides,
-           f"data.cache_folder='{cache_folder or os.path.join(ROOT, 'data_cache')}'", f"ckpt.save_ckpt_folder='{run_dir}/ckpt'",
+           f"data.cache_folder='{cache_folder}'", f"ckpt.save_ckpt_folder='{run_dir}/ckpt'",
            f"log_folder='{run_dir}'", "job_name='run'"]
     with open(os.path.join(run_dir, "stdout.log"), "w") as out:
         rc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,

@@ -143,11 +143,12 @@ def markdown(res: dict[str, Any]) -> list[str]:
     size = ("the demo's training set" if res["max_files"] is None
             else f"the first {res['max_files']} stdlib files less each 20th (a quick check, not the demo's size)")
     lines = [
-        f"Reproduce: {harness.provenance(res)}. Corpus: {size}, {c['documents']} documents, {c['text_bytes'] / 1e6:.1f} "
-        f"MB of text in {c['shards']} `.jsonl` files ({c['jsonl_bytes'] / 1e6:.1f} MB), prepared once by "
-        f"`tools/prepare_data.py` (byte tokenizer) in {res['prepare_s']:.1f} s. {what} trained {res['steps']} steps "
-        "per run from scratch, no validation: `text` with `data.type='text'` on the `.jsonl` files and a fresh "
-        "`data.cache_folder` (so every text run tokenizes at start-up, on rank 0's `data.text.workers`: every core), "
+        f"Reproduce: {harness.provenance(res)}. Corpus: {size}, {c['documents']} documents, "
+        f"{c['text_bytes'] / 1e6:.1f} MB of text in {c['shards']} `.jsonl` files "
+        f"({c['jsonl_bytes'] / 1e6:.1f} MB), prepared once by `tools/prepare_data.py` (byte tokenizer) in "
+        f"{res['prepare_s']:.1f} s. {what} trained {res['steps']} steps per run from scratch, no validation: `text` "
+        "with `data.type='text'` on the `.jsonl` files and a fresh `data.cache_folder` (so every text run tokenizes "
+        "at start-up, on rank 0's `data.text.workers`: every core), "
         f"`tokens` with `data.type='tokens'` on the prepared folder; {res['rounds']} rounds, the order alternating. "
         f"Per run, over steps {res['first'] + 1} to {res['steps']}: the median `step_time` (forward, backward, "
         "optimizer: the batches are in hand when it starts) and the loop's mean wall time per step (the `time` of "
