@@ -54,12 +54,12 @@ def write_corpus(folder: str, max_files: int | None = None) -> dict[str, Any]:
             if not is_valid_document(i, valid_every_nth=VALID_EVERY_NTH)]
     shutil.rmtree(folder, ignore_errors=True)
     os.makedirs(folder)
-    shards = min(SHARDS, len(docs))
-    per = -(-len(docs) // shards)
-    for k in range(shards):
+    n = len(docs)
+    shards = min(SHARDS, n)
+    for k in range(shards):  # in order, none empty
         # ASCII JSON: no line separator inside a record whatever the text holds
         with open(os.path.join(folder, f"part-{k:03d}.jsonl"), "w", encoding="ascii") as f:
-            f.writelines(json.dumps({"text": t}) + "\n" for t in docs[k * per:(k + 1) * per])
+            f.writelines(json.dumps({"text": t}) + "\n" for t in docs[k * n // shards:(k + 1) * n // shards])
     return {"documents": len(docs), "text_bytes": sum(len(t.encode("utf-8")) for t in docs), "shards": shards,
             "jsonl_bytes": sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder))}
 
