@@ -283,16 +283,19 @@ LOOP_ONLY = ("ckpt.enable_save_ckpt=False", "generate.max_new_tokens=0", "data.v
              "metrics.progress_bar=False")
 
 
-def train_run(checkout: str, config: str, overrides: Sequence[str], run_dir: str) -> list[dict[str, Any]]:
+def train_run(checkout: str, config: str, overrides: Sequence[str], run_dir: str,
+              cache_folder: str | None = None) -> list[dict[str, Any]]:
     """``checkout``'s train.py under torchrun (the config's TP size in processes), from scratch in ``run_dir``;
-    the records of its metrics.jsonl."""
+    the records of its metrics.jsonl. ``cache_folder``: the run's ``data.cache_folder`` (default: the repository's
+    ``data_cache``, shared by every run so the stdlib corpus is tokenized once)."""
     config = config_path(config)
     nproc = load_config(config, overrides).parallel.tensor.size
     shutil.rmtree(run_dir, ignore_errors=True)
     os.makedirs(run_dir)
+    cache_folder = cache_folder or os.path.join(ROOT, "data_cache")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            os.path.join(checkout, "train.py"), "--config", config, *overrides,
-           f"data.cache_folder='{os.path.join(ROOT, 'data_cache')}'", f"ckpt.save_ckpt_folder='{run_dir}/ckpt'",
+           f"data.cache_folder='{cache_folder}'", f"ckpt.save_ckpt_folder='{run_dir}/ckpt'",
            f"log_folder='{run_dir}'", "job_name='run'"]
     with open(os.path.join(run_dir, "stdout.log"), "w") as out:
         rc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
