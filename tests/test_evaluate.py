@@ -35,6 +35,7 @@ lm_eval = pytest.importorskip("lm_eval")
 # index alone takes ~10 s, so even the error-line test is over the quick run's ~20 s
 pytestmark = pytest.mark.slow
 pytest.importorskip("transformers")
+pytest.importorskip("accelerate")  # lm-eval's hf backend (the reference) needs it; tools/evaluate.py does not
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TASKS = os.path.join(ROOT, "tests", "data", "lm_eval_tasks")
