@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import ast
 import io
 import logging
 import os
@@ -17,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+from importlib.metadata import EntryPoint
 
 import pytest
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
@@ -224,3 +226,14 @@ def test_sigterm_is_handled_as_torchrun_handles_it(tmp_path):
     assert torchrun[0] != 0 and torchrun[2] and "SignalException" in torchrun[1], torchrun[1]
     assert wrapped[0] == torchrun[0] and wrapped[2], wrapped[1]
     assert "SignalException: Process" in wrapped[1] and "closing signal SIGTERM" in wrapped[1], wrapped[1]
+
+
+def test_the_tessera_run_command_is_the_wrapper():
+    """setup.py's console script ``tessera-run`` loads ``tessera.run.cli`` (read from setup.py's source: the
+    editable install may predate it)."""
+    tree = ast.parse(open(os.path.join(ROOT, "setup.py")).read())
+    scripts = [ast.literal_eval(k.value)["console_scripts"] for node in ast.walk(tree) if isinstance(node, ast.Call)
+               for k in node.keywords if k.arg == "entry_points"]
+    assert scripts == [["tessera-run = tessera.run:cli"]]
+    name, target = (part.strip() for part in scripts[0][0].split("="))
+    assert EntryPoint(name, target, "console_scripts").load() is wrapper.cli
