@@ -12,9 +12,9 @@ and decides once it knows how the workers ended:
   full report, unchanged, and its exit code.
 
 Success, SIGINT/SIGTERM (torchrun's ``SignalException``) and bad torchrun arguments are torchrun's own too.
-The warnings and errors torchrun logs about its workers' ends are held back while it runs (each is let out before
-any later record, so nothing is reordered; the agent's own records, restarts included, are never held) so that
-they can be left out at the end.
+The warnings and errors torchrun logs about its workers' ends are held back while it runs, so that they can be
+left out at the end; each is let out before any later record and when torchrun restarts the workers
+(``--max-restarts``), so nothing is reordered and an earlier attempt's failure always shows.
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ __all__ = ["main", "reported_failure"]
 # the layer that starts, stops and reads the workers: how they ended ("failed (exitcode: 1)", "Sending process N
 # closing signal SIGTERM", "no error file defined for parent"), all of which torchrun's report repeats
 WORKERS_LOGGER = "torch.distributed.elastic.multiprocessing"
+# the agent: "Worker group FAILED. 1/3 attempts left; will restart worker group" (info) ends an attempt
+AGENT_LOGGER = "torch.distributed.elastic.agent.server.api"
 NAME = "tessera-run"
 
 
@@ -53,12 +55,17 @@ def reported_failure(failures: Mapping[int, Any]) -> tuple[int, int] | None:
 
 class _HeldRecords:
     """Gates on the handlers of torchrun's loggers: hold back the workers layer's warnings and errors until a
-    later record passes (then let them out first, in order), or until ``release`` / ``drop`` at the end."""
+    later record passes or an attempt ends in a restart (then let them out first, in order), or until ``release``
+    / ``drop`` at the end. The agent's info records, which torchrun does not show by default, are asked for only
+    to see where an attempt ends; the gates keep out those torchrun would not have shown."""
 
     def __init__(self) -> None:
         self.held: list[tuple[logging.Handler, logging.LogRecord]] = []
         self.gates: list[tuple[logging.Handler, Callable[[logging.LogRecord], bool]]] = []
         self.letting_out = False
+        self.agent = logging.getLogger(AGENT_LOGGER)
+        self.agent_level = self.agent.level
+        self.agent_shows = self.agent.getEffectiveLevel()  # what torchrun shows of the agent
 
     def install(self) -> None:
         """A gate on each handler a torchrun record reaches (none when logging is not set up: nothing to hold)."""
@@ -69,10 +76,13 @@ class _HeldRecords:
                 handler.addFilter(gate)
                 self.gates.append((handler, gate))
             logger = logger.parent if logger.propagate else None
+        if self.gates and self.agent_shows > logging.INFO:
+            self.agent.setLevel(logging.INFO)
 
     def uninstall(self) -> None:
         for handler, gate in self.gates:
             handler.removeFilter(gate)
+        self.agent.setLevel(self.agent_level)
 
     def _gate(self, handler: logging.Handler, record: logging.LogRecord) -> bool:
         if self.letting_out:
@@ -81,7 +91,7 @@ class _HeldRecords:
             self.held.append((handler, record))
             return False
         self.release()
-        return True
+        return not (record.name == AGENT_LOGGER and record.levelno < self.agent_shows)
 
     def release(self) -> None:
         held, self.held = self.held, []

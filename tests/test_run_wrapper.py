@@ -111,8 +111,9 @@ def test_the_full_report_stays_unless_every_failed_rank_is_accounted_for(tmp_pat
 
 # ------------------------------------------------------------------------------------------ held log records
 def test_held_records_come_out_first_in_order_or_not_at_all(monkeypatch):
-    """A workers-layer warning or error is held; any later record lets it out first; ``drop`` loses what is held
-    at the end, ``release`` lets it out; nothing is filtered once the gates are gone."""
+    """A workers-layer warning or error is held; any later record, or the agent's info that an attempt ended,
+    lets it out first (the info itself stays hidden, as torchrun hides it); ``drop`` loses what is held at the
+    end, ``release`` lets it out; once the gates are gone nothing is filtered and the agent's level is back."""
     out = io.StringIO()
     top = logging.getLogger("tessera_test_run")
     handler = logging.StreamHandler(out)
@@ -121,7 +122,9 @@ def test_held_records_come_out_first_in_order_or_not_at_all(monkeypatch):
     top.propagate = False
     top.setLevel(logging.INFO)
     monkeypatch.setattr(wrapper, "WORKERS_LOGGER", "tessera_test_run.workers")
+    monkeypatch.setattr(wrapper, "AGENT_LOGGER", "tessera_test_run.agent")
     workers, agent = logging.getLogger("tessera_test_run.workers.api"), logging.getLogger("tessera_test_run.agent")
+    agent.setLevel(logging.WARNING)
     held = wrapper._HeldRecords()
     held.install()
     try:
@@ -130,7 +133,9 @@ def test_held_records_come_out_first_in_order_or_not_at_all(monkeypatch):
         workers.error("failed")
         assert out.getvalue() == "tessera_test_run.workers.api info passes\n"
         agent.warning("restarting")
-        workers.error("failed again")
+        workers.error("attempt 2 failed")
+        agent.info("attempt 2 ended")
+        workers.error("attempt 3 failed")
         held.drop()
         workers.error("failed once more")
         held.release()
@@ -138,9 +143,10 @@ def test_held_records_come_out_first_in_order_or_not_at_all(monkeypatch):
         held.uninstall()
         top.removeHandler(handler)
     workers.error("after")
+    assert agent.level == logging.WARNING
     assert out.getvalue().splitlines() == [f"tessera_test_run.{line}" for line in (
         "workers.api info passes", "workers.api closing signal", "workers.api failed", "agent restarting",
-        "workers.api failed once more")]
+        "workers.api attempt 2 failed", "workers.api failed once more")]
 
 
 # ------------------------------------------------------------------------------------------ real launches
@@ -161,6 +167,22 @@ def test_a_bad_config_ends_with_tessera_s_lines_and_one_wrapper_line(tmp_path):
     # nor torchrun's log lines about the workers' ends (each names its source file)
     assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr, explain(proc)
     assert "distributed/elastic/" not in proc.stderr, explain(proc)
+
+
+@pytest.mark.slow
+def test_a_restarted_run_shows_the_earlier_attempt_s_failure_where_it_happened(tmp_path):
+    """With ``--max-restarts=1`` both attempts fail alike: torchrun's line about the first attempt's failure
+    stays between the attempts (as torchrun prints it); only the last attempt's lines are left out."""
+    args = [os.path.join(ROOT, "train.py"), "--config", TINY, f"log_folder='{tmp_path / 'logs'}'", "parallel.tensor.size=3"]
+    proc = run_torchrun(args, 2, timeout=HANG_GUARD_S, cwd=str(tmp_path), env=_env(), launcher="tessera.run",
+                        torchrun_args=("--standalone", "--max-restarts=1"))
+    assert proc.returncode == 1, explain(proc)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    torchrun_lines = [i for i, line in enumerate(lines) if "failed (exitcode: " in line]
+    errors = [i for i, line in enumerate(lines) if line.startswith("[rank ") and "] error: override parallel" in line]
+    assert len(torchrun_lines) == 1 and errors[0] < torchrun_lines[0] < errors[-1], explain(proc)
+    assert lines[-1].startswith("tessera-run: rank ") and lines[-2].startswith("[rank "), explain(proc)
+    assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr, explain(proc)
 
 
 @pytest.mark.slow
