@@ -6,6 +6,8 @@ setup(
     description="Tensor x data parallel (ZeRO-1) training of decoder LLMs with per-module precision",
     packages=find_packages(include=["tessera", "tessera.*"]),
     python_requires=">=3.10",
+    # torchrun whose failure ends with tessera's error line (docs/tools.md, "Launching with tessera-run")
+    entry_points={"console_scripts": ["tessera-run = tessera.run:cli"]},
     install_requires=[
         "torch>=2.4",
         "numpy",

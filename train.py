@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import logging
 import os
 import sys
 import threading
-import time
 import traceback
 from collections.abc import Callable, Iterator
 from typing import TypeVar
@@ -46,6 +44,7 @@ from tessera.data import DataBundle, build_data
 from tessera.data.errors import DataError
 from tessera.data.stdlib_corpus import prepare_stdlib_corpus
 from tessera.data.text_corpus import text_corpus_folders
+from tessera.error_file import write_error_file
 from tessera.files import os_error_text
 from tessera.model import flops_per_token
 from tessera.model.kv_cache import generate_ids_cached
@@ -550,30 +549,16 @@ def _has_checkpoint(cfg: RunConfig) -> bool:
 def _report(text: str) -> None:
     """``[rank R] text`` on stderr in one write, so ranks sharing a terminal or log never interleave lines; the
     bare text before a rank exists (no launcher gave one, and the job is not joined yet). Under torchrun the text
-    is also this rank's error file, which torchrun's failure summary shows."""
+    is also this rank's error file (``tessera.error_file``), which torchrun's failure summary shows."""
     rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID"))
     if rank is None and dist.is_initialized():  # a single process launched without a launcher: rank 0 of 1
         rank = str(dist.get_rank())
     data = (f"[rank {rank}] {text}\n" if rank is not None else f"{text}\n").encode()
-    _write_torchelastic_error_file(data.decode().rstrip("\n"))
+    # one error line is the whole report: ``python -m tessera.run`` then leaves out torchrun's traceback
+    write_error_file(data.decode().rstrip("\n"), complete=text.startswith("error: ") and "\n" not in text)
     sys.stderr.flush()
     while data:  # one write unless the pipe takes less (only past its atomic size, e.g. a long traceback)
         data = data[os.write(sys.stderr.fileno(), data):]
-
-
-def _write_torchelastic_error_file(report: str) -> None:
-    """Under torchrun, this rank's report as its error file (``TORCHELASTIC_ERROR_FILE``, in the format torch's
-    ``ErrorHandler`` writes): torchrun's failure summary then shows tessera's line where it would say "To enable
-    traceback see ...". torchrun still raises its own ``ChildFailedError`` when a worker exits non-zero (torch
-    2.13: the agent raises it for any non-zero exit, whatever the worker writes), so its summary follows ours."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
-        return
-    first = report.splitlines()[0] if report else report
-    data = {"message": {"message": first, "extraInfo": {"py_callstack": report, "timestamp": str(int(time.time()))}}}
-    with contextlib.suppress(OSError):  # a courtesy to torchrun's summary: the report is on stderr already
-        with open(path, "w") as f:
-            json.dump(data, f)
 
 
 def _exit_together(message: str) -> None:

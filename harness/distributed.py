@@ -164,8 +164,11 @@ def run_torchrun(
     cwd: str | None = None,
     env: dict[str, str] | None = None,
     torchrun_args: Sequence[str] = ("--standalone",),
+    launcher: str = "torch.distributed.run",
 ) -> subprocess.CompletedProcess[str]:
     """Run ``torchrun <torchrun_args> --nproc_per_node=N <args>`` and capture its output (no check).
+
+    ``launcher`` is the module run as torchrun: ``tessera.run`` is tessera's wrapper, which takes the same arguments.
 
     A run longer than ``timeout`` is killed (torchrun and every process below it: torchrun starts each
     worker in a session of its own, so killing torchrun's process group alone would leave hung workers
@@ -176,7 +179,7 @@ def run_torchrun(
 
     full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1")
     full_env.update(env or {})
-    cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args, f"--nproc_per_node={nproc_per_node}", *args]
+    cmd = [sys.executable, "-m", launcher, *torchrun_args, f"--nproc_per_node={nproc_per_node}", *args]
     proc = subprocess.Popen(cmd, cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:

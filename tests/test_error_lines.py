@@ -6,7 +6,8 @@
 - A bad value of a ``TESSERA_*`` environment variable is one line, not a traceback.
 - Under torchrun, each rank's line is also its error file, which torchrun's failure summary then shows in place
   of "To enable traceback see ..." (torchrun still prints its own ``ChildFailedError`` summary after it: its
-  agent raises that for any non-zero exit of a worker, whatever the worker writes).
+  agent raises that for any non-zero exit of a worker, whatever the worker writes; ``python -m tessera.run`` leaves
+  it out: tests/test_run_wrapper.py).
 """
 
 from __future__ import annotations
