@@ -234,7 +234,10 @@ SMALL = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_head
          "data.seq_len=16", "data.micro_bsz=2", "data.micro_num=2", "data.valid_micro_num=1", "data.valid_every=0",
          "data.min_length=3", "metrics.progress_bar=False", "metrics.tensorboard=False", "lr_scheduler.total_steps=4",
          "ckpt.enable_save_ckpt=True", "ckpt.checkpoint_every=2", "ckpt.oss_snapshot_freq=0",
-         "generate.max_new_tokens=0", "model.dtype='torch.float32'"]
+         "generate.max_new_tokens=0", "model.dtype='torch.float32'",
+         # a rank stuck in a collective or the rendezvous then fails with torch's own message naming the operation,
+         # well before the harness's 300 s kill (which dumps every rank's stacks when it does come)
+         "dist.timeout_s=120"]
 
 
 def _train(tmp_path, folder, ckpt, steps, logs):
