@@ -243,7 +243,8 @@ SMALL = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_head
 def _train(tmp_path, folder, ckpt, steps, logs):
     args = [os.path.join(ROOT, "train.py"), "--config", SFT, *SMALL, f"data.train_folder='{folder}'",
             f"data.total_steps={steps}", f"ckpt.save_ckpt_folder='{ckpt}'", f"log_folder='{logs}'"]
-    proc = run_torchrun(args, 2, timeout=300, cwd=str(tmp_path))
+    # TESSERA_LOG_LEVEL=DEBUG: each rank logs the phases of its launch, so a failure's output shows where a rank stopped
+    proc = run_torchrun(args, 2, timeout=300, cwd=str(tmp_path), env={"TESSERA_LOG_LEVEL": "DEBUG"})
     assert proc.returncode == 0, explain(proc)
     with open(os.path.join(logs, "7b_train", "metrics.jsonl")) as f:
         return {r["step"]: r["loss"] for r in map(json.loads, f) if r["kind"] == "train"}

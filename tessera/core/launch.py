@@ -79,13 +79,16 @@ def join_job(config: ConfigLike, peer: Peer, backend: str | None = None, seed: i
     init_method = peer.init_method
     if isinstance(init_method, Rendezvous):  # every rank has joined the store once this returns
         init_method = init_method.connect(cfg.dist.timeout_s)
+        logger.debug("launch: rank %d joined the rendezvous at %s", peer.rank, peer.init_method.where)
     try:
         device = join_default_group(peer.rank, peer.world_size, backend, init_method, peer.local_rank,
                                     cfg.dist.timeout_s)
     except RuntimeError as e:  # torch's DistError and backend failures: one line, the traceback chained
         raise LaunchError(f"joining the {backend} process group of {peer.world_size} ranks failed: "
                           f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}") from e
+    logger.debug("launch: rank %d joined the %s process group of %d ranks", peer.rank, backend, peer.world_size)
     groups = new_groups(tp, zero1, cfg.dist.timeout_s)
+    logger.debug("launch: rank %d built its tensor, data and zero1 groups", peer.rank)
     job = Job.of(cfg, groups, layout=Layout.of(peer.world_size, tp, zero1, peer.rank), device=device, seed=seed)
     nodes = _tensor_group_nodes(job)
     shm = _shm_collectives(cfg, job, nodes)
