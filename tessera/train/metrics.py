@@ -306,7 +306,8 @@ class MetricsWriter:
             values["seconds"] = seconds
         self._write("eval", step, values)
         self._print(f"eval step {step} | " + " | ".join(
-            f"{task} " + " ".join(f"{m} {v:.4f}" for m, v in row.items() if not m.endswith("_stderr"))
+            f"{task} " + " ".join(f"{m} {v:.4f}" for m, v in row.items()
+                                  if not m.endswith("_stderr") and m != "sample_len")  # the scores alone
             for task, row in scores.items()))
 
     def log_event(self, message: str, **values: Any) -> None:
