@@ -102,10 +102,31 @@ def _record_scores(record: dict) -> dict[str, dict[str, float]]:
     return out
 
 
-def _files(step_folder: str) -> dict[str, str]:
-    """The checkpoint's files and their sha256 (meta.json's own record of them)."""
+def _contents(step_folder: str) -> dict:
+    """Every tensor file of a checkpoint, read back (the files' bytes are no reference: safetensors writes a
+    file's metadata keys in a per-process random order)."""
+    from tessera.checkpoint import read_tree
+
     with open(os.path.join(step_folder, "meta.json"), encoding="utf-8") as f:
-        return {name: entry["sha256"] for name, entry in json.load(f)["files"].items()}
+        names = sorted(json.load(f)["files"])
+    return {name: read_tree(os.path.join(step_folder, name)) for name in names if name.endswith(".safetensors")}
+
+
+def _same(a, b, where: str = "") -> None:
+    """``a`` and ``b`` (nested dicts, lists, tensors, values) equal bit for bit."""
+    assert type(a) is type(b), where
+    if isinstance(a, dict):
+        assert list(a) == list(b), where
+        for k in a:
+            _same(a[k], b[k], f"{where}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same(x, y, f"{where}/{i}")
+    elif isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and torch.equal(a, b), where
+    else:
+        assert a == b, where
 
 
 # --------------------------------------------------------------------------------------- train.py end to end
@@ -141,11 +162,13 @@ def test_evaluating_every_two_steps_changes_no_bit_of_training(tp1_runs):
     assert [r["step"] for r in train_e] == list(range(1, 7))
     for a, b in zip(train_e, train_p, strict=True):
         assert (a["loss"], a["grad_norm"]) == (b["loss"], b["grad_norm"]), a["step"]
-    assert _records(evaluated, "valid") == [] or [r["loss"] for r in _records(evaluated, "valid")] == \
-        [r["loss"] for r in _records(plain, "valid")]
-    for step in (2, 4, 6):  # weights, masters, Adam moments and the RNG streams saved after each evaluation
-        assert _files(str(tp1_runs["tmp"] / "ckpt_e" / f"step_{step}")) == \
-            _files(str(tp1_runs["tmp"] / "ckpt_p" / f"step_{step}")), step
+    assert [r["loss"] for r in _records(evaluated, "valid")] == [r["loss"] for r in _records(plain, "valid")]
+    # weights, masters, Adam moments and every RNG stream, saved before the step's own evaluation (the end's:
+    # after the last checkpoint) and after the earlier ones
+    for step in (2, 4, 6):
+        evaluated_files = _contents(str(tp1_runs["tmp"] / "ckpt_e" / f"step_{step}"))
+        assert {"model_tp0.safetensors", "optim_tp0_zero0.safetensors", "rng_rank0.safetensors"} <= set(evaluated_files)
+        _same(evaluated_files, _contents(str(tp1_runs["tmp"] / "ckpt_p" / f"step_{step}")), f"step_{step}")
 
 
 @pytest.mark.slow
