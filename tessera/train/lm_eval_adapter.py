@@ -31,7 +31,7 @@ from tessera.model.kv_cache import generate_ids_cached
 from tessera.model.scoring import continuation_logprobs
 from tessera.model.transformer import Transformer
 
-__all__ = ["EvalSetupError", "import_lm_eval", "model_max_length", "task_manager", "tessera_lm_class",
+__all__ = ["EvalSetupError", "import_lm_eval", "model_max_length", "task_manager", "tessera_lm_class", "generate_text",
            "evaluate_tasks", "scores_of"]
 
 EXTRA = "pip install 'tessera[eval]' (the lm-eval package)"
@@ -85,7 +85,6 @@ def tessera_lm_class(lm_eval: Any) -> type:
     """``TesseraLM``, an ``lm_eval.api.model.TemplateLM`` over a TP=1 tessera model (built once lm-eval is
     importable, so that this module imports without it). Its forwards run on the model's device."""
     from lm_eval.api.model import TemplateLM
-    from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
     from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
     class TesseraLM(TemplateLM):
@@ -145,29 +144,38 @@ def tessera_lm_class(lm_eval: Any) -> type:
             return [self._generate_one(*req.args) for req in requests]
 
         def _generate_one(self, context: str, gen_kwargs: dict[str, Any]) -> str:
-            kwargs = dict(normalize_gen_kwargs(gen_kwargs, self.max_gen_toks))
-            until = handle_stop_sequences(kwargs.pop("until", None), eos=None)
-            max_new = int(kwargs.pop("max_gen_toks"))
-            if max_new >= self.max_length:
-                raise ValueError(f"max_gen_toks={max_new} leaves no room for a context in {self.max_length} positions")
-            prompt = self.tok_encode(context)[-(self.max_length - max_new):] or [self.eot_token_id]
-            eod = self.eot_token_id
-
-            def stop(new: list[int]) -> bool:
-                return new[-1] == eod or any(s and s in self.tok.decode(new) for s in until)
-
-            temperature = float(kwargs.get("temperature", 0.0)) if kwargs.get("do_sample") else 0.0
-            ids = generate_ids_cached(self.model, prompt, max_new, temperature=temperature,
-                                      top_k=int(kwargs.get("top_k") or 0), top_p=float(kwargs.get("top_p") or 1.0),
-                                      seed=self.seed, max_seq_len=self.max_length, vocab_size=self.sample_vocab,
-                                      stop=stop, device=self.on)
-            new = ids[len(prompt):]
-            new = new[: new.index(eod)] if eod in new else new
-            text = str(postprocess_generated_text(self.tok.decode(new), until, None))
+            text = generate_text(self, context, gen_kwargs)
             self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
             return text
 
     return TesseraLM
+
+
+def generate_text(lm: Any, context: str, gen_kwargs: dict[str, Any]) -> str:
+    """``TesseraLM``'s answer to one ``generate_until`` request: ``context`` continued through the KV cache until
+    the end-of-document id, a stop string or ``max_gen_toks`` tokens (greedy unless the task samples); the text
+    before the first stop string."""
+    from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
+
+    kwargs = dict(normalize_gen_kwargs(gen_kwargs, lm.max_gen_toks))
+    until = handle_stop_sequences(kwargs.pop("until", None), eos=None)
+    max_new = int(kwargs.pop("max_gen_toks"))
+    if max_new >= lm.max_length:
+        raise ValueError(f"max_gen_toks={max_new} leaves no room for a context in {lm.max_length} positions")
+    prompt = lm.tok_encode(context)[-(lm.max_length - max_new):] or [lm.eot_token_id]
+    eod = lm.eot_token_id
+
+    def stop(new: list[int]) -> bool:
+        return new[-1] == eod or any(s and s in lm.tok.decode(new) for s in until)
+
+    temperature = float(kwargs.get("temperature", 0.0)) if kwargs.get("do_sample") else 0.0
+    ids = generate_ids_cached(lm.model, prompt, max_new, temperature=temperature,
+                              top_k=int(kwargs.get("top_k") or 0), top_p=float(kwargs.get("top_p") or 1.0),
+                              seed=lm.seed, max_seq_len=lm.max_length, vocab_size=lm.sample_vocab, stop=stop,
+                              device=lm.on)
+    new = ids[len(prompt):]
+    new = new[: new.index(eod)] if eod in new else new
+    return str(postprocess_generated_text(lm.tok.decode(new), until, None))
 
 
 def evaluate_tasks(lm_eval: Any, lm: Any, tasks: Sequence[str], manager: Any, *, num_fewshot: int | None,
