@@ -53,10 +53,15 @@ from tessera.train.lm_eval_adapter import (
 )
 from tessera.train.metrics import MetricsWriter
 
-__all__ = ["LiveEval", "prepare_live_eval", "consolidated_state"]
+__all__ = ["LiveEval", "EvalTimedOut", "prepare_live_eval", "consolidated_state"]
 
 logger = logging.getLogger("tessera")
 _WAIT_ROUND_S = 2.0  # how often the ranks meet while rank 0 evaluates
+
+
+class EvalTimedOut(EvalSetupError):
+    """Rank 0's evaluation ran past ``eval.timeout_s``: every rank raises it together and the run stops (the
+    evaluation thread cannot be interrupted; the process ends)."""
 
 
 class LiveEval:
@@ -134,9 +139,9 @@ class LiveEval:
                                                  round_s=_WAIT_ROUND_S, timeout_s=self.settings.timeout_s,
                                                  name="tessera-lm-eval")
         except TimeoutError:
-            raise EvalSetupError(f"eval.timeout_s={self.settings.timeout_s:g}: rank 0's evaluation at step {step} "
-                                 "is still running; raise eval.timeout_s, or evaluate fewer documents "
-                                 "(eval.limit)", every_rank=True) from None
+            raise EvalTimedOut(f"eval.timeout_s={self.settings.timeout_s:g}: rank 0's evaluation at step {step} is "
+                               "still running; raise eval.timeout_s, or evaluate fewer documents (eval.limit)",
+                               every_rank=True) from None
         copy = None
         if job.device.type == "cuda":
             torch.cuda.empty_cache()  # the copy's blocks back to the device, for training's

@@ -65,7 +65,7 @@ def task_manager(tasks: Sequence[str], include_path: str | None, *, tasks_key: s
     """An ``lm_eval.tasks.TaskManager`` that knows every name of ``tasks`` (lm-eval imported), else
     ``EvalSetupError`` naming the unknown ones under ``tasks_key`` (and ``include_key`` when no folder of local
     tasks was given). When every name is a task of ``include_path`` itself, lm-eval's own few thousand task
-    files are not indexed (about 10 s); the tasks are the same ones either way."""
+    files are not indexed (seconds of a launch); the tasks are the same ones either way."""
     from lm_eval.tasks import TaskManager
 
     if include_path and tasks:
