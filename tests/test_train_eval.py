@@ -340,6 +340,15 @@ def test_a_failed_evaluation_is_an_event_and_training_goes_on(monkeypatch):
         ("warning: eval at step 3 failed (OSError: the dataset is not reachable); training goes on",
          {"eval_error": "OSError: the dataset is not reachable", "step": 3})]
 
+    def no_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(live_eval, "model_from_full_state", no_memory)  # rank 0's whole copy does not fit
+    log = _Log()
+    live.run(4, stack.inner_model, stack.optimizer, _RngStates(), log)
+    why = "the TP=1 copy in eval.dtype=fp32 on cpu: OutOfMemoryError: CUDA out of memory"
+    assert log.events == [(f"warning: eval at step 4 failed ({why}); training goes on", {"eval_error": why, "step": 4})]
+
 
 def test_an_evaluation_past_its_timeout_stops_the_run(monkeypatch):
     _needs_lm_eval()

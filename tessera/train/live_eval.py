@@ -24,6 +24,7 @@ an ``event`` record, and the run trains on.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
@@ -131,9 +132,14 @@ class LiveEval:
         saved = rng.state_dict()
         start = time.perf_counter()
         job = self.job
-        state = consolidated_state(model, optimizer, job, dtype=self.dtype)
-        copy = model_from_full_state(self.model_cfg, state, device=job.device) if state is not None else None
-        del state
+        copy: Transformer | str | None = None  # rank 0: the TP=1 copy, or why there is none
+        try:  # every rank joins every collective of the consolidation, whatever fails on rank 0 (its memory)
+            state = consolidated_state(model, optimizer, job, dtype=self.dtype)
+            copy = model_from_full_state(self.model_cfg, state, device=job.device) if state is not None else None
+            del state
+        except Exception as e:  # rank 0 only: the full copy did not fit; the ranks went through every collective
+            logger.debug("the traceback of the failed consolidation:", exc_info=True)
+            copy = f"the TP=1 copy in eval.dtype={self.settings.dtype} on {job.device}: {type(e).__name__}: {e}"
         try:
             outcome = on_rank0_while_others_wait(job.is_rank0, lambda: self._evaluate(copy),
                                                  round_s=_WAIT_ROUND_S, timeout_s=self.settings.timeout_s,
@@ -143,6 +149,7 @@ class LiveEval:
                                "still running; raise eval.timeout_s, or evaluate fewer documents (eval.limit)",
                                every_rank=True) from None
         copy = None
+        gc.collect()  # the copy may sit in a reference cycle (lm-eval's objects): its memory back now
         if job.device.type == "cuda":
             torch.cuda.empty_cache()  # the copy's blocks back to the device, for training's
         rng.load_state_dict(saved)
@@ -155,8 +162,10 @@ class LiveEval:
             log.log_event(f"warning: eval at step {step} failed ({error}); training goes on", eval_error=error,
                           step=step)
 
-    def _evaluate(self, copy: Transformer | None) -> tuple[dict[str, dict[str, float]] | None, str | None]:
+    def _evaluate(self, copy: Transformer | str | None) -> tuple[dict[str, dict[str, float]] | None, str | None]:
         """Rank 0, in the evaluation thread: ``(scores, None)``, or ``(None, the failure in one line)``."""
+        if isinstance(copy, str):
+            return None, copy
         assert copy is not None and self.tokenizer is not None, "rank 0 evaluates a prepared LiveEval"
         ev = self.settings
         if copy.embedding.weight.device.type == "cuda":
@@ -202,18 +211,23 @@ def consolidated_state(model: torch.nn.Module, optimizer: HybridZeroOptimizer, j
                        dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor] | None:
     """Global rank 0: every ``state_dict`` key of the TP=1 ``model`` -> its full tensor in ``dtype`` on the job's
     device (a tied head shares the embedding's); None on the other ranks. The fp32 masters, as a checkpoint
-    saves them; a parameter the optimizer does not hold, as the model holds it. A collective on every rank."""
+    saves them; a parameter the optimizer does not hold, as the model holds it. A collective on every rank; a
+    failure to keep a tensor on rank 0 (its memory) is raised there after the last collective."""
     lay, tp_group = job.layout, job.groups.tp
-    keep = lay.global_rank == 0
     full: dict[int, torch.Tensor] = {}  # id(parameter) -> full tensor (rank 0)
+    failed: list[RuntimeError] = []  # rank 0 stops keeping tensors at a failure, but joins every collective
 
     def take(param: torch.Tensor, local: torch.Tensor, *, copy: bool = False) -> None:
         if lay.dp_rank != 0:  # DP replicas hold the same weights: the TP group of DP rank 0 gathers
             return
         dim = partition_dim(param)
         whole = local if dim is None else gather_tensor(local.contiguous(), dim, tp_group)
-        if keep:  # ``copy``: never the live parameter's own storage
-            full[id(param)] = whole.to(device=job.device, dtype=dtype, copy=copy and dim is None)
+        if lay.global_rank == 0 and not failed:
+            try:  # ``copy``: never the live parameter's own storage
+                full[id(param)] = whole.to(device=job.device, dtype=dtype, copy=copy and dim is None)
+            except RuntimeError as e:  # out of memory: raised below, once every collective is done
+                failed.append(e)
+                full.clear()
 
     with torch.no_grad():
         for _, param, master in optimizer.iter_full_masters():  # one bucket at a time (a collective over ZeRO-1)
@@ -222,6 +236,8 @@ def consolidated_state(model: torch.nn.Module, optimizer: HybridZeroOptimizer, j
         for param in model.parameters():  # each once, in the same order on every rank
             if id(param) not in held:
                 take(param, param.detach(), copy=True)
-    if not keep:
+    if failed:
+        raise failed[0]
+    if lay.global_rank != 0:
         return None
     return {name: full[id(p)] for name, p in model.named_parameters(remove_duplicate=False)}
