@@ -262,7 +262,7 @@ def _consolidate(rank: int, world: int, folder: str) -> dict:
     return out
 
 
-@pytest.mark.slow  # two processes build, step and save two stacks: ~18 s on 2 cores
+@pytest.mark.slow  # two processes build, step and save two stacks: 4-18 s on a shared 2-core machine
 def test_the_consolidated_copy_is_what_load_for_inference_makes_of_a_checkpoint(tmp_path):
     """TP=2 (gathered over TP) and DP=2 with ZeRO-2 (masters gathered over ZeRO), bf16 weights, fp32 masters."""
     got = run_distributed(_consolidate, 2, str(tmp_path), timeout=HANG_GUARD_S)[0]
