@@ -1,9 +1,9 @@
 """Train a tessera decoder: ``torchrun --nproc_per_node=N train.py --config configs/7B.py [key.sub=value ...]``.
 
 ``main`` reads top to bottom: config -> launch (the run description: groups, seeds, precision) -> writable
-folders and the save folder's lock -> will it fit -> data -> the training stack -> resume -> metrics -> the loop
-(step, log, validate, checkpoint, stop) -> final validation, checkpoint and sample. Each step is a function below
-it, in that order.
+folders and the save folder's lock -> the ``eval`` section's lm-eval tasks -> will it fit -> data -> the training
+stack -> resume -> metrics -> the loop (step, log, validate, checkpoint, evaluate, stop) -> final validation,
+checkpoint, evaluation and sample. Each step is a function below it, in that order.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import contextlib
 import logging
 import os
 import sys
-import threading
 import traceback
 from collections.abc import Callable, Iterator
 from typing import TypeVar
@@ -32,7 +31,6 @@ from tessera.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from tessera.checkpoint.agreement import all_agree
 from tessera.checkpoint.lock import release_held_folders
 from tessera.cli_args import positive_float
 from tessera.config import Config, ConfigError, RunConfig
@@ -49,8 +47,10 @@ from tessera.files import os_error_text
 from tessera.model import flops_per_token
 from tessera.model.kv_cache import generate_ids_cached
 from tessera.optim.skips import TooManySkippedSteps
-from tessera.parallel.comm import agree_on_errors
+from tessera.parallel.comm import agree_on_errors, on_rank0_while_others_wait
 from tessera.train.builder import TrainingStack, build_training_stack
+from tessera.train.live_eval import LiveEval, prepare_live_eval
+from tessera.train.lm_eval_adapter import EvalSetupError
 from tessera.train.lr_scheduler import WarmupCosineLR
 from tessera.train.memory_check import check_memory
 from tessera.train.metrics import MetricsWriter, gpu_peak_tflops, measure_matmul_tflops, peak_memory_gib, setup_logging
@@ -118,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     with doing("checking the output folders"):
         check_output_folders(cfg)
         hold_save_folder(cfg, job)
+    with doing("checking the eval section"):  # lm-eval and every task named, before any step
+        evals = prepare_live_eval(cfg, job)
     peak = mfu_peak(cfg, job)
     if not args.skip_memory_check:
         check_it_fits(config, job)
@@ -125,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         data = load_data(cfg, job)
     with doing("building the model and optimizer"):
         stack = build_training_stack(cfg, job, before_cast=lambda model: weights_only_start(cfg, job, model))
-    run = Run(config, job, stack, data, peak)
+    run = Run(config, job, stack, data, peak, evals)
     with doing(f"resuming from ckpt.save_ckpt_folder={cfg.ckpt.save_ckpt_folder}"):
         resume(run)
     open_metrics(run)
@@ -219,12 +221,12 @@ def load_data(cfg: RunConfig, job: Job) -> DataBundle:
     stops every rank. The stdlib corpus and raw text (``data.type='text'``) are tokenized by rank 0 while the
     others wait in the agreement, so a bad file or record is every rank's one error line before any step."""
     if cfg.data.type == "stdlib":
-        problem = _on_rank0_while_others_wait(
-            job, lambda: _data_step(cfg, lambda: prepare_stdlib_corpus(cfg.data.cache_folder, progress=True))[1])
+        problem = on_rank0_while_others_wait(job.is_rank0, lambda: _data_step(
+            cfg, lambda: prepare_stdlib_corpus(cfg.data.cache_folder, progress=True))[1])
         _exit_on(agree_on_errors(problem))
     if cfg.data.type == "text":
-        problem = _on_rank0_while_others_wait(
-            job, lambda: _data_step(cfg, lambda: text_corpus_folders(cfg.data.as_dict(), progress=True))[1])
+        problem = on_rank0_while_others_wait(
+            job.is_rank0, lambda: _data_step(cfg, lambda: text_corpus_folders(cfg.data.as_dict(), progress=True))[1])
         _exit_on(agree_on_errors(problem))
     lay = job.layout
     data, problem = _data_step(cfg, lambda: build_data(
@@ -259,9 +261,9 @@ class Run:
     annotations need."""
 
     def __init__(self, config: Config, job: Job, stack: TrainingStack, data: DataBundle,
-                 peak: tuple[float, str]) -> None:
+                 peak: tuple[float, str], evals: LiveEval) -> None:
         self.config, self.cfg = config, config.typed
-        self.job, self.stack, self.data = job, stack, data
+        self.job, self.stack, self.data, self.evals = job, stack, data, evals
         cfg = self.cfg
         self.peak = peak  # MFU denominator (TFLOP/s per device) and where it came from
         self.last_ckpt: str | None = None
@@ -269,7 +271,8 @@ class Run:
         self.progress = Progress()
         self.state = TrainState(stack.inner_model, stack.optimizer, progress=self.progress,
                                 lr_scheduler=stack.scheduler, sampler=data.train)
-        self.state.register("rng", RngStreams(gpc), per_rank=True)
+        self.rng = RngStreams(gpc)
+        self.state.register("rng", self.rng, per_rank=True)
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
 
     @property
@@ -302,6 +305,11 @@ class Run:
             if self.data.info.get("type") == "synthetic":  # random ids stand for no text: no bits per byte
                 values.pop("bits_per_byte", None)
             self.log.log_valid(self.progress.step, values)
+
+    def evaluate_tasks(self) -> None:
+        """``eval``: lm-eval's tasks on the live model, consolidated on rank 0 while the others wait; training
+        goes on unchanged (tessera.train.live_eval)."""
+        self.evals.run(self.progress.step, self.stack.inner_model, self.stack.optimizer, self.rng, self.log)
 
 
 def resume(run: Run) -> None:
@@ -374,6 +382,8 @@ def train_loop(run: Run, stop_file: str | None) -> None:
         if (cfg.ckpt.enable_save_ckpt and cfg.ckpt.checkpoint_every and step % cfg.ckpt.checkpoint_every == 0
                 and step < cfg.data.total_steps):
             run.save()
+        if run.evals.due(step, cfg.data.total_steps):
+            run.evaluate_tasks()
         _, reason = stop.should_stop(problem=run.metrics_problem())  # one agreement for both
         if reason is not None:  # a reason exactly when a stop was agreed
             stop_now(run, stop, reason, stop_file)
@@ -424,12 +434,14 @@ def stop_now(run: Run, stop: StopRequest, reason: str, stop_file: str | None) ->
 
 
 def finish(run: Run) -> None:
-    """At ``data.total_steps``: the final validation, checkpoint and sample; then close the metrics."""
+    """At ``data.total_steps``: the final validation, checkpoint, evaluation and sample; then close the metrics."""
     cfg, job = run.cfg, run.job
     if run.progress.step >= cfg.data.total_steps:
         run.validate()
         if cfg.ckpt.enable_save_ckpt:
             run.save()
+        if run.evals.due_at_end(run.progress.step):
+            run.evaluate_tasks()
         tokenizer = run.data.tokenizer
         if cfg.generate.max_new_tokens and tokenizer is not None:
             gen = cfg.generate
@@ -513,34 +525,6 @@ def _data_step(cfg: RunConfig, step: Callable[[], T], run_here: bool = True) -> 
         return None, f"{_data_keys(cfg)}: {os_error_text(e)}"
 
 
-_WAIT_ROUND_S = 2.0  # how often the ranks meet while rank 0 tokenizes
-
-
-def _on_rank0_while_others_wait(job: Job, work: Callable[[], str | None]) -> str | None:
-    """``work()`` (a problem line or None) on rank 0, in a thread, while every rank meets in a small agreement
-    every ``_WAIT_ROUND_S``: a corpus that takes longer to tokenize than ``dist.timeout_s`` never times out the
-    waiting ranks' collective. Returns rank 0's result there, None elsewhere."""
-    result: list[str | None] = [None]
-    raised: list[Exception] = []
-    thread = None
-    if job.is_rank0:
-        def run() -> None:
-            try:
-                result[0] = work()
-            except Exception as e:  # noqa: BLE001 -- raised again below, in the main thread, as before
-                raised.append(e)
-        thread = threading.Thread(target=run, name="tessera-data-preparation", daemon=True)
-        thread.start()
-    while True:
-        if thread is not None:
-            thread.join(_WAIT_ROUND_S)
-        if all_agree(thread is None or not thread.is_alive()):
-            break
-    if raised:
-        raise raised[0]
-    return result[0]
-
-
 def _has_checkpoint(cfg: RunConfig) -> bool:
     """A run that already saved checkpoints resumes from them instead of re-loading load_ckpt_folder."""
     return bool(cfg.ckpt.auto_resume and cfg.ckpt.save_ckpt_folder and list_checkpoints(cfg.ckpt.save_ckpt_folder))
@@ -602,7 +586,7 @@ def run() -> None:
     """Exit non-zero on every failing rank at once; never wait on peers that may be gone."""
     try:
         sys.exit(main())
-    except (ConfigError, LaunchError, DataError, CheckpointError, TrainingStopped) as e:
+    except (ConfigError, LaunchError, DataError, CheckpointError, EvalSetupError, TrainingStopped) as e:
         logger.debug("the traceback of the error below:", exc_info=True)  # TESSERA_LOG_LEVEL=DEBUG shows it
         if getattr(e, "every_rank", False) and dist.is_initialized():
             _exit_together(str(e))  # every rank raised it together: each reports before any exits

@@ -56,7 +56,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--group", action="append", default=[], metavar="NAME=PATHS",
                     help="a group of runs, one per seed: comma-separated paths or globs (quote them)")
     ap.add_argument("--baseline", help="the group the others are set against (default: the first)")
-    ap.add_argument("--kind", default="train", help="the records compared: train (default) or valid")
+    ap.add_argument("--kind", default="train", help="the records compared: train (default), valid, or eval "
+                                                    "(--metric TASK/METRIC: the eval section's lm-eval scores)")
     ap.add_argument("--metric", default="loss", help="the number compared (default loss; e.g. bits_per_byte)")
     ap.add_argument("--window", type=positive_int, default=1,
                     help="a run's figure is the mean of its last N logged values (default 1: the last)")

@@ -6,7 +6,8 @@
 
 Needs the ``eval`` extra (``pip install 'tessera[eval]'``: lm-eval). The checkpoint (any TP/DP layout) is
 consolidated into one TP=1 model exactly as ``tools/generate.py`` loads it (fp32 optimizer masters when the
-checkpoint has them), with the run's tokenizer or ``--tokenizer``, and wrapped as an lm-eval ``LM``:
+checkpoint has them), with the run's tokenizer or ``--tokenizer``, and wrapped as an lm-eval ``LM``
+(``tessera.train.lm_eval_adapter``, which train.py's ``eval`` section uses on the live model too: docs/evaluation.md):
 
 - log-likelihood (multiple choice, cloze): requests sorted by length, longest first, ``--batch-size`` rows a
   forward, right-padded (``tessera.model.scoring``); log-softmax in fp32 over the model's whole vocabulary;
@@ -25,131 +26,22 @@ results table goes to stdout, everything else to stderr.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
-import logging
 import sys
-from collections.abc import Sequence
-from typing import Any
 
 import torch
 
 from tessera.checkpoint import CheckpointError, load_for_inference, parse_dtype_name, tokenizer_for_checkpoint
 from tessera.cli_args import nonnegative_int, positive_int, random_seed
 from tessera.data.errors import DataError
-from tessera.data.tokenizer import AnyTokenizer
-from tessera.model.kv_cache import generate_ids_cached
-from tessera.model.scoring import continuation_logprobs
-from tessera.model.transformer import Transformer
-
-MISSING_EXTRA = "tools/evaluate.py needs lm-evaluation-harness: pip install 'tessera[eval]' (the lm-eval package)"
-
-
-class EvalSetupError(Exception):
-    """A missing package or a task lm-eval cannot find: one ``error:`` line, no traceback."""
-
-
-def import_lm_eval() -> Any:
-    """The ``lm_eval`` module, or ``EvalSetupError`` naming the extra that installs it."""
-    try:
-        return importlib.import_module("lm_eval")
-    except ImportError:
-        raise EvalSetupError(MISSING_EXTRA) from None
-
-
-def model_max_length(model_cfg: dict[str, Any]) -> int:
-    """Positions the model was trained for (``max_position_embeddings``), capped by a sliding window."""
-    length = int(model_cfg["max_position_embeddings"])
-    window = model_cfg.get("sliding_window")
-    return min(length, int(window)) if window else length
-
-
-def tessera_lm_class(lm_eval: Any) -> type:
-    """``TesseraLM``, an ``lm_eval.api.model.TemplateLM`` over a loaded tessera model (built once lm-eval is
-    importable, so that this file imports without it)."""
-    from lm_eval.api.model import TemplateLM
-    from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
-    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
-
-    class TesseraLM(TemplateLM):
-        """A TP=1 tessera model and its tokenizer, answering lm-eval's three request kinds."""
-
-        def __init__(self, model: Transformer, tokenizer: AnyTokenizer, *, max_length: int, batch_size: int,
-                     seed: int = 0, max_gen_toks: int = 256):
-            super().__init__()
-            self.model, self.tok = model, tokenizer
-            self._max_length, self.batch_size, self.seed, self.max_gen_toks = max_length, batch_size, seed, max_gen_toks
-            self.sample_vocab = min(tokenizer.vocab_size, model.args.vocab_size)  # never sample an undecodable id
-
-        @property
-        def eot_token_id(self) -> int:
-            return int(self.tok.eod_id)
-
-        @property
-        def max_length(self) -> int:
-            return self._max_length
-
-        def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs: Any) -> list[int]:
-            return list(self.tok.encode(string))
-
-        def _loglikelihood_tokens(self, requests: Sequence[tuple[Any, list[int], list[int]]],
-                                  disable_tqdm: bool = False, **kwargs: Any) -> list[tuple[float, bool]]:
-            answers = self._score([(ctx, cont) for _, ctx, cont in requests])
-            for (key, _, _), answer in zip(requests, answers, strict=True):
-                if key is not None:
-                    self.cache_hook.add_partial("loglikelihood", key, answer)
-            return answers
-
-        def _score(self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[tuple[float, bool]]:
-            return continuation_logprobs(self.model, pairs, max_length=self.max_length, batch_size=self.batch_size,
-                                         pad_id=self.eot_token_id)
-
-        def loglikelihood_rolling(self, requests: Sequence[Any], disable_tqdm: bool = False) -> list[float]:
-            """Every token of each text scored in disjoint windows of ``max_length``; all windows batched together."""
-            owners: list[int] = []
-            windows: list[tuple[list[int], list[int]]] = []
-            for i, req in enumerate(requests):
-                for window in get_rolling_token_windows(token_list=self.tok_encode(req.args[0]),
-                                                        prefix_token=self.prefix_token_id,
-                                                        max_seq_len=self.max_length, context_len=1):
-                    windows.append(make_disjoint_window(window))
-                    owners.append(i)
-            totals = [0.0] * len(requests)
-            for i, (logp, _) in zip(owners, self._score(windows), strict=True):
-                totals[i] += logp
-            for req, total in zip(requests, totals, strict=True):
-                self.cache_hook.add_partial("loglikelihood_rolling", req.args, total)
-            return totals
-
-        def generate_until(self, requests: Sequence[Any], disable_tqdm: bool = False) -> list[str]:
-            """Each context continued through the KV cache until the end-of-document id, a stop string or
-            ``max_gen_toks`` tokens; the text before the first stop string."""
-            return [self._generate_one(*req.args) for req in requests]
-
-        def _generate_one(self, context: str, gen_kwargs: dict[str, Any]) -> str:
-            kwargs = dict(normalize_gen_kwargs(gen_kwargs, self.max_gen_toks))
-            until = handle_stop_sequences(kwargs.pop("until", None), eos=None)
-            max_new = int(kwargs.pop("max_gen_toks"))
-            if max_new >= self.max_length:
-                raise ValueError(f"max_gen_toks={max_new} leaves no room for a context in {self.max_length} positions")
-            prompt = self.tok_encode(context)[-(self.max_length - max_new):] or [self.eot_token_id]
-            eod = self.eot_token_id
-
-            def stop(new: list[int]) -> bool:
-                return new[-1] == eod or any(s and s in self.tok.decode(new) for s in until)
-
-            temperature = float(kwargs.get("temperature", 0.0)) if kwargs.get("do_sample") else 0.0
-            ids = generate_ids_cached(self.model, prompt, max_new, temperature=temperature,
-                                      top_k=int(kwargs.get("top_k") or 0), top_p=float(kwargs.get("top_p") or 1.0),
-                                      seed=self.seed, max_seq_len=self.max_length, vocab_size=self.sample_vocab,
-                                      stop=stop)
-            new = ids[len(prompt):]
-            new = new[: new.index(eod)] if eod in new else new
-            text = str(postprocess_generated_text(self.tok.decode(new), until, None))
-            self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
-            return text
-
-    return TesseraLM
+from tessera.train.lm_eval_adapter import (
+    EvalSetupError,
+    evaluate_tasks,
+    import_lm_eval,
+    model_max_length,
+    task_manager,
+    tessera_lm_class,
+)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -186,16 +78,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _evaluate(a: argparse.Namespace) -> int:
-    lm_eval = import_lm_eval()
-    from lm_eval.tasks import TaskManager
+    lm_eval = import_lm_eval("tools/evaluate.py")
     from lm_eval.utils import make_table
 
-    manager = TaskManager(include_path=a.include_path)  # tasks checked before a large checkpoint is read
-    tasks = [t for t in a.tasks.split(",") if t]
-    unknown = [t for t in tasks if t not in manager.all_tasks]
-    if unknown or not tasks:
-        raise EvalSetupError(f"--tasks: lm-eval knows no task {', '.join(unknown) or '(none given)'}"
-                             + ("" if a.include_path else " (a local task needs --include-path FOLDER)"))
+    tasks = [t for t in a.tasks.split(",") if t]  # checked before a large checkpoint is read
+    manager = task_manager(tasks, a.include_path, tasks_key="--tasks", include_key="--include-path FOLDER")
     if a.threads is not None:
         torch.set_num_threads(a.threads)
     model, meta = load_for_inference(a.checkpoint, dtype=parse_dtype_name(a.dtype), verify=not a.no_verify)
@@ -207,10 +94,8 @@ def _evaluate(a: argparse.Namespace) -> int:
           f"{max_length} positions, batch {a.batch_size}, generation with the KV cache", file=sys.stderr)
     lm = tessera_lm_class(lm_eval)(model, tokenizer, max_length=max_length, batch_size=a.batch_size, seed=a.seed,
                                    max_gen_toks=a.max_gen_toks)
-    logging.getLogger("lm_eval").setLevel(logging.WARNING)
-    results = lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=manager, num_fewshot=a.num_fewshot,
-                                      limit=a.limit, log_samples=a.log_samples, random_seed=a.seed,
-                                      numpy_random_seed=a.seed, torch_random_seed=a.seed, fewshot_random_seed=a.seed)
+    results = evaluate_tasks(lm_eval, lm, tasks, manager, num_fewshot=a.num_fewshot, limit=a.limit, seed=a.seed,
+                             log_samples=a.log_samples)
     print(make_table(results))
     if a.output:
         with open(a.output, "w", encoding="utf-8") as f:

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from tessera.core.layout import Layout
-from tessera.parallel.comm import reduce_scalars, share_texts
+from tessera.parallel.comm import all_agree, share_texts  # all_agree: its home is comm, imported here as before
 
 __all__ = ["is_distributed", "barrier", "gather_to_rank0", "all_agree", "exchange_errors"]
 
@@ -34,14 +33,6 @@ def gather_to_rank0(obj: Any, layout: Layout) -> list[Any] | None:
     out = [None] * layout.world_size if layout.global_rank == 0 else None
     dist.gather_object(obj, out, dst=0)
     return out
-
-
-def all_agree(ok: bool) -> bool:
-    """True only when ``ok`` holds on every rank (so all ranks take the same branch). A collective."""
-    if not is_distributed():
-        return ok
-    # on the device the default group's backend serves: NCCL refuses a CPU flag
-    return bool(reduce_scalars([1 if ok else 0], None, op=dist.ReduceOp.MIN, dtype=torch.int32)[0])
 
 
 def exchange_errors(error: str | None) -> list[str]:

@@ -8,7 +8,8 @@ import torch
 
 from tessera.checkpoint.convert import load_consolidated_state
 from tessera.checkpoint.source import CheckpointSource
-from tessera.model import Transformer, build_model
+from tessera.model import Transformer
+from tessera.model.transformer import model_from_full_state
 
 __all__ = ["load_for_inference"]
 
@@ -24,11 +25,4 @@ def load_for_inference(path: str, *, dtype: torch.dtype = torch.float32, device:
         cfg = dict(src.model_cfg)
         state = load_consolidated_state(src, dtype)
         meta = dict(src.meta, checkpoint_path=src.path)
-    cfg["checkpoint"] = False
-    model = build_model(cfg, tp_group=None, device="meta")
-    model.load_state_dict(state, strict=True, assign=True)
-    if cfg.get("tie_word_embeddings"):
-        model.output.weight = model.embedding.weight  # assign=True replaced both; share one again
-    model.to(device)
-    model.eval()
-    return model, meta
+    return model_from_full_state(cfg, state, device=device), meta

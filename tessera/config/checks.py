@@ -113,6 +113,10 @@ def check_config(cfg: dict[str, Any], source: str | None = None) -> None:
     ck = cfg["ckpt"]
     if ck["enable_save_ckpt"] and not ck["save_ckpt_folder"]:
         raise ConfigError(f"ckpt.save_ckpt_folder is required when ckpt.enable_save_ckpt=True{w}")
+    ev = cfg["eval"]
+    if ev["tasks"] and not ev["every"] and not ev["at_end"]:
+        raise ConfigError(f"eval.tasks={ev['tasks']} would never run with eval.every=0 and eval.at_end=False: set "
+                          f"eval.every=N (steps) or eval.at_end=True{w}")
 
 
 def check_optimizer_precision(cfg: dict[str, Any], source: str | None = None) -> None:

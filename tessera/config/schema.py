@@ -112,6 +112,10 @@ def _off_or_at_least_two(v: Any) -> str | None:
     return None if v == 0 or v >= 2 else "must be 0 (none) or >= 2"
 
 
+def _eval_seed(v: Any) -> str | None:
+    return None if 0 <= v < 2**32 else "must be in [0, 2**32 - 1] (NumPy's seed range; lm-eval seeds NumPy)"
+
+
 def _str_list(v: Any) -> str | None:
     return None if all(isinstance(x, str) for x in v) else "must be a list of strings"
 
@@ -483,6 +487,39 @@ SCHEMA = Section(
                 "temperature": Key(FLOAT, 0.8, _non_negative),
                 "top_k": Key(INT, 0, _non_negative),
                 "top_p": Key(FLOAT, 1.0, _fraction),
+            }
+        ),
+        "eval": Section(
+            {
+                "tasks": Key((list, tuple), [], _str_list,
+                             doc="lm-evaluation-harness task (or group) names run on the live model during and "
+                                 "after training, e.g. ['hellaswag']; []: off. Needs the extra 'eval' (lm-eval); "
+                                 "every name is checked before the first step (tessera.train.live_eval, "
+                                 "docs/evaluation.md)"),
+                "every": Key(INT, 0, _non_negative, doc="evaluate every N steps; 0: only at the end"),
+                "at_end": Key(BOOL, True, doc="evaluate after the last step (once, after the final checkpoint)"),
+                "include_path": Key(STR, None, nullable=True,
+                                    doc="a folder of extra lm-eval task YAML files (local tasks)"),
+                "limit": Key(INT, None, _positive, nullable=True,
+                             doc="at most this many documents per task; None: every document"),
+                "num_fewshot": Key(INT, None, _non_negative, nullable=True,
+                                   doc="examples before each question; None: the task's own default"),
+                "batch_size": Key(INT, 16, _positive, doc="rows per forward when scoring"),
+                "max_length": Key(INT, None, _positive, nullable=True,
+                                  doc="positions per forward; None: model.max_position_embeddings (capped by "
+                                      "model.sliding_window)"),
+                "max_gen_toks": Key(INT, 256, _positive, doc="tokens generated when a task names no limit"),
+                "seed": Key(INT, 0, _eval_seed, doc="lm-eval's seeds (sampling, few-shot draws); the training "
+                                                    "RNG streams are saved before and restored after"),
+                "dtype": Key(STR, "fp32", _one_of("fp32", "bf16", "fp16"),
+                             doc="the evaluated copy's dtype (the fp32 masters cast): its memory on rank 0 is "
+                                 "parameters x 4 bytes in fp32, x 2 in bf16/fp16"),
+                "tokenizer": Key(STR, None, nullable=True,
+                                 doc="'byte', a tokenizer.json or a SentencePiece .model; None: the run's "
+                                     "(as tools/evaluate.py finds it for a checkpoint of this run)"),
+                "timeout_s": Key(FLOAT, 3600.0, _positive,
+                                 doc="how long the other ranks wait for rank 0's evaluation; past it every rank "
+                                     "stops with an error"),
             }
         ),
     },

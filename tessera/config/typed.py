@@ -25,7 +25,8 @@ from tessera.config.errors import ConfigError, where
 __all__ = ["RunConfig", "DistConfig", "ModelConfig", "CompileConfig", "Fp8Config", "ParallelConfig",
            "TensorParallelConfig", "Zero1Config", "PipelineConfig", "DataConfig", "TextDataConfig", "AdamConfig",
            "LrSchedulerConfig", "GradScalerConfig", "Fp16ScalerConfig", "HybridZeroConfig", "LossConfig", "CkptConfig",
-           "MetricsConfig", "WandbConfig", "MemoryConfig", "GenerateConfig", "FILLED_KEYS", "typed_config"]
+           "MetricsConfig", "WandbConfig", "MemoryConfig", "GenerateConfig", "EvalConfig", "FILLED_KEYS",
+           "typed_config"]
 
 # nullable in the schema, but never None after ``check_config`` fills them from other keys
 FILLED_KEYS = frozenset({"model.num_kv_attention_heads", "model.max_position_embeddings", "lr_scheduler.total_steps"})
@@ -254,6 +255,23 @@ class GenerateConfig(_Section):
 
 
 @dataclass(frozen=True)
+class EvalConfig(_Section):
+    tasks: Sequence[str]
+    every: int
+    at_end: bool
+    include_path: str | None
+    limit: int | None
+    num_fewshot: int | None
+    batch_size: int
+    max_length: int | None
+    max_gen_toks: int
+    seed: int
+    dtype: Literal["fp32", "bf16", "fp16"]
+    tokenizer: str | None
+    timeout_s: float
+
+
+@dataclass(frozen=True)
 class RunConfig(_Section):
     """A whole validated config; ``source`` (the file it came from, for error lines) is not a key."""
 
@@ -276,6 +294,7 @@ class RunConfig(_Section):
     metrics: MetricsConfig
     memory: MemoryConfig
     generate: GenerateConfig
+    eval: EvalConfig
     source: str | None = dataclasses.field(default=None, compare=False)
 
     def as_dict(self) -> dict[str, Any]:

@@ -18,13 +18,15 @@ from tessera.data.tokenizer import AnyTokenizer, ByteTokenizer, build_tokenizer,
 __all__ = ["tokenizer_for_checkpoint"]
 
 
-def tokenizer_for_checkpoint(path: str, meta: Mapping[str, Any], override: str | None = None
-                             ) -> tuple[AnyTokenizer | None, str]:
+def tokenizer_for_checkpoint(path: str, meta: Mapping[str, Any], override: str | None = None, *,
+                             how: str = "--tokenizer ") -> tuple[AnyTokenizer | None, str]:
     """``(tokenizer or None, where it came from / why there is none)`` for checkpoint folder ``path``
     whose meta.json is ``meta``. ``override``: ``"byte"``, a ``tokenizer.json`` or a SentencePiece ``.model``
-    path, used as is."""
+    path, used as is. ``how``: how the caller's user gives ``override`` (a flag, or a config key and ``=``), for
+    the texts."""
+    choices = f"pass {how}byte|PATH/tokenizer.json|PATH/tokenizer.model"
     if override:
-        return build_tokenizer(override), f"--tokenizer {override}"
+        return build_tokenizer(override), f"{how}{override}"
     if isinstance(meta.get("tokenizer"), dict):  # recorded by tools/import_hf.py, file inside the step folder
         return load_tokenizer({"tokenizer": meta["tokenizer"]}, path), f"{path}/meta.json"
     data = (meta.get("config") or {}).get("data") or {}
@@ -39,12 +41,12 @@ def tokenizer_for_checkpoint(path: str, meta: Mapping[str, Any], override: str |
                 return load_tokenizer(json.load(f), shard), f"data.train_folder={folder}"
         except (DataError, OSError, ValueError, TypeError) as e:
             return None, (f"the run's data.train_folder={folder!r} is not readable from here ({e}); "
-                          "pass --tokenizer byte|PATH/tokenizer.json|PATH/tokenizer.model")
+                          + choices)
     if kind == "text":
         spec = (data.get("text") or {}).get("tokenizer", "byte")
         try:
             return text_tokenizer({"eod_token": None, "add_bos": False, **data["text"]}), f"data.text.tokenizer={spec}"
         except (DataError, OSError, KeyError, TypeError) as e:
             return None, (f"the run's data.text.tokenizer={spec!r} is not readable from here ({e}); "
-                          "pass --tokenizer byte|PATH/tokenizer.json|PATH/tokenizer.model")
-    return None, f"data.type={kind!r} has no tokenizer; pass --tokenizer byte|PATH/tokenizer.json|PATH/tokenizer.model"
+                          + choices)
+    return None, f"data.type={kind!r} has no tokenizer; {choices}"

@@ -21,7 +21,7 @@ of (seed, parameter name) only.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -42,7 +42,8 @@ from tessera.parallel.layers import ColumnParallelLinear, RowParallelLinear, Voc
 from tessera.parallel.loss import LossSpec, linear_cross_entropy, vocab_parallel_cross_entropy
 from tessera.parallel.sequence import TENSOR_MODES, gather_from_sequence_region, sequence_dropout
 
-__all__ = ["DecoderLayer", "Transformer", "build_model", "check_tensor_parallel_sizes", "logits_are_vocab_sharded"]
+__all__ = ["DecoderLayer", "Transformer", "build_model", "check_tensor_parallel_sizes", "logits_are_vocab_sharded",
+           "model_from_full_state"]
 
 TensorRNG = Callable[[], AbstractContextManager[Any]]
 _INIT_MODULES = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, RMSNorm)
@@ -295,3 +296,22 @@ def build_model(
     """
     return Transformer(ModelArgs.from_config(model_cfg), tp_group, seed=seed, device=device, tensor_rng=tensor_rng,
                        tensor_mode=tensor_mode)
+
+
+def model_from_full_state(model_cfg: Any, state: Mapping[str, torch.Tensor], *,
+                          device: torch.device | str = "cpu") -> Transformer:
+    """A TP=1 decoder in eval mode holding ``state``: full tensors under every ``state_dict`` key (a tied head's
+    key may share the embedding's tensor), taken as they are (their dtype; no copy where already on ``device``).
+
+    Built on the meta device, so no weight is drawn only to be overwritten (minutes for a 7B model); activation
+    checkpointing is off (inference). The one way a consolidated model is made: ``load_for_inference`` (a
+    checkpoint's shards) and train.py's ``eval`` section (the live run's gathered masters) both call it.
+    """
+    cfg = {**dict(model_cfg), "checkpoint": False}
+    model = build_model(cfg, tp_group=None, device="meta")
+    model.load_state_dict(state, strict=True, assign=True)
+    if cfg.get("tie_word_embeddings"):
+        model.output.weight = model.embedding.weight  # assign=True replaced both; share one again
+    model.to(device)
+    model.eval()
+    return model

@@ -26,7 +26,7 @@ Every setting comes from the ``hybrid_zero_optimizer`` config section (``zero_cf
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -312,6 +312,13 @@ class HybridZeroOptimizer(torch.optim.Optimizer):
         """What both state forms start with (``extra`` after the ZeRO size, as the formats list it)."""
         return {"dtype": self._model_dtype.name, "zero1_size": self.zero1_size, **extra,
                 "scaler": self._scaler.state_dict(), "skipped_steps": self.skipped_steps, "num_steps": self.num_steps}
+
+    def iter_full_masters(self) -> Iterator[tuple[str, nn.Parameter, torch.Tensor]]:
+        """``(name, parameter, its fp32 master)`` for every parameter, TP-local and parameter-shaped (a copy),
+        as ``state_dict()["master"]`` holds them, but one bucket at a time: one bucket's masters in memory, not
+        the whole state. A collective over ZERO1 per bucket: every rank must run it to the end."""
+        for b in self.buckets:
+            yield from zip(b.names, b.params, b.full_masters())
 
     def state_dict(self) -> dict[str, Any]:
         """Layout-independent state: full TP-local tensors keyed by parameter name.

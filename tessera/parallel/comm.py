@@ -21,10 +21,12 @@ scatter_to_region   keep this rank's slice       all-gather along last dim
 from __future__ import annotations
 
 import itertools
+import threading
+import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -45,8 +47,12 @@ __all__ = [
     "to_host",
     "reduce_scalars",
     "agree_on_errors",
+    "all_agree",
     "share_texts",
+    "on_rank0_while_others_wait",
 ]
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -232,6 +238,49 @@ def agree_on_errors(error: str | None, group: Any = None) -> list[str]:
     """
     failed = reduce_scalars([0 if error is None else 1], group, op=dist.ReduceOp.MAX, dtype=torch.int32)[0]
     return share_texts(error, group) if failed else []
+
+
+def all_agree(ok: bool, group: Any = None) -> bool:
+    """True only when ``ok`` holds on every rank of ``group`` (so all ranks take the same branch). A collective;
+    without a process group, ``ok``."""
+    if not dist.is_initialized():
+        return ok
+    # on the device the group's backend serves: NCCL refuses a CPU flag
+    return bool(reduce_scalars([1 if ok else 0], group, op=dist.ReduceOp.MIN, dtype=torch.int32)[0])
+
+
+def on_rank0_while_others_wait(is_rank0: bool, work: Callable[[], T], *, round_s: float = 2.0,
+                               timeout_s: float | None = None, name: str = "tessera-rank0-work") -> T | None:
+    """``work()`` on rank 0, in a thread, while every rank meets in a small agreement every ``round_s``: work
+    that takes longer than the process group's timeout never times out the waiting ranks' collective. Returns
+    rank 0's result there (its exception raised again there), None elsewhere.
+
+    ``timeout_s``: when rank 0's work still runs after that long, every rank raises ``TimeoutError`` together
+    (the thread is left running, a daemon: the caller is expected to stop the process)."""
+    result: list[T | None] = [None]
+    raised: list[BaseException] = []
+    thread = None
+    if is_rank0:
+        def run() -> None:
+            try:
+                result[0] = work()
+            except BaseException as e:  # noqa: BLE001 -- raised again below, in the caller's thread
+                raised.append(e)
+        thread = threading.Thread(target=run, name=name, daemon=True)
+        thread.start()
+    start = time.monotonic()
+    late = False
+    while True:
+        if thread is not None:
+            thread.join(round_s)
+            late = thread.is_alive() and timeout_s is not None and time.monotonic() - start > timeout_s
+        if all_agree(thread is None or not thread.is_alive() or late):
+            break
+    if timeout_s is not None and not all_agree(not late):
+        raise TimeoutError(f"rank 0's work is still running after {timeout_s:g} s")
+    if raised:
+        raise raised[0]
+    return result[0]
 
 
 _TEXT_BYTES = 2000  # the most of one rank's text (UTF-8) that ``share_texts`` carries

@@ -2,8 +2,8 @@
 
 Rank 0 writes every logged step three ways: a concise line (under a tqdm bar), TensorBoard scalars,
 and one JSON object per line in ``metrics.jsonl`` so scripts can read a run without parsing text; the
-precision telemetry's steps go to the same two files (``log_precision``). With ``metrics.wandb`` the
-TensorBoard scalars also go to Weights & Biases (``tessera.train.wandb_log``).
+precision telemetry's steps (``log_precision``) and lm-eval's scores (``log_eval``) go to the same two
+files. With ``metrics.wandb`` the TensorBoard scalars also go to Weights & Biases (``tessera.train.wandb_log``).
 """
 
 from __future__ import annotations
@@ -294,6 +294,21 @@ class MetricsWriter:
         scalars.update({f"precision/{measure}/{row}": v for measure, rows in record["measures"].items()
                         for row, v in rows.items()})
         self._scalars(step, scalars)
+
+    def log_eval(self, step: int, scores: Mapping[str, Mapping[str, float]], seconds: float | None = None) -> None:
+        """lm-eval's scores after ``step`` (``{task: {metric: value}}``, train.py's ``eval`` section): one
+        metrics.jsonl line of kind ``eval`` with a key ``<task>/<metric>`` per score (and ``seconds``, the
+        evaluation's time), the same numbers as TensorBoard and W&B scalars ``eval/<task>/<metric>``, and a line."""
+        if not self.enabled:
+            return
+        values: dict[str, float] = {f"{task}/{metric}": v for task, row in scores.items() for metric, v in row.items()}
+        if seconds is not None:
+            values["seconds"] = seconds
+        self._write("eval", step, values)
+        self._print(f"eval step {step} | " + " | ".join(
+            f"{task} " + " ".join(f"{m} {v:.4f}" for m, v in row.items()
+                                  if not m.endswith("_stderr") and m != "sample_len")  # the scores alone
+            for task, row in scores.items()))
 
     def log_event(self, message: str, **values: Any) -> None:
         """A one-off event (resume, checkpoint, skip) in the log and in metrics.jsonl."""

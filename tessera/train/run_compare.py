@@ -1,11 +1,12 @@
 """Runs side by side, from nothing but the ``metrics.jsonl`` that train.py writes (``tools/compare_runs.py``).
 
-A run is one metric of one record kind (``train`` loss by default; ``valid`` for the held-out losses)
-by step. Two runs are compared step by step, bitwise or within ``atol + rtol * |reference|`` (numpy's
-``isclose`` rule; a NaN equals only a NaN), and report the first step where they part and their largest
-gap. Runs of one setting with different seeds form a group; a group's figure is each run's last logged
-value, or the mean of its last ``window`` logged values, and groups are set against a baseline group
-with Welch's interval over the seeds (``seed_stats``).
+A run is one metric of one record kind (``train`` loss by default; ``valid`` for the held-out losses,
+``eval`` for the lm-eval scores, ``<task>/<metric>``) by step; records of other kinds are read past. Two runs
+are compared step by step, bitwise or within ``atol + rtol * |reference|`` (numpy's ``isclose`` rule; a NaN
+equals only a NaN), and report the first step where they part and their largest gap. Runs of one setting with
+different seeds form a group; a group's figure is each run's last logged value, or the mean of its last
+``window`` logged values, and groups are set against a baseline group with Welch's interval over the seeds
+(``seed_stats``).
 
 What a run may leave behind is read as train.py means it: a step logged twice (a run resumed from an
 earlier checkpoint repeats the steps after it) counts with its last record, and a line cut short (a run
