@@ -236,7 +236,14 @@ def _rejects_cpu(monkeypatch, module: str) -> None:
         kwargs = {k: v for k, v in (("op", op), ("dtype", dtype)) if v is not None}
         return real(values, group, device=__import__("torch").device("cpu"), **kwargs)
 
-    monkeypatch.setattr(mod, "reduce_scalars", on_cpu)
+    if hasattr(mod, "reduce_scalars"):
+        monkeypatch.setattr(mod, "reduce_scalars", on_cpu)
+        return
+
+    def agree_on_cpu(ok, group=None):  # the module agrees through comm.all_agree: the same flag, on the CPU
+        return bool(on_cpu([1 if ok else 0], group, op=__import__("torch.distributed").distributed.ReduceOp.MIN)[0])
+
+    monkeypatch.setattr(mod, "all_agree", agree_on_cpu)
 
 
 @pytest.mark.parametrize("module", ["tessera.train.stop", "tessera.checkpoint.agreement", "tessera.train.step"])
