@@ -378,7 +378,10 @@ def _tp2_worker(rank: int, world: int, modes: list[str], checkpoints: list[Any],
                 torch._dynamo.utils.counters.clear()
                 eager = _model("bfloat16", checkpoint, group=group, mode=mode)
                 compiled = _model("bfloat16", checkpoint, group=group, mode=mode)
-                compile_blocks(compiled, backend=_backend())
+                # inductor (its C++ build is most of this test's time) for train.py's CPU default, the shared-memory
+                # route; checkpointing is decided before code generation (AOTAutograd's partitioner, which
+                # aot_eager runs too), so those cases trace, partition and compare through aot_eager
+                compile_blocks(compiled, backend=_backend() if routed else "aot_eager")
                 worst = _compare(eager, compiled, _tol("bfloat16"), PACKED, evaluate=checkpoint is False)
                 calls: dict[str, Any] = {}
                 if routed:  # every TP collective of a compiled step takes the route, as eager ones do
@@ -436,8 +439,9 @@ def _check_tp2(results: list[dict[str, Any]]) -> None:
 def test_tp2_compiled_matches_eager(mode):
     """Both tensor modes, no / full / selective checkpointing, packed documents: the collectives are traced, so
     no graph break anywhere. Full and selective checkpointing go through gloo (torch.distributed calls become
-    functional collectives, as NCCL's do on a GPU); no checkpointing goes through the node-local shared-memory
-    route (train.py's CPU default), one custom op per collective inside the graph (msp's all-gathers and
+    functional collectives, as NCCL's do on a GPU), compiled with aot_eager; no checkpointing goes through the
+    node-local shared-memory route (train.py's CPU default), compiled with inductor, one custom op per collective
+    inside the graph (msp's all-gathers and
     reduce-scatters too), and every TP collective of a compiled step takes the route as eager ones do."""
     from tessera.parallel.shm_comm import shm_unavailable_reason
 
