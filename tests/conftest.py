@@ -1,5 +1,5 @@
 """Shared pytest setup: CUDA-marked tests are skipped where no GPU exists; the cases of ``tests/quick_run.py``
-are marked slow; one thread per process.
+are marked slow, and its quick-only cases are skipped when the slow tests run; one thread per process.
 
 The repository root (``train.py``, ``benchmarks/``, ``tests``) is importable through pytest.ini's
 ``pythonpath = .``; processes the tests spawn inherit that ``sys.path``.
@@ -8,7 +8,7 @@ The repository root (``train.py``, ``benchmarks/``, ``tests``) is importable thr
 import pytest
 import torch
 
-from tests.quick_run import SLOW_IN_QUICK_RUN
+from tests.quick_run import QUICK_ONLY, SLOW_IN_QUICK_RUN
 
 torch.set_num_threads(1)
 
@@ -18,6 +18,10 @@ def pytest_collection_modifyitems(config, items):
     for item in items:  # covered in the quick run by a faster case (tests/quick_run.py)
         if item.nodeid in SLOW_IN_QUICK_RUN:
             item.add_marker(slow)
+    if "not slow" not in (config.option.markexpr or ""):  # the slow tests run: they check what these check
+        for item in items:
+            if item.nodeid in QUICK_ONLY:
+                item.add_marker(pytest.mark.skip(reason=f"quick-run case; checked by {QUICK_ONLY[item.nodeid]}"))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

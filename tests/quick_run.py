@@ -127,3 +127,12 @@ SLOW_IN_QUICK_RUN: dict[str, str] = {
     "tests/test_text_data.py::test_train_py_on_a_raw_file_has_the_losses_of_the_prepared_folder[jsonl]":
         "[parquet], and the JSON lines readers' batches in test_text_gives_the_batches_of_a_prepared_folder_bit_for_bit",
 }
+
+# Cases that exist only for the quick run: each checks a strict subset of what a slow test checks (named here),
+# so a run that includes the slow tests (CI) skips them instead of paying for the same promise twice.
+QUICK_ONLY: dict[str, str] = {
+    "tests/test_model.py::test_tensor_parallel_model_at_tp4_matches_tp1_quick":
+        "test_model.py::test_tensor_parallel_model_matches_tp1 (TP=4 among its groups)",
+    "tests/test_precision_matrix.py::test_one_cell_per_dtype_at_tp2":
+        "test_precision_matrix.py::test_precision_matrix[tp2] (every cell, these included)",
+}

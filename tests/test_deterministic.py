@@ -85,8 +85,9 @@ def test_one_process_repeats_bitwise_and_a_seed_or_dtype_change_is_told_apart(tm
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [
     ("tp2", "parallel.tensor.size=2"),  # the shared-memory TP route
-    ("tp2_gloo", "parallel.tensor.size=2", "dist.cpu_shm_allreduce='off'"),  # gloo's all-reduce for TP
-    ("dp2", "parallel.tensor.size=1"),  # gloo's reduce-scatter (ZeRO-1) and all-gather
+    # gloo's reduce-scatter (ZeRO-1) and all-gather; gloo's all-reduce, TP's route where the shared-memory one is
+    # unavailable, repeats its order (test_gloo_all_reduce_and_reduce_scatter_repeat_their_order_on_three_ranks)
+    ("dp2", "parallel.tensor.size=1"),
     ("tp2_compiled", "parallel.tensor.size=2", "model.compile.enabled=True"),
 ])
 def test_two_processes_repeat_bitwise(tmp_path, capsys, layout):

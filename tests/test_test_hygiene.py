@@ -478,14 +478,14 @@ def _check(seen):
 
 
 def test_the_quick_run_list_names_tests_that_exist():
-    """Every case ``tests/quick_run.py`` leaves out of the quick run is a test function of an existing file (a
-    renamed test would otherwise drop back into the quick run unnoticed), and names what keeps its promise."""
+    """Every case ``tests/quick_run.py`` leaves out of the quick run (or runs only there) is a test function of an
+    existing file (a renamed test would otherwise change runs unnoticed), and names what keeps its promise."""
     import ast
 
-    from tests.quick_run import SLOW_IN_QUICK_RUN
+    from tests.quick_run import QUICK_ONLY, SLOW_IN_QUICK_RUN
 
     root = Path(__file__).resolve().parent.parent
-    for nodeid, kept_by in SLOW_IN_QUICK_RUN.items():
+    for nodeid, kept_by in {**SLOW_IN_QUICK_RUN, **QUICK_ONLY}.items():
         path, name = nodeid.split("::")
         tree = ast.parse((root / path).read_text())
         functions = {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
