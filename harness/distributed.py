@@ -3,6 +3,12 @@
 Why a helper of our own: tests must fail, not hang, when one rank raises or deadlocks, and they must
 report the failing rank's traceback. ``torch.multiprocessing.spawn`` waits forever on a rank stuck in
 a collective; this helper bounds the whole run by a timeout and kills the survivors.
+
+Workers are forked from a forkserver that imported torch once per test process: a spawned worker would
+import torch again (about 2 s of CPU each, the largest part of a small distributed test on 2 cores). A
+forkserver child inherits the server's environment and standard streams, not the caller's, so each worker
+takes the caller's environment and standard output and error (pytest's capture of the current test) as
+arguments and installs them before anything else runs.
 """
 
 from __future__ import annotations
@@ -32,6 +38,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+_PRELOAD = ["torch", "torch.distributed"]  # what the forkserver imports once, so no worker imports it again
+
+
+class _CallerFd:
+    """The caller's file descriptor ``fd``, handed to the worker while the process object is pickled."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> tuple[Any, tuple[Any]]:
+        from multiprocessing import reduction
+
+        return (_received_fd, (reduction.DupFd(self.fd),))
+
+
+def _received_fd(dup: Any) -> int:
+    return int(dup.detach())
+
+
+def _context() -> Any:
+    """The forkserver context, torch preloaded (the server starts at the first worker and serves every later one)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
 def _worker(
     rank: int,
     world_size: int,
@@ -41,7 +73,16 @@ def _worker(
     init_process_group: bool,
     init_file: str,
     results: mp.Queue,
+    caller_env: dict[str, str] | None = None,
+    stdio: tuple[int, int] | None = None,
 ) -> None:
+    if stdio is not None:  # the caller's stdout and stderr (pytest's capture), not the forkserver's
+        for received, target in zip(stdio, (1, 2)):
+            os.dup2(received, target)
+            os.close(received)
+    if caller_env is not None:  # the caller's environment as it is now, not the forkserver's from its start
+        os.environ.clear()
+        os.environ.update(caller_env)
     os.environ.update(env)
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size)
@@ -82,7 +123,7 @@ def run_distributed(
     init_process_group: bool = True,
     env: dict[str, str] | None = None,
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes; return per-rank results.
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` worker processes; return per-rank results.
 
     With ``init_process_group`` each worker joins a default gloo group through a file store first;
     otherwise the torchrun variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) are set so
@@ -90,8 +131,13 @@ def run_distributed(
     raised as ``WorkerError``; a run longer than ``timeout`` seconds kills every worker and raises too.
     ``fn`` and its arguments must be picklable (module-level functions).
     """
-    ctx = mp.get_context("spawn")
+    import sys
+
+    ctx = _context()
     results = ctx.Queue()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
     tmpdir = tempfile.mkdtemp(prefix="tessera_dist_")
     init_file = os.path.join(tmpdir, "store")
     base_env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
@@ -99,7 +145,8 @@ def run_distributed(
     procs = [
         ctx.Process(
             target=_worker,
-            args=(r, world_size, fn, args, base_env, init_process_group, init_file, results),
+            args=(r, world_size, fn, args, base_env, init_process_group, init_file, results, dict(os.environ),
+                  (_CallerFd(1), _CallerFd(2))),
             daemon=True,
         )
         for r in range(world_size)
