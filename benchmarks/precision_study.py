@@ -226,9 +226,12 @@ def markdown(res: dict[str, Any]) -> list[str]:
     config = "" if res["config"] == "configs/demo.py" else f" --config {res['config']}"
     n_seeds = "/".join(map(str, seeds))
     jobs = res.get("jobs", 1)
-    lines = [f"Reproduce: `python -m benchmarks precision-study{config} --seeds {seeds[-1]}"
-             f"{f' --jobs {jobs}' if jobs > 1 else ''}` "
-             f"({harness.machine_line(res['machine'])}; {res['date']}). Each policy is trained {n_seeds} times, "
+    steps = sorted({s["steps"] for r in rows for s in r["seeds"].values()})
+    reproduce = res.get("command") or (f"python -m benchmarks precision-study{config} --seeds {seeds[-1]}"
+                                       f"{f' --jobs {jobs}' if jobs > 1 else ''}")
+    at_commit = f", commit {res['commit']}" if res.get("commit") else ""
+    lines = [f"Reproduce: `{reproduce}` ({harness.machine_line(res['machine'])}; {res['date']}{at_commit}). "
+             f"Each run trains {'/'.join(map(str, steps))} steps. Each policy is trained {n_seeds} times, "
              f"seeds {', '.join(map(str, SEEDS[:seeds[-1]]))} (the same data otherwise), each run from scratch; the "
              "figure is the final bits per byte over every held-out file, its mean and standard deviation over the "
              "seeds; the difference from the default policy comes with Welch's 95% interval and the verdict of "
