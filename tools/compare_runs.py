@@ -245,7 +245,9 @@ def plot(out: str, groups: Sequence[Group], baseline: str, smooth: int, what: st
     tab10 = plt.get_cmap("tab10")
     colors = [tab10(i) for i in range(10)]
     base = next(g for g in groups if g.name == baseline)
-    fig, axes = plt.subplot_mosaic([["raw", "smoothed"], ["diff", "diff"]], figsize=(13, 9), layout="constrained")
+    crowded = len(groups) > 4  # the legends would cover the curves: they go right of the panels, once per panel row
+    fig, axes = plt.subplot_mosaic([["raw", "smoothed"], ["diff", "diff"]], figsize=(18 if crowded else 13, 9),
+                                   layout="constrained")
     raw, smoothed, diff = axes["raw"], axes["smoothed"], axes["diff"]
     runs = sum(len(g.runs) for g in groups)
     fig.suptitle(f"{what}: {runs} runs in {len(groups)} group{'s' * (len(groups) > 1)}, baseline {baseline}")
@@ -266,7 +268,10 @@ def plot(out: str, groups: Sequence[Group], baseline: str, smooth: int, what: st
         ax.set_xlabel("step")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        if not crowded:
+            ax.legend(fontsize=8)
+        elif ax is not raw:  # the raw panel shares the smoothed one's colours
+            ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.savefig(out, dpi=110)
     plt.close(fig)
 
