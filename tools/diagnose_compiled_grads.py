@@ -13,7 +13,6 @@ backward breaks. Step 0 runs the compiled model eagerly (its warm-up), as train.
 from __future__ import annotations
 
 import argparse
-import copy
 import sys
 from typing import Any
 
@@ -69,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     fp32 = _model("float32", checkpoint).to(args.device)
     eager = _model("bfloat16", checkpoint).to(args.device)
     eager.load_state_dict(fp32.state_dict())
-    compiled = copy.deepcopy(eager)
+    compiled = _model("bfloat16", checkpoint).to(args.device)  # built, not deep-copied: a copy's weights lose
+    compiled.load_state_dict(fp32.state_dict())  # their fusion tags, and the traced backward its weight_grad
     compile_blocks(compiled, backend="inductor")
     varlen = attention.torch_varlen
     for step in range(args.steps):

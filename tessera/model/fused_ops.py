@@ -36,6 +36,17 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+def _returned(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` in ``dtype``, as a Function's forward returns it. Eagerly ``t`` itself where it has that dtype already;
+    traced by ``torch.compile``, always a new tensor. Why: a forward that returns a tensor it also wrote in place
+    (``y.mul_(...)`` then ``y``) gets its gradient routed to the wrong output under torch 2.11's Dynamo, and the
+    inputs' gradients come back zero (pytorch/pytorch#180642, fixed in 2.12; ``tests/test_inplace_returns.py``).
+    Inductor fuses the copy into the kernel that computes ``t``."""
+    if t.dtype == dtype and torch.compiler.is_compiling():
+        return t.clone()
+    return t.to(dtype)
+
+
 # ------------------------------------------------------------------------------------------ RMSNorm
 class _RMSNorm(torch.autograd.Function):
     """``y = x * rstd * w`` with ``rstd = 1 / sqrt(mean(x^2) + eps)`` over the last dim."""
@@ -47,7 +58,7 @@ class _RMSNorm(torch.autograd.Function):
         rstd = torch.linalg.vecdot(y, y).div_(x.shape[-1]).add_(eps).rsqrt_().unsqueeze(-1)
         y.mul_(rstd).mul_(weight)
         ctx.save_for_backward(x, weight, rstd)
-        return y.to(x.dtype)
+        return _returned(y, x.dtype)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
@@ -84,7 +95,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) 
     x2_sin = x2 * sin  # the one temporary: half of x, the old x2 needed after x2 is overwritten
     x2.mul_(cos).addcmul_(x1, sin, value=sign)
     x1.mul_(cos).sub_(x2_sin, alpha=sign)
-    return out.to(x.dtype)
+    return _returned(out, x.dtype)
 
 
 class _Rotary(torch.autograd.Function):
@@ -116,6 +127,8 @@ class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(gate, up)
+        if torch.compiler.is_compiling():
+            return F.silu(gate) * up  # out of place when traced: see ``_returned``
         return F.silu(gate).mul_(up)
 
     @staticmethod
