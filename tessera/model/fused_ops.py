@@ -40,7 +40,7 @@ def _returned(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``t`` in ``dtype``, as a Function's forward returns it. Eagerly ``t`` itself where it has that dtype already;
     traced by ``torch.compile``, always a new tensor. Why: a forward that returns a tensor it also wrote in place
     (``y.mul_(...)`` then ``y``) gets its gradient routed to the wrong output under torch 2.11's Dynamo, and the
-    inputs' gradients come back zero (pytorch/pytorch#180642, fixed in 2.12; ``tests/test_inplace_returns.py``).
+    inputs' gradients come back zero (pytorch/pytorch#180642, fixed in 2.12; ``tests/test_traced_function_outputs.py``).
     Inductor fuses the copy into the kernel that computes ``t``."""
     if t.dtype == dtype and torch.compiler.is_compiling():
         return t.clone()

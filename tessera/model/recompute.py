@@ -43,6 +43,7 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
+from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 __all__ = ["keep_gemm_outputs", "selective_checkpoint", "full_checkpoint", "RNGReplay"]
@@ -78,9 +79,16 @@ def _policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     # the same answer in the forward and in the recomputation: the same code sets the same marks. Compiled, the
     # policy is applied to the traced graph, where only the GEMM outputs that the backward reads are saved: those
     # of the marked (column-parallel) GEMMs; the row-parallel outputs feed a residual add only
-    if op in _GEMMS and (getattr(_STATE, "keep", False) or torch.compiler.is_compiling()):
+    if op in _GEMMS and (getattr(_STATE, "keep", False) or _applied_to_a_traced_graph(args)):
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _applied_to_a_traced_graph(args: tuple[Any, ...]) -> bool:
+    """Whether the policy runs while torch.compile traces: ``is_compiling()`` says so from torch 2.12 on; torch
+    2.11 applies it in AOTAutograd's functionalized trace with ``is_compiling()`` False (the GEMMs were then all
+    recomputed), which its functional-tensor operands still tell."""
+    return torch.compiler.is_compiling() or (bool(args) and isinstance(args[0], FunctionalTensor))
 
 
 _selective_context = functools.partial(create_selective_checkpoint_contexts, _policy)

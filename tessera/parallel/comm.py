@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 __all__ = [
     "MetaGroup",
@@ -113,7 +114,17 @@ _FAST_ROUTES: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 _ROUTES: dict[int, Any] = {}
 _ROUTE_NUMBERS = itertools.count(1)
 _NUMBER = "_tessera_route_number"  # the attribute a registered route carries its number in
-_OP_NAMES: dict[Any, str] = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.MAX: "max", dist.ReduceOp.MIN: "min"}
+# pairs, not a dict keyed by ReduceOp: traced code looks names up here, and Dynamo before torch 2.12 can neither
+# hash nor compare a ReduceOp (a graph break at every collective); identity it traces
+_OP_NAMES: tuple[tuple[Any, str], ...] = ((dist.ReduceOp.SUM, "sum"), (dist.ReduceOp.MAX, "max"),
+                                          (dist.ReduceOp.MIN, "min"))
+
+
+def _op_name(op: Any) -> str:
+    for red, name in _OP_NAMES:
+        if op is red:
+            return name
+    raise ValueError(f"no fast-collective route reduces with {op}")
 
 
 def use_fast_collectives(group: dist.ProcessGroup | None, impl: Any | None) -> None:
@@ -144,8 +155,7 @@ def routed_all_reduce(x: torch.Tensor, route: int, op: str) -> torch.Tensor:
     instead of breaking it, and compiled blocks keep the route that eager ones use.
     """
     out = x.clone(memory_format=torch.contiguous_format)
-    ops = {name: red for red, name in _OP_NAMES.items()}
-    return _ROUTES[route].all_reduce(out, ops[op])
+    return _ROUTES[route].all_reduce(out, next(red for red, name in _OP_NAMES if name == op))
 
 
 @routed_all_reduce.register_fake
@@ -172,7 +182,7 @@ def all_reduce(x: torch.Tensor, group: Any,
         fast = fast_collectives_for(group)
         if fast is not None and fast.supports(x, op):
             if torch.compiler.is_compiling():  # traced: the route as one graph op
-                x.copy_(routed_all_reduce(x, getattr(fast, _NUMBER), _OP_NAMES[op]))
+                x.copy_(routed_all_reduce(x, getattr(fast, _NUMBER), _op_name(op)))
             else:
                 fast.all_reduce(x, op)
         else:
@@ -316,9 +326,17 @@ def share_texts(text: str | None, group: Any = None) -> list[str]:
 
 
 def _all_reduce_copy(x: torch.Tensor, group: Any) -> torch.Tensor:
-    # a private copy: the input may be saved by another autograd node or be a leaf
-    out = x.contiguous().clone()
-    return all_reduce(out, group)
+    """The sum of ``x`` over ``group`` in a new tensor (``x`` may be saved by another autograd node, or a leaf).
+
+    Traced by ``torch.compile``, one out-of-place collective, not an in-place one into a copy: an autograd
+    Function's forward that returns a tensor it wrote in place gets zero input gradients under torch 2.11
+    (``tests/test_traced_function_outputs.py``), and the copy is one pass fewer."""
+    if torch.compiler.is_compiling() and group_size(group) > 1 and _check_can_communicate(x, group):
+        fast = fast_collectives_for(group)
+        if fast is not None and fast.supports(x, dist.ReduceOp.SUM):
+            return routed_all_reduce(x, getattr(fast, _NUMBER), "sum")
+        return funcol.all_reduce(x, "sum", group)
+    return all_reduce(x.contiguous().clone(), group)
 
 
 def _split_last(x: torch.Tensor, group: Any) -> torch.Tensor:

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
 from tessera.parallel.comm import (
@@ -114,6 +115,8 @@ def _reduce_scatter_stacked(stacked: torch.Tensor, group: Any) -> torch.Tensor:
     fast = fast_collectives_for(group)
     if fast is not None and fast.supports(stacked, dist.ReduceOp.SUM):
         return all_reduce(stacked, group)[group_rank(group)].clone()
+    if torch.compiler.is_compiling():  # out of place when traced, as comm._all_reduce_copy says why
+        return funcol.reduce_scatter_tensor(stacked.flatten(0, 1), "sum", 0, group)
     out = torch.empty_like(stacked[0])
     _reduce_scatter_tensor(out, stacked.flatten(0, 1), group=group)  # dim 0 = ranks x the chunk's dim 0
     return out

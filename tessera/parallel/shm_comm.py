@@ -47,6 +47,7 @@ _MAX_RANKS = 64
 _HEADER = 3 * _MAX_RANKS * _LINE  # ready counters, done counters, process ids
 _LIVENESS_EVERY_S = 0.05  # how often a waiting rank checks that the ranks it waits for still exist
 _SUPPORTED_OPS = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.MAX: "max", dist.ReduceOp.MIN: "min"}
+_SUPPORTED = tuple(_SUPPORTED_OPS)  # what traced code looks through (``supports``)
 SHM_DIR = "/dev/shm"
 
 
@@ -163,8 +164,9 @@ class ShmCollectives:
     @staticmethod
     def supports(x: torch.Tensor, op: Any) -> bool:
         """Whether ``all_reduce(x, op)`` can run here (``all_gather`` takes any CPU tensor)."""
-        return (x.device.type == "cpu" and op in _SUPPORTED_OPS and not x.is_complex()
-                and x.dtype is not torch.bool)
+        # traced: by identity over a tuple (Dynamo before torch 2.12 can neither hash nor compare a ReduceOp)
+        known = any(op is k for k in _SUPPORTED) if torch.compiler.is_compiling() else op in _SUPPORTED_OPS
+        return x.device.type == "cpu" and known and not x.is_complex() and x.dtype is not torch.bool
 
     def all_reduce(self, x: torch.Tensor, op: Any = dist.ReduceOp.SUM) -> torch.Tensor:
         """Reduce ``x`` in place over the group and return it (same contract as ``dist.all_reduce``)."""
