@@ -43,6 +43,7 @@ MSP_TP2 = "tests/test_sequence_parallel.py::test_msp_matches_mtp_tp2"
 WGRAD = "tests/test_wgrad_fusion.py"
 FP8_BACKENDS_TP1 = "tests/test_fp8_backends.py::test_scaled_mm_matches_the_emulation_at_tp1"
 BLOCK_DIMS = "tests/test_block_routes.py::test_each_gemm_blocks_along_its_reduction_dim"
+TRACED = "tests/test_traced_function_outputs.py"
 
 MUTANTS: tuple[Mutant, ...] = (
     # ------------------------------------------------------------------ HybridZeroOptimizer._clip
@@ -346,6 +347,25 @@ MUTANTS: tuple[Mutant, ...] = (
            'self._sum[row, S["b_under"]] += stats.scale_underflow.double() * blocks', "pass",
            "block_underflow reads 0 in metrics.jsonl whatever the blocks do",
            ("tests/test_precision_telemetry.py::test_block_format_input_saturation_underflow_and_flushed_elements",)),
+    # ------------------------------------------------------------------ Function outputs under torch 2.11's Dynamo
+    Mutant("traced-swiglu-returns-in-place", "tessera/model/fused_ops.py",
+           "            return F.silu(gate) * up  # out of place when traced: see ``_returned``", "            pass",
+           "torch 2.11, compiled blocks: every w1, w3 and ffn_norm gradient is zero (the H100 finding)",
+           (TRACED + "::test_one_process[False-selective-bfloat16]",)),
+    Mutant("traced-fp32-output-not-copied", "tessera/model/fused_ops.py",
+           "    if t.dtype == dtype and torch.compiler.is_compiling():", "    if False:",
+           "torch 2.11, fp32 compiled blocks: the norms' and q/k's gradients are zero",
+           (TRACED + "::test_one_process[False-False-float32]",)),
+    Mutant("traced-tp-reduce-in-place", "tessera/parallel/comm.py",
+           "    if torch.compiler.is_compiling() and group_size(group) > 1 and _check_can_communicate(x, group):",
+           "    if False:",
+           "torch 2.11, compiled TP: the gradients below every row-parallel layer are zero",
+           (TRACED + "::test_tensor_parallel[bfloat16-torch.distributed-mtp]",)),
+    Mutant("traced-msp-reduce-scatter-in-place", "tessera/parallel/sequence.py",
+           "    if torch.compiler.is_compiling():  # out of place when traced, as comm._all_reduce_copy says why",
+           "    if False:",
+           "torch 2.11, compiled msp over NCCL/gloo: the gradients below every row-parallel layer are zero",
+           (TRACED + "::test_tensor_parallel[bfloat16-torch.distributed-msp]",)),
 )
 
 EQUIVALENT: tuple[Mutant, ...] = (
