@@ -217,3 +217,28 @@ def test_compiled_chunk_kernels_compute_the_eager_ones():
         for got, want in zip(compiled, eager):
             torch.testing.assert_close(got, want, rtol=FP32_RTOL, atol=FP32_RTOL * float(want.abs().max()))
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 3  # the three kernels did compile
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_chunk_kernels_leave_their_inputs_alone(dtype):
+    """The compiled kernels write into none of their operands. A compiled function that does (the eager
+    ``_row_sums`` shifts fp32 logits in place) got a wrong loss from the first step under torch 2.11's inductor;
+    torch 2.13 computes it right, so the writes themselves are what is checked."""
+    from torch._inductor import config
+
+    from tessera.parallel.loss import _compiled_kernels
+
+    if not any(shutil.which(c) for c in [*(c for c in config.cpp.cxx if c), "g++", "c++", "clang++"]):
+        pytest.skip("inductor needs a C++ compiler on the CPU")
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 40, generator=g).to(dtype)
+    target, mine = torch.randint(0, 40, (6,), generator=g), torch.rand(6, generator=g) > 0.3
+    coef = torch.rand(6, generator=g)
+    kernels = _compiled_kernels()
+    row_max = kernels.row_max(logits, torch.float32)
+    given = [t.clone() for t in (logits, row_max, target, mine, coef)]
+    sums = kernels.row_sums(logits, row_max, target, mine, True)
+    kernels.logits_grad(logits, row_max + sums[0].log(), target, mine, coef, 0.1, 40)
+    for name, before, after in zip(("logits", "row_max", "target", "mine", "coef"), given,
+                                   (logits, row_max, target, mine, coef)):
+        assert torch.equal(before, after), f"a compiled chunk kernel wrote into its {name}"

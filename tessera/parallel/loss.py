@@ -176,6 +176,17 @@ def _row_sums(logits: torch.Tensor, row_max: torch.Tensor, local_t: torch.Tensor
     return torch.stack([shifted.exp_().sum(-1), picked, *logit_sum], dim=0)
 
 
+def _row_sums_pointwise(logits: torch.Tensor, row_max: torch.Tensor, local_t: torch.Tensor, mine: torch.Tensor,
+                        smoothing: bool) -> torch.Tensor:
+    """``_row_sums`` without writing into its operands: what the compiler takes. Fused, the in-place form saves
+    nothing, and on fp32 logits (where ``.to`` is no copy) it writes into the compiled function's input, which
+    torch 2.11's inductor got wrong: wrong sums, a wrong loss from the first step (``test_chunked_loss.py``)."""
+    picked = (logits.gather(1, local_t.unsqueeze(-1)).squeeze(-1).to(row_max.dtype) - row_max) * mine
+    shifted = logits.to(row_max.dtype) - row_max.unsqueeze(-1)
+    logit_sum = [shifted.sum(-1)] if smoothing else []
+    return torch.stack([shifted.exp().sum(-1), picked, *logit_sum], dim=0)
+
+
 def _logits_grad(logits: torch.Tensor, lse: torch.Tensor, local_t: torch.Tensor, mine: torch.Tensor,
                  coef: torch.Tensor, label_smoothing: float, vocab: int) -> torch.Tensor:
     """d loss / d logits of a chunk in the logits' dtype: (softmax - smoothed one-hot target) times each row's
@@ -220,7 +231,7 @@ _EAGER = _ChunkKernels(_row_max, _row_sums, _logits_grad)
 def _compiled_kernels() -> _ChunkKernels:
     log_once("loss: the fused head's per-chunk softmax and its gradient run through torch.compile "
                      "(inductor), one pass over each chunk's logits")
-    return _ChunkKernels(*(torch.compile(f, fullgraph=True, dynamic=False) for f in (_row_max, _row_sums,
+    return _ChunkKernels(*(torch.compile(f, fullgraph=True, dynamic=False) for f in (_row_max, _row_sums_pointwise,
                                                                                      _logits_grad_pointwise)))
 
 
