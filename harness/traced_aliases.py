@@ -10,13 +10,15 @@ torch CI runs (2.13) computes the right gradients either way, so a compiled-vs-e
 see the defect; this recorder sees its cause: it wraps Dynamo's collection of a forward's intermediates and
 records every intermediate whose storage is an output's.
 
-The hooks are Dynamo internals of the torch CI pins (``collect_intermediate_outputs``,
-``speculate_subgraph_with_auto_output_flattening``); ``installed()`` says whether this torch has them.
+The hooks are Dynamo internals of the torch CI pins (``collect_intermediate_outputs`` and the two functions
+around it); ``installed()`` says whether this torch has them. torch 2.11 lacks them; there the defect itself
+shows, and ``tests/test_compile.py``'s comparisons of compiled and eager gradients fail on it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +39,7 @@ class Finding:
 @dataclass
 class _Forward:
     where: str  # the caller, for the message
+    filters: bool  # this torch filters aliased intermediates (2.12+), and collects them only on side effects
     traced: bool = False  # its body was traced (the subtracer's flag is set once, right after)
     own: bool = False  # the subtracer's side-effect flag as the body left it
 
@@ -50,7 +53,11 @@ class Recorder:
 
 def installed() -> bool:
     hops = _hops()
-    return hops is not None and all(hasattr(hops, name) for name in _HOOKS)
+    if hops is None or not all(hasattr(hops, name) for name in _HOOKS):
+        return False
+    from torch._dynamo.output_graph import SubgraphTracer  # the intermediates it tracks (2.11 keeps none)
+
+    return "tracked_proxyable_vt" in inspect.getsource(SubgraphTracer.__init__)
 
 
 def _hops() -> Any:
@@ -88,10 +95,10 @@ def recording() -> Iterator[Recorder]:
     speculate, trace, collect = (getattr(hops, name) for name in _HOOKS)
 
     def speculate_spy(tx: Any, f: Any, sub_args: Any, sub_kwargs: Any, description: str, **kw: Any) -> Any:
-        if not (description == _FORWARD and kw.get("filter_aliased_intermediates", False)):
+        if not (description == _FORWARD and kw.get("allow_side_effects", False)):  # not a Function's forward
             return speculate(tx, f, sub_args, sub_kwargs, description, **kw)
         recorder.forwards += 1
-        recorder._stack.append(_Forward(_caller(tx)))
+        recorder._stack.append(_Forward(_caller(tx), "filter_aliased_intermediates" in kw))
         try:
             return speculate(tx, f, sub_args, sub_kwargs, description, **kw)
         finally:
@@ -120,7 +127,7 @@ def recording() -> Iterator[Recorder]:
                 continue
             if proxy not in output_proxies and _tensor(vt) in outputs:
                 recorder.findings.append(Finding(top.where, proxy.node.format_node()))
-        if subtracer.side_effect_stack is not None or top.own:  # what this torch does unobserved
+        if not top.filters or subtracer.side_effect_stack is not None or top.own:  # what this torch does unobserved
             return collect(tx, subtracer, graph_output_vts, *args, **kw)
         return []
 

@@ -330,3 +330,18 @@ def test_cuda_bf16_weight_gradients_accumulate_in_fp32():
     bound = _entry_bound(model, batches, "down.weight", TOKENS * MICRO)
     excess = (fused["down.weight"].double() - want["down.weight"]).abs() - bound
     assert float(excess.max()) <= 0.0, float(excess.max())
+
+
+def test_meta_runs_without_an_out_dtype_addmm_check_shapes_and_allocate_nothing(monkeypatch):
+    """A torch whose meta addmm takes no ``out_dtype`` (2.11: a TypeError in its decomposition, which broke every
+    bf16 dry run there) adds in place shapes-only, as the fused GEMM allocates nothing; a shape mismatch raises."""
+    monkeypatch.setattr(wgrad, "_KERNELS", {})
+    monkeypatch.setattr(wgrad, "_meta_addmm_out", lambda: False)
+    weight = torch.nn.Parameter(torch.empty(5, 3, device="meta", dtype=torch.bfloat16))
+    main = torch.empty(5, 3, device="meta")
+    wgrad.attach_main_grad(weight, main)
+    grad, x = torch.empty(8, 5, device="meta", dtype=torch.bfloat16), torch.empty(8, 3, device="meta", dtype=torch.bfloat16)
+    wgrad.add_wgrad(main, weight, grad, x)
+    assert wgrad._KERNELS[("meta", torch.bfloat16)] == "meta_in_place"
+    with pytest.raises(RuntimeError, match=r"main gradient \(5, 3\) does not match"):
+        wgrad.add_wgrad(main, weight, grad, torch.empty(8, 4, device="meta", dtype=torch.bfloat16))

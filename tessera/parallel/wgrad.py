@@ -90,8 +90,8 @@ def _kernel(device: torch.device, dtype: torch.dtype) -> str:
     if key not in _KERNELS:
         if dtype not in _LOW:
             choice = "fp32"
-        elif device.type == "meta":
-            choice = "addmm_out"  # shape-only runs mirror the GPU's fused path
+        elif device.type == "meta":  # shape-only runs mirror the GPU's fused path
+            choice = "addmm_out" if _meta_addmm_out() else "meta_in_place"
         elif device.type == "cpu":
             choice = "none"
         else:
@@ -100,10 +100,24 @@ def _kernel(device: torch.device, dtype: torch.dtype) -> str:
         how = {"fp32": "added into the fp32 main gradient by the GEMM (addmm_)",
                "addmm_out": "added into the fp32 main gradient by an fp32-output GEMM (addmm out_dtype)",
                "mm_add": "an fp32-output GEMM, then added into the fp32 main gradient",
+               "meta_in_place": "added in place, shapes only (this torch's meta addmm takes no out_dtype; the "
+                                "fused GEMM allocates nothing, nor does this)",
                "none": "computed in the operands' dtype and added by the optimizer's hook (no fp32-output "
                        "GEMM here)"}[choice]
         logger.info("weight gradients of %s linears on %s: %s", str(dtype).split(".")[-1], device.type, how)
     return _KERNELS[key]
+
+
+def _meta_addmm_out() -> bool:
+    """Whether this torch runs ``addmm(..., out_dtype=float32, out=)`` on meta tensors (torch 2.11's
+    decomposition raises a TypeError there; CUDA's kernel takes it)."""
+    a = torch.empty(4, 3, device="meta", dtype=torch.bfloat16)
+    b, c = torch.empty(3, 5, device="meta", dtype=torch.bfloat16), torch.empty(4, 5, device="meta")
+    try:
+        torch.addmm(c, a, b, out_dtype=torch.float32, out=c)
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+    return True
 
 
 def _probe(device: torch.device, dtype: torch.dtype) -> str:
@@ -151,6 +165,10 @@ def add_wgrad(main: torch.Tensor, weight: torch.Tensor, grad_2d: torch.Tensor, i
         torch.addmm(main, grad_2d.t(), input_2d, out_dtype=torch.float32, out=main)
     elif kernel == "mm_add":
         main.add_(torch.mm(grad_2d.t(), input_2d, out_dtype=torch.float32))
+    elif kernel == "meta_in_place":
+        if main.shape != (grad_2d.shape[1], input_2d.shape[1]):
+            raise RuntimeError(f"add_wgrad: main gradient {tuple(main.shape)} does not match grad^T @ input "
+                               f"{(grad_2d.shape[1], input_2d.shape[1])}")
     else:
         raise RuntimeError(f"add_wgrad: no fp32-output GEMM for {grad_2d.dtype} on {main.device.type}")
     if getattr(weight, "main_grad", None) is not main:
