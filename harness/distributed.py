@@ -23,8 +23,22 @@ import subprocess
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
+
+
+@contextlib.contextmanager
+def fake_process_group(backend: str, world_size: int) -> Iterator[None]:
+    """This process as rank 0 of a ``world_size``-rank job on torch's fake backend (``"fake"``, or ``"cuda:fake"``
+    for groups that refuse CPU tensors as NCCL does): collectives return at once; destroyed on exit."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group(backend, store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 class WorkerError(RuntimeError):

@@ -19,8 +19,8 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from harness.distributed import fake_process_group
 from harness.fake_cuda import fake_cuda_mode
 from tessera.checkpoint import Layout, find_resumable_checkpoint
 from tessera.checkpoint.agreement import all_agree
@@ -42,12 +42,8 @@ def cuda_only_job():
     """A 4-rank job seen from rank 0 whose groups accept CUDA tensors only; returns (tp, dp) groups."""
     if dist.is_initialized():
         pytest.skip("a process group is already initialized in this process")
-    dist.init_process_group("cuda:fake", store=FakeStore(), rank=0, world_size=4)
-    try:
-        tp, dp = dist.new_group([0, 1]), dist.new_group([0, 2])
-        yield tp, dp
-    finally:
-        dist.destroy_process_group()
+    with fake_process_group("cuda:fake", 4):
+        yield dist.new_group([0, 1]), dist.new_group([0, 2])
 
 
 def _batch(rows: int = 2, seq: int = 16) -> dict[str, torch.Tensor]:

@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from harness import traced_aliases
+from harness.distributed import fake_process_group
 from tessera.core.naive_amp import NaiveAMPModel, enable_fp8_linears
 from tessera.model import cpu_attention
 from tessera.model.args import ModelArgs
@@ -114,11 +114,8 @@ def fake_tp2():
     """A 2-rank group of torch's fake backend, in this process (its collectives return at once)."""
     if dist.is_initialized():
         pytest.skip("a process group is already initialized in this process")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    try:
+    with fake_process_group("fake", 2):
         yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("mode", ["mtp", "msp"])
