@@ -47,7 +47,7 @@ from tessera.files import os_error_text
 from tessera.model import flops_per_token
 from tessera.model.kv_cache import generate_ids_cached
 from tessera.optim.skips import TooManySkippedSteps
-from tessera.parallel.comm import agree_on_errors, on_rank0_while_others_wait
+from tessera.parallel.coordination import agree_on_errors, on_rank0_while_others_wait
 from tessera.train.builder import TrainingStack, build_training_stack
 from tessera.train.live_eval import LiveEval, prepare_live_eval
 from tessera.train.lm_eval_adapter import EvalSetupError

@@ -23,10 +23,9 @@ import torch.distributed as dist
 from harness.distributed import fake_process_group
 from harness.fake_cuda import fake_cuda_mode
 from tessera.checkpoint import Layout, find_resumable_checkpoint
-from tessera.checkpoint.agreement import all_agree
 from tessera.config import Config
 from tessera.core.job import Job, JobGroups
-from tessera.parallel.comm import collective_device, reduce_scalars
+from tessera.parallel.coordination import all_agree, collective_device, reduce_scalars
 from tessera.train.builder import build_training_stack
 from tessera.train.stop import StopRequest
 

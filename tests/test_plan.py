@@ -227,10 +227,10 @@ def _rejects_cpu(monkeypatch, module: str) -> None:
     """``module``'s agreements reduce a CPU tensor, as a framework that forgot NCCL's rule would."""
     import importlib
 
-    from tessera.parallel import comm
+    from tessera.parallel import coordination
 
     mod = importlib.import_module(module)
-    real = comm.reduce_scalars
+    real = coordination.reduce_scalars
 
     def on_cpu(values, group, op=None, device=None, dtype=None):
         kwargs = {k: v for k, v in (("op", op), ("dtype", dtype)) if v is not None}
@@ -240,7 +240,7 @@ def _rejects_cpu(monkeypatch, module: str) -> None:
         monkeypatch.setattr(mod, "reduce_scalars", on_cpu)
         return
 
-    def agree_on_cpu(ok, group=None):  # the module agrees through comm.all_agree: the same flag, on the CPU
+    def agree_on_cpu(ok, group=None):  # the module agrees through coordination.all_agree: the same flag, on the CPU
         return bool(on_cpu([1 if ok else 0], group, op=__import__("torch.distributed").distributed.ReduceOp.MIN)[0])
 
     monkeypatch.setattr(mod, "all_agree", agree_on_cpu)

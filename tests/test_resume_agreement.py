@@ -208,7 +208,7 @@ def _check(seen: dict, where: tuple, world: int) -> None:
 # ------------------------------------------------------------------------------------------ agreement helper
 def _exchange(rank: int, world: int, cases: list) -> list:
     from tessera.checkpoint.agreement import exchange_errors
-    from tessera.parallel.comm import agree_on_errors
+    from tessera.parallel.coordination import agree_on_errors
 
     checkpoint = [exchange_errors(errors[rank]) for errors in cases]  # the checkpoint's own flag, then the texts
     general = [agree_on_errors(errors[rank]) for errors in cases]
@@ -218,7 +218,7 @@ def _exchange(rank: int, world: int, cases: list) -> list:
 
 def test_error_texts_reach_every_rank_grouped_by_text():
     cases = [[None, "b é", None, "b é"],  # non-ASCII survives the byte exchange
-             [None, None, "x" * 5000, None],  # cut to tessera.parallel.comm._TEXT_BYTES
+             [None, None, "x" * 5000, None],  # cut to tessera.parallel.coordination._TEXT_BYTES
              [None] * 4, ["same"] * 4, ["", None, None, None]]
     outs = run_distributed(_exchange, 4, cases, timeout=HANG_GUARD_S)
     assert outs == [[["ranks 1,3: b é"], ["rank 2: " + "x" * 2000], [], ["same"],

@@ -12,9 +12,9 @@ from typing import Any
 import torch.distributed as dist
 
 from tessera.core.layout import Layout
-from tessera.parallel.comm import all_agree, share_texts  # all_agree: its home is comm, imported here as before
+from tessera.parallel.coordination import all_agree, share_texts
 
-__all__ = ["is_distributed", "barrier", "gather_to_rank0", "all_agree", "exchange_errors"]
+__all__ = ["is_distributed", "barrier", "gather_to_rank0", "exchange_errors"]
 
 
 def is_distributed() -> bool:
@@ -39,6 +39,6 @@ def exchange_errors(error: str | None) -> list[str]:
     """Every rank's error text, the same list on every rank; ``[]`` when no rank has one. A collective.
 
     The success path is the one flag of ``all_agree``; only when a rank failed are the texts exchanged
-    (``tessera.parallel.comm.share_texts``: lengths, then bytes, on the device the group's backend serves).
+    (``tessera.parallel.coordination.share_texts``: lengths, then bytes, on the device the group's backend serves).
     """
     return [] if all_agree(error is None) else share_texts(error, None)

@@ -32,7 +32,7 @@ from tessera.checkpoint.state import TrainState
 from tessera.checkpoint.tree import tree_nbytes, write_tree
 from tessera.core.layout import Layout
 from tessera.files import commit_folder, discard_folder, hidden_sibling, os_error_text
-from tessera.parallel.comm import reduce_scalars
+from tessera.parallel.coordination import reduce_scalars
 
 __all__ = ["SavePlan", "plan_save", "write_shards", "commit_save", "prune_checkpoints", "save_checkpoint"]
 

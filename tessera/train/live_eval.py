@@ -42,7 +42,8 @@ from tessera.data.tokenizer import AnyTokenizer
 from tessera.model.transformer import Transformer, model_from_full_state
 from tessera.optim.hybrid_zero import HybridZeroOptimizer
 from tessera.parallel import partition_dim
-from tessera.parallel.comm import agree_on_errors, gather_tensor, on_rank0_while_others_wait
+from tessera.parallel.comm import gather_tensor
+from tessera.parallel.coordination import agree_on_errors, on_rank0_while_others_wait
 from tessera.train.lm_eval_adapter import (
     EvalSetupError,
     evaluate_tasks,

@@ -39,7 +39,7 @@ from tessera.model.args import ModelArgs
 from tessera.model.compile import compiles_blocks
 from tessera.model.flash_probe import flash_attn_available
 from tessera.parallel import MetaGroup
-from tessera.parallel.comm import reduce_scalars
+from tessera.parallel.coordination import reduce_scalars
 from tessera.train.memory_extras import communicators, low_precision_gemm_bytes, runtime_allowance, sdpa_extra_bytes
 from tessera.train.precision_report import closed_form_bytes
 

@@ -17,7 +17,8 @@ import torch.distributed as dist
 from tessera.model.transformer import logits_are_vocab_sharded
 from tessera.optim.hybrid_zero import HybridZeroOptimizer
 from tessera.parallel import vocab_parallel_cross_entropy
-from tessera.parallel.comm import reduce_scalars, to_host
+from tessera.parallel.comm import to_host
+from tessera.parallel.coordination import reduce_scalars
 from tessera.parallel.loss import LossSpec
 from tessera.train.batch import to_device
 from tessera.train.precision_telemetry import PrecisionTelemetry

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tessera.parallel.comm import reduce_scalars, share_texts
+from tessera.parallel.coordination import reduce_scalars, share_texts
 
 __all__ = ["StopRequest"]
 
