@@ -192,8 +192,33 @@ def test_a_bad_record_is_refused_with_the_tools_message(tmp_path, capsys, fault)
     with pytest.raises(DataError) as e:
         build_data(_data_cfg(type="text", train_folder=str(src), cache_folder=str(tmp_path / "cache")),
                    vocab_size=320, max_seq_len=SEQ)
-    assert str(e.value) == expected
+    assert str(e.value) == expected.replace("--text-column", "data.text.text_column")  # each names its own setting
     assert [p for p in os.listdir(tmp_path / "cache")] == []  # nothing that looks tokenized is left
+
+
+def _text_error(tmp_path, src, **text) -> str:
+    """build_data's (train.py's) refusal of ``src`` as data.type='text'."""
+    with pytest.raises(DataError) as e:
+        build_data(_data_cfg(type="text", train_folder=str(src), cache_folder=str(tmp_path / "cache"), text=text),
+                   vocab_size=320, max_seq_len=SEQ)
+    return str(e.value)
+
+
+def test_a_missing_column_or_split_names_the_config_key_that_sets_it_not_the_tools_flag(tmp_path):
+    """train.py has no --text-column or --hf-split: its hints name data.text's keys (the tool's name its flags)."""
+    pq.write_table(pa.table({"body": DOCS[:5]}), tmp_path / "body.parquet")
+    assert _text_error(tmp_path, tmp_path / "body.parquet") == (
+        f"{tmp_path / 'body.parquet'}: no column 'text' (columns: ['body']); name the text column with "
+        "data.text.text_column")
+    (tmp_path / "body.jsonl").write_bytes(_jsonl_bytes(DOCS[:3], "body"))
+    assert _text_error(tmp_path, tmp_path / "body.jsonl") == (
+        f"{tmp_path / 'body.jsonl'}:1: no field 'text'; its fields: 'body', 'id' (name the text field with "
+        "data.text.text_column)")
+    _save_to_disk(tmp_path / "dd" / "train", DOCS[:5])  # a DatasetDict folder with one split, "train"
+    (tmp_path / "dd" / "dataset_dict.json").write_text(json.dumps({"splits": ["train"]}))
+    assert _text_error(tmp_path, tmp_path / "dd", hf_split="test") == (
+        f"{tmp_path / 'dd' / 'dataset_dict.json'}: no split 'test' (splits: ['train']); choose one with "
+        "data.text.hf_split")
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -32,10 +32,24 @@ from tessera.data.formats import (
     require,
 )
 
-__all__ = ["DEFAULT_PATTERNS", "Document", "input_size", "iter_documents", "list_input_files"]
+__all__ = ["CONFIG_KEYS", "DEFAULT_PATTERNS", "Document", "SettingNames", "TOOL_FLAGS", "input_size", "iter_documents",
+           "list_input_files"]
 
 DEFAULT_PATTERNS = ("*.txt", "*.md", "*.jsonl", "*.jsonl.gz", "*.jsonl.zst", "*.parquet")
 _BATCH_ROWS = 1024  # rows per record batch read from Parquet / Arrow
+
+
+@dataclass(frozen=True)
+class SettingNames:
+    """How the caller's user names the readers' settings, for the hints of their errors: prepare_data.py's flags,
+    or train.py's ``data.text`` keys (a hint naming the other tool's spelling sends the user nowhere)."""
+
+    text_column: str
+    hf_split: str
+
+
+TOOL_FLAGS = SettingNames("--text-column", "--hf-split")  # tools/prepare_data.py
+CONFIG_KEYS = SettingNames("data.text.text_column", "data.text.hf_split")  # train.py's data.type='text'
 
 
 @dataclass
@@ -80,37 +94,39 @@ def input_size(path: str) -> int:
 
 
 def iter_documents(files: Sequence[str], text_column: str = "text", strict_utf8: bool = True,
-                   hf_split: str = "train") -> Iterator[Document]:
+                   hf_split: str = "train", names: SettingNames = TOOL_FLAGS) -> Iterator[Document]:
     """The documents of ``files`` in order: a text file is one, a JSON line or a table row is one.
 
     ``text_column``: the field (JSON) or column (Parquet, datasets) holding the text. ``strict_utf8``:
     text that is not valid UTF-8 is an error (False: replaced and counted, for the stdlib demo corpus,
     which holds a few deliberately invalid files). ``hf_split``: the split of a ``DatasetDict`` folder.
+    ``names``: how the user sets ``text_column`` and ``hf_split``, named by the errors' hints.
     """
     for path in files:
         try:
-            yield from _file_documents(path, text_column, strict_utf8, hf_split)
+            yield from _file_documents(path, text_column, strict_utf8, hf_split, names)
         except OSError as e:  # e.g. permission denied: a read problem, never reported as a write problem
             raise DataError(f"cannot read {path}: {e.strerror or e}") from None
 
 
-def _file_documents(path: str, text_column: str, strict_utf8: bool, hf_split: str) -> Iterator[Document]:
+def _file_documents(path: str, text_column: str, strict_utf8: bool, hf_split: str,
+                    names: SettingNames) -> Iterator[Document]:
     """The documents of one input (see ``iter_documents``)."""
     fmt = file_format(path, check_text=strict_utf8)
     if fmt == JSONL:
         with open(path, "rb") as f:
-            yield from _jsonl(path, f, f, text_column)
+            yield from _jsonl(path, f, f, text_column, names)
     elif fmt == JSONL_GZ:
         with open(path, "rb") as raw, gzip.GzipFile(fileobj=raw, mode="rb") as gz:
-            yield from _jsonl(path, gz, raw, text_column)
+            yield from _jsonl(path, gz, raw, text_column, names)
     elif fmt == JSONL_ZST:
         zstd: Any = require("zstandard", f"reading {path}")
         with open(path, "rb") as raw:
-            yield from _jsonl(path, io.BufferedReader(_ZstdFrames(raw, zstd)), raw, text_column)
+            yield from _jsonl(path, io.BufferedReader(_ZstdFrames(raw, zstd)), raw, text_column, names)
     elif fmt == PARQUET:
-        yield from _parquet(path, text_column)
+        yield from _parquet(path, text_column, names)
     elif fmt == HF_DATASET:
-        yield from _hf_dataset(path, text_column, hf_split)
+        yield from _hf_dataset(path, text_column, hf_split, names)
     else:
         yield _text_file(path, strict_utf8)
 
@@ -130,7 +146,7 @@ def _text_file(path: str, strict_utf8: bool) -> Document:
 _STREAM_ERRORS: tuple[type[BaseException], ...] = (OSError, EOFError, zlib.error)
 
 
-def _jsonl(path: str, lines: Iterable[bytes], raw: IO[bytes], key: str) -> Iterator[Document]:
+def _jsonl(path: str, lines: Iterable[bytes], raw: IO[bytes], key: str, names: SettingNames) -> Iterator[Document]:
     """One document per non-blank line; ``raw`` is the file on disk (its position is the progress)."""
     lineno, done = 0, 0
     it = iter(lines)
@@ -153,18 +169,18 @@ def _jsonl(path: str, lines: Iterable[bytes], raw: IO[bytes], key: str) -> Itera
         except json.JSONDecodeError as e:
             raise DataError(f"{path}:{lineno}: not valid JSON: {e}") from None
         if not isinstance(record, dict) or not isinstance(record.get(key), str):
-            raise DataError(f"{path}:{lineno}: {_not_a_text_record(record, key)}")
+            raise DataError(f"{path}:{lineno}: {_not_a_text_record(record, key, names)}")
         yield Document(record[key], f"{path}:{lineno}", False, used)
 
 
-def _not_a_text_record(record: Any, key: str) -> str:
-    """Why a JSON line gives no document, with the fields it has (so the right --text-column can be named)."""
+def _not_a_text_record(record: Any, key: str, names: SettingNames) -> str:
+    """Why a JSON line gives no document, with the fields it has (so the right text column can be named)."""
     if not isinstance(record, dict):
         return f"expected a JSON object with a string field {key!r}, got {type(record).__name__}"
     fields = ", ".join(map(repr, record)) or "none"
     problem = (f"no field {key!r}" if key not in record
                else f"field {key!r} holds {type(record[key]).__name__}, not a string")
-    return f"{problem}; its fields: {fields} (name the text field with --text-column)"
+    return f"{problem}; its fields: {fields} (name the text field with {names.text_column})"
 
 
 class _ZstdFrames(io.RawIOBase):
@@ -233,36 +249,37 @@ def _text_batches(path: str, batches: Iterator[Any], column: str, rows: int) -> 
             row += 1
 
 
-def _string_column(path: str, schema: Any, column: str) -> None:
+def _string_column(path: str, schema: Any, column: str, names: SettingNames) -> None:
     pa: Any = require("pyarrow", f"reading {path}")
-    names = list(schema.names)
-    if column not in names:
-        raise DataError(f"{path}: no column {column!r} (columns: {names}); name the text column with --text-column")
+    columns = list(schema.names)
+    hint = f"name the text column with {names.text_column}"
+    if column not in columns:
+        raise DataError(f"{path}: no column {column!r} (columns: {columns}); {hint}")
     kind = schema.field(column).type
     if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or str(kind) == "string_view"):
-        raise DataError(f"{path}: column {column!r} holds {kind}, not text; name the text column with --text-column")
+        raise DataError(f"{path}: column {column!r} holds {kind}, not text; {hint}")
 
 
-def _parquet(path: str, column: str) -> Iterator[Document]:
+def _parquet(path: str, column: str, names: SettingNames) -> Iterator[Document]:
     """Row groups streamed, only ``column`` read: the file is never in memory whole."""
     pa: Any = require("pyarrow", f"reading {path}")
     pq: Any = require("pyarrow.parquet", f"reading {path}")
     try:
         pf = pq.ParquetFile(path)
-        _string_column(path, pf.schema_arrow, column)
+        _string_column(path, pf.schema_arrow, column, names)
         batches = pf.iter_batches(batch_size=_BATCH_ROWS, columns=[column])
         yield from _text_batches(path, batches, column, pf.metadata.num_rows)
     except (pa.ArrowException, OSError) as e:
         raise DataError(f"{path}: cannot read Parquet: {e}") from None
 
 
-def _hf_dataset(folder: str, column: str, split: str) -> Iterator[Document]:
+def _hf_dataset(folder: str, column: str, split: str, names: SettingNames) -> Iterator[Document]:
     """A ``save_to_disk`` folder: state.json lists Arrow stream files (memory-mapped, read batch by batch)."""
     dict_file = os.path.join(folder, "dataset_dict.json")
     if os.path.isfile(dict_file):
         splits = _json_file(dict_file).get("splits", [])
         if split not in splits:
-            raise DataError(f"{dict_file}: no split {split!r} (splits: {splits}); choose one with --hf-split")
+            raise DataError(f"{dict_file}: no split {split!r} (splits: {splits}); choose one with {names.hf_split}")
         folder = os.path.join(folder, split)
     state_file = os.path.join(folder, "state.json")
     files = _json_file(state_file).get("_data_files")
@@ -276,7 +293,7 @@ def _hf_dataset(folder: str, column: str, split: str) -> Iterator[Document]:
         try:
             with pa.memory_map(path) as source:
                 reader = pa.ipc.open_stream(source)
-                _string_column(path, reader.schema, column)
+                _string_column(path, reader.schema, column, names)
                 batches = (b.select([column]) for b in reader)
                 table_rows = _arrow_rows(path)
                 yield from _text_batches(path, batches, column, table_rows)

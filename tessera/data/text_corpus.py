@@ -28,7 +28,7 @@ from typing import Any
 
 from tessera.data.errors import DataError
 from tessera.data.prepare import prepare_corpus
-from tessera.data.readers import DEFAULT_PATTERNS, input_size, iter_documents, list_input_files
+from tessera.data.readers import CONFIG_KEYS, DEFAULT_PATTERNS, input_size, iter_documents, list_input_files
 from tessera.data.token_file import FORMAT_VERSION, META_FILE
 from tessera.data.tokenize_pool import default_workers
 from tessera.data.tokenizer import AnyTokenizer, ByteTokenizer, build_tokenizer
@@ -98,8 +98,8 @@ def _prepared(what: str, inputs: str, text: Mapping[str, Any], tokenizer: AnyTok
         logger.info("data.type='text': tokenizing %s=%s (%d file%s) on %d worker%s into %s", what, inputs,
                     len(files), "s" * (len(files) != 1), workers, "s" * (workers != 1), folder)
         metas = prepare_corpus(
-            iter_documents(files, settings["text_column"], hf_split=settings["hf_split"]), folder, tokenizer,
-            valid_fraction=settings["valid_fraction"], valid_every_nth=settings["valid_every_nth"],
+            iter_documents(files, settings["text_column"], hf_split=settings["hf_split"], names=CONFIG_KEYS),
+            folder, tokenizer, valid_fraction=settings["valid_fraction"], valid_every_nth=settings["valid_every_nth"],
             created_by="data.type='text'", total_bytes=sum(map(input_size, files)), progress=progress,
             exist_ok=True, workers=workers, extra_meta={"text_inputs": os.path.abspath(inputs), **settings})
         st = metas["stats"]
