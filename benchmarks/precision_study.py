@@ -12,7 +12,7 @@ per device (the first 10% of the steps left out as warm-up); per policy the pers
 (the closed form of ``precision_report``). They are kept in ``<workdir>/study.json``, so policies can be run
 one invocation at a time (``--only``). ``--jobs N`` trains N runs at a time (a machine with many cores: the
 whole 3-seed study is 30 demo runs, hours on 2 cores). The section's statistics are ``tools/compare_runs.py``'s
-(``tessera.train.run_compare.summarize``): per policy the mean and standard deviation of the final bits per
+(``tessera.analysis.run_compare.summarize``): per policy the mean and standard deviation of the final bits per
 byte over its seeds, and the difference from the default policy with Welch's 95% interval and the verdict;
 its picture (the training-loss curves, a seed band per policy, the differences) goes to
 ``<pictures>/study_curves.png``.
@@ -36,8 +36,8 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Any
 
 from benchmarks import harness
+from tessera.analysis.run_compare import Group, read_series, summarize, verdict
 from tessera.cli_args import nonnegative_int, positive_int
-from tessera.train.run_compare import Group, read_series, summarize, verdict
 
 TITLE = "## 8. Precision study: the demo under each optimizer and fp8 policy"
 PICTURES_PUBLISHED = "docs/precision"  # the heat maps BENCHMARKS.md section 8 links to

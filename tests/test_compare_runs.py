@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from harness.failure import explain
-from tessera.train.run_compare import (
+from tessera.analysis.run_compare import (
     CompareError,
     Group,
     first_difference,
@@ -25,7 +25,7 @@ from tessera.train.run_compare import (
     short_labels,
     summarize,
 )
-from tessera.train.seed_stats import sample_std, student_t_cdf, student_t_quantile, welch_interval
+from tessera.analysis.seed_stats import sample_std, student_t_cdf, student_t_quantile, welch_interval
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "tiny.py")

@@ -175,7 +175,7 @@ def test_evaluating_every_two_steps_changes_no_bit_of_training(tp1_runs):
 def test_the_eval_scores_reach_tensorboard_and_run_comparison_reads_past_them(tp1_runs):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from tessera.train.run_compare import read_series
+    from tessera.analysis.run_compare import read_series
 
     log_dir = tp1_runs["evaluated"]
     events = EventAccumulator(os.path.join(log_dir, "tensorboard"))
@@ -474,8 +474,8 @@ class _FakeWandb:
 
 
 def test_log_eval_writes_one_record_and_the_same_scalars_to_tensorboard_and_wandb(tmp_path, capsys):
+    from tessera.analysis.run_compare import read_series
     from tessera.train.metrics import MetricsWriter
-    from tessera.train.run_compare import read_series
 
     log = MetricsWriter(str(tmp_path), True, total_steps=4, tensorboard=False, progress_bar=False)
     tb: list[tuple[str, float, int]] = []

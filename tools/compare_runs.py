@@ -28,8 +28,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from tessera.cli_args import nonnegative_float, nonnegative_int, positive_int
-from tessera.train.run_compare import (
+from tessera.analysis.run_compare import (
     CompareError,
     Difference,
     Group,
@@ -46,7 +45,8 @@ from tessera.train.run_compare import (
     summarize,
     verdict,
 )
-from tessera.train.seed_stats import mean, sample_std, welch_interval
+from tessera.analysis.seed_stats import mean, sample_std, welch_interval
+from tessera.cli_args import nonnegative_float, nonnegative_int, positive_int
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from tessera.train.seed_stats import Welch, mean, sample_std, welch_interval
+from tessera.analysis.seed_stats import Welch, mean, sample_std, welch_interval
 
 __all__ = ["CompareError", "Series", "Group", "Difference", "GroupSummary", "metrics_path", "read_series",
            "expand_paths", "parse_group", "short_labels", "same_bits", "first_difference", "largest_difference",
