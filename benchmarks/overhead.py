@@ -89,9 +89,9 @@ def measure(size: Size) -> dict[str, Any]:
     import torch
 
     from benchmarks.plain import PlainDecoder, PlainStep
-    from tessera.core.precision import Precision
     from tessera.model import ModelArgs, build_model, flops_per_token
     from tessera.parallel import cpu_kernels
+    from tessera.precision.plan import PrecisionPlan
     from tessera.train.metrics import measure_matmul_tflops
 
     env = os.environ.get(ENV)
@@ -105,7 +105,7 @@ def measure(size: Size) -> dict[str, Any]:
         stack = harness.build(cfg)
         optimizers.setdefault(name, stack.optimizer)
 
-        precision = Precision.from_config(cfg)
+        precision = PrecisionPlan.from_config(cfg)
 
         def before() -> None:
             precision.apply()

@@ -432,10 +432,14 @@ if __name__ == "__main__":
 
 
 def _precision_switches(dtype: str) -> None:
-    """The process-wide switches of ``dtype`` in this checkout (``tessera.core.precision``; a base checkout
-    from before the run description has them in ``tessera.config.precision``)."""
+    """The process-wide switches of ``dtype`` in this checkout (``tessera.precision.switches``; a base checkout
+    from before the precision package has them in ``tessera.core.precision``, an older one in
+    ``tessera.config.precision``)."""
     try:
-        from tessera.core.precision import apply_precision
+        from tessera.precision.switches import apply_precision
     except ImportError:
-        from tessera.config.precision import apply_precision  # type: ignore[attr-defined,no-redef]
+        try:
+            from tessera.core.precision import apply_precision  # type: ignore[import-not-found,no-redef]
+        except ImportError:
+            from tessera.config.precision import apply_precision  # type: ignore[attr-defined,no-redef]
     apply_precision(dtype)

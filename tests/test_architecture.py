@@ -42,11 +42,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 # lowest first: a module may import its own layer and the layers before it, never a later one
-LAYERS = ("leaf", "parallel", "model", "config", "core", "data", "optim", "train", "analysis", "checkpoint", "plan")
+LAYERS = ("leaf", "parallel", "model", "config", "precision", "core", "data", "optim", "train", "analysis", "checkpoint", "plan")
 # tessera/<name>.py modules that import no tessera package (stdlib / torch only); "__init__" is tessera/__init__.py
-LEAF_MODULES = frozenset({"__init__", "files", "cli_args", "logs", "error_file", "run"})
+LEAF_MODULES = frozenset({"__init__", "files", "cli_args", "logs", "error_file", "run", "hardware"})
 MAX_FUNCTION_LINES = 80
-PRECISION_READERS = ("tessera/config/", "tessera/core/")  # the only places that resolve the run's precision
+PRECISION_READERS = ("tessera/config/", "tessera/precision/", "tessera/core/")  # the only places that resolve the run's precision
 PRECISION_PARSERS = frozenset({"resolve_model_dtype", "parse_dtype"})
 PRECISION_WORDS = ("precision", "dtype")  # a class whose name holds one of these names a precision concept
 SCRIPT_PLACES = ("tools", "tests", "benchmarks", "harness", "train.py")
@@ -630,10 +630,15 @@ def test_two_precision_homes_and_prefixed_names_are_found(tmp_path):
     ]
 
 
+# contract paths of ../shared/DESIGN.md kept only for InternEvo's imports: the code lives elsewhere
+CONTRACT_REEXPORTS = frozenset({"tessera/core/grad_scaler.py"})  # the loss scalers: tessera/precision/scaler.py
+
+
 def test_every_core_module_defines_something():
-    """``tessera/core`` holds real code: each of its modules defines a function or a class of its own."""
+    """``tessera/core`` holds real code: each of its modules defines a function or a class of its own, except a
+    contract path the design keeps importable for InternEvo code (``CONTRACT_REEXPORTS``)."""
     for path in _py_files(ROOT / "tessera" / "core"):
-        if path.name == "__init__.py":
+        if path.name == "__init__.py" or path.relative_to(ROOT).as_posix() in CONTRACT_REEXPORTS:
             continue
         tree = ast.parse(path.read_text(encoding="utf-8"))
         defined = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))]

@@ -127,12 +127,12 @@ def test_nvfp4_shards_share_the_whole_tensors_scale():
 def _amp(overrides: list[str]):
     from tessera.config import Config
     from tessera.core.naive_amp import naive_amp_for, unwrap_model
-    from tessera.core.precision import Precision
     from tessera.model import build_model
+    from tessera.precision.plan import PrecisionPlan
     from tests.test_train import TINY
 
     cfg = Config.from_file(TINY, ["model.dtype='torch.bfloat16'", *overrides])
-    amp = naive_amp_for(build_model(cfg.model, tp_group=None, seed=1), Precision.from_config(cfg), sync_buffer=False)
+    amp = naive_amp_for(build_model(cfg.model, tp_group=None, seed=1), PrecisionPlan.from_config(cfg), sync_buffer=False)
     return {n: m.fp8_recipe for n, m in unwrap_model(amp).named_modules() if hasattr(m, "fp8_recipe")}
 
 

@@ -135,13 +135,13 @@ def _model_step(cfg, group, force_recipe=None):
     """One forward/backward; ``force_recipe`` turns fp8 on by hand in an fp32 model (where fp32 partial
     sums make TP=N and TP=1 feed the fp8 casts the same values, so their agreement can be checked tightly)."""
     from tessera.core.naive_amp import naive_amp_for, unwrap_model
-    from tessera.core.precision import Precision
     from tessera.model import build_model
     from tessera.parallel import vocab_parallel_cross_entropy
     from tessera.parallel.comm import gather_tensor
+    from tessera.precision.plan import PrecisionPlan
 
     model = naive_amp_for(build_model(cfg.model, tp_group=group, seed=5, tensor_mode=cfg.parallel.tensor.mode),
-                          Precision.from_config(cfg), sync_buffer=False)
+                          PrecisionPlan.from_config(cfg), sync_buffer=False)
     inner = unwrap_model(model)
     if force_recipe:
         for name, m in inner.named_modules():

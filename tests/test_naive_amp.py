@@ -16,7 +16,7 @@ from tessera.core.naive_amp import (
     naive_amp_for,
     set_fp32_attr_to_module,
 )
-from tessera.core.precision import Precision
+from tessera.precision.plan import PrecisionPlan
 
 
 class MlpModel(nn.Module):  # verbatim from DESIGN.md
@@ -146,8 +146,7 @@ def test_use_fp32_norm_by_class_and_name():
     assert "norm" in marked and "layers.1.ffn_norm" in marked
     assert all(module_has_fp32_attr(model.get_submodule(n)) for n in marked)
     assert not module_has_fp32_attr(model.output)
-    precision = Precision.from_config({"model": {"dtype": "torch.bfloat16", "use_fp32_norm": True,
-                                                    "fp32_modules": ["output"]}})
+    precision = PrecisionPlan.of("torch.bfloat16", use_fp32_norm=True, fp32_modules=("output",))
     amp = naive_amp_for(TinyLM(), precision, sync_buffer=False)
     assert fp32_module_names(amp) >= {"norm", "output", "layers.0.attention_norm"}
     assert amp.model.embedding.weight.dtype == torch.bfloat16

@@ -5,7 +5,7 @@ import torch
 
 from tessera.config import ConfigError
 from tessera.config.dtypes import MODEL_DTYPE_NAMES, parse_dtype
-from tessera.core.precision import apply_precision
+from tessera.precision.switches import apply_precision
 
 # storage dtype and TF32 state from DESIGN.md's precision table, written out independently here
 TABLE = {

@@ -250,7 +250,7 @@ def _run_cell(job: _Job, dtype: str, marks: str, tied: bool, folder: str) -> dic
     from tessera.checkpoint import Progress, TrainState, load_checkpoint, save_checkpoint
     from tessera.config import ConfigError
     from tessera.core.naive_amp import unwrap_model
-    from tessera.core.precision import apply_precision
+    from tessera.precision.switches import apply_precision
 
     cfg = _config(dtype, marks, tied, job.tp_size)
     apply_precision(cfg.model.dtype)  # what launch_from_torch does (TF32 switches: CUDA only)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tessera.config import Config, ConfigError
-from tessera.core.precision import apply_precision
+from tessera.precision.switches import apply_precision
 
 MATMUL = torch.backends.cuda.matmul
 TF32 = {"torch.bfloat16": False, "torch.float16": False, "torch.float32": False, "torch.tf32": True}

@@ -149,14 +149,14 @@ def _compare_modes(group, singles, overrides: dict, optimizer_steps: int = 3) ->
 def _bf16_smoke(group, features: dict | None = None) -> None:
     """bf16 with fp32 norms and head (NaiveAMPModel): msp close to mtp, norm weights fp32 and in sync."""
     from tessera.core.naive_amp import naive_amp_for
-    from tessera.core.precision import Precision
+    from tessera.precision.plan import PrecisionPlan
 
     out = {}
     for mode in ("mtp", "msp"):
         cfg = _cfg(dist.get_world_size(group), mode, dtype="torch.bfloat16", fp32_modules=["*norm*", "output"],
                    **(features or {}))
         model = naive_amp_for(build_model(cfg.model, tp_group=group, seed=5, tensor_mode=mode),
-                              Precision.from_config(cfg), sync_buffer=False)
+                              PrecisionPlan.from_config(cfg), sync_buffer=False)
         ids, target, cu = _batch(2)
         logits = model(ids, cu_seqlens=cu)
         loss = _loss(logits, target, group, True)

@@ -30,7 +30,7 @@ import torch
 
 from tessera.cli_args import positive_int
 from tessera.config import Config, ConfigError
-from tessera.core.precision import Precision
+from tessera.precision.plan import PrecisionPlan
 from tessera.train.precision_report import policy_table, precision_report
 
 
@@ -84,7 +84,7 @@ def _report(args: argparse.Namespace, cfg: Config, emit) -> int:
         return 2
     run_cfg = cfg.typed  # the keys read here, checked by mypy
     model_cfg = run_cfg.model
-    dtype = Precision.from_config(cfg).model
+    dtype = PrecisionPlan.from_config(cfg).model
     fp32_modules = list(model_cfg.fp32_modules) if args.fp32_modules is None else args.fp32_modules
     use_fp32_norm = model_cfg.use_fp32_norm if args.use_fp32_norm is None else args.use_fp32_norm
     reduce_dtype = args.reduce_dtype or run_cfg.hybrid_zero_optimizer.reduce_dtype

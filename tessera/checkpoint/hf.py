@@ -38,10 +38,10 @@ from tessera.checkpoint.source import CheckpointSource
 from tessera.checkpoint.tree import flat_state_metadata
 from tessera.config import Config
 from tessera.config.dtypes import dtype_from_name
-from tessera.core.precision import Precision
 from tessera.data.errors import DataError
 from tessera.data.run_tokenizer import tokenizer_for_checkpoint
 from tessera.data.tokenizer import HFTokenizer, write_hf_tokenizer_files
+from tessera.precision.plan import storage_dtype
 
 __all__ = ["to_hf_name", "from_hf_name", "hf_config_from_model_cfg", "model_cfg_from_hf_config", "export_hf",
            "import_hf", "parse_dtype_name"]
@@ -56,7 +56,7 @@ def parse_dtype_name(name: str) -> torch.dtype:
 
 def run_dtype(model_cfg: Mapping[str, Any]) -> torch.dtype:
     """The storage dtype a run trained in (tf32 is fp32 storage), from its saved ``model`` section."""
-    return Precision.from_config({"model": model_cfg}).dtype
+    return storage_dtype(model_cfg)
 
 
 # ---------------------------------------------------------------------------------------- export

@@ -14,15 +14,15 @@ from typing import Any
 
 import torch
 
-from tessera.config.dtypes import resolve_model_dtype
+from tessera.config.dtypes import ModelDtype, resolve_model_dtype
 from tessera.config.errors import ConfigError, where
 from tessera.config.schema import SCHEMA, default_of
 from tessera.model.args import ModelArgs, ModelSizeError, check_tensor_parallel_sizes
 from tessera.model.compile import settings_problem as compile_settings_problem
-from tessera.parallel.gemm import BLOCK_FORMATS
+from tessera.parallel.gemm import BLOCK_FORMATS, GemmPolicy
 
-__all__ = ["check_config", "check_data", "check_model_sizes", "check_world_size", "parallel_sizes",
-           "resolve_zero1_size"]
+__all__ = ["check_config", "check_data", "check_model_sizes", "check_world_size", "low_precision_gemms_problem",
+           "masters_problem", "parallel_sizes", "resolve_zero1_size"]
 
 _MODEL_KEYS = frozenset(SCHEMA.keys["model"].keys)  # type: ignore[union-attr]
 
@@ -119,24 +119,39 @@ def check_config(cfg: dict[str, Any], source: str | None = None) -> None:
                           f"eval.every=N (steps) or eval.at_end=True{w}")
 
 
+def low_precision_gemms_problem(enabled: bool, model: ModelDtype) -> str | None:
+    """The rule between ``model.fp8.enabled`` and ``model.dtype`` (the config check and the layers ask it)."""
+    if enabled and model.dtype != torch.bfloat16:
+        return f"model.fp8.enabled=True needs model.dtype bfloat16, not {model.name}"
+    return None
+
+
+def masters_problem(master_dtype: str, compensation: str, model: ModelDtype) -> str | None:
+    """The rules between ``hybrid_zero_optimizer.master_dtype`` / ``master_compensation`` and ``model.dtype``
+    (the config check and the optimizer's master policy ask it)."""
+    if master_dtype == "bf16" and model.dtype != torch.bfloat16:
+        return (f"hybrid_zero_optimizer.master_dtype='bf16' needs model.dtype bfloat16, not {model.name}: the "
+                "masters share the bf16 weights' storage")
+    if compensation != "none" and master_dtype != "bf16":
+        return (f"hybrid_zero_optimizer.master_compensation={compensation!r} applies to bf16 masters only; set "
+                "hybrid_zero_optimizer.master_dtype='bf16'")
+    return None
+
+
 def check_optimizer_precision(cfg: dict[str, Any], source: str | None = None) -> None:
-    """bf16 masters and fp8 linears only under a bf16 model; a compensation only for bf16 masters."""
-    w = where(source)
-    opt = cfg["hybrid_zero_optimizer"]
+    """The cross-key precision rules: fp8 linears and bf16 masters only under a bf16 model, a compensation only
+    for bf16 masters, the block formats never on the scaled_mm backend (``GemmPolicy``'s rule)."""
+    opt, fp8 = cfg["hybrid_zero_optimizer"], cfg["model"]["fp8"]
     model_dtype = resolve_model_dtype(cfg["model"]["dtype"])
-    if cfg["model"]["fp8"]["enabled"] and model_dtype.dtype != torch.bfloat16:
-        raise ConfigError(f"model.fp8.enabled=True needs model.dtype bfloat16, not {model_dtype.name}{w}")
-    fp8 = cfg["model"]["fp8"]
-    if fp8["backend"] == "scaled_mm" and fp8["recipe"] in BLOCK_FORMATS:
-        raise ConfigError(f"model.fp8.backend='scaled_mm' runs the fp8 recipes (tensorwise, rowwise); "
-                          f"model.fp8.recipe={fp8['recipe']!r} is a block format, emulated on every device: "
-                          f"use backend 'auto' or 'emulated'{w}")
-    if opt["master_dtype"] == "bf16" and model_dtype.dtype != torch.bfloat16:
-        raise ConfigError(f"hybrid_zero_optimizer.master_dtype='bf16' needs model.dtype bfloat16, not "
-                          f"{model_dtype.name}: the masters share the bf16 weights' storage{w}")
-    if opt["master_compensation"] != "none" and opt["master_dtype"] != "bf16":
-        raise ConfigError(f"hybrid_zero_optimizer.master_compensation={opt['master_compensation']!r} applies to "
-                          f"bf16 masters only; set hybrid_zero_optimizer.master_dtype='bf16'{w}")
+    problem = (low_precision_gemms_problem(fp8["enabled"], model_dtype)
+               or masters_problem(opt["master_dtype"], opt["master_compensation"], model_dtype))
+    if problem is None and fp8["recipe"] in BLOCK_FORMATS:
+        try:
+            GemmPolicy("block", fp8["recipe"], fp8["backend"])
+        except ValueError as e:
+            problem = str(e)
+    if problem:
+        raise ConfigError(problem + where(source))
 
 
 # ------------------------------------------------------------------------------ layout (needs the world size)

@@ -2,7 +2,7 @@
 
 A ``Job`` is built once, after launch, from the config: the rank layout (sizes and ranks of world /
 TP / DP / ZeRO-1), the process groups of this rank, the tensor mode, the device, the seed and the
-precision as torch dtypes (``Precision``). ``train.py`` passes it explicitly to the builder of the
+precision plan (``PrecisionPlan``, ``tessera.precision``). ``train.py`` passes it explicitly to the builder of the
 training stack, the memory check, checkpointing and metrics; ``gpc`` (for InternEvo-style user code)
 reads its groups and ranks from it. Nothing below re-parses a dtype name or re-derives a group size
 from the config.
@@ -21,10 +21,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tessera.config.schema import default_of
+from tessera.config.typed import RunConfig
 from tessera.core.layout import Layout, ParallelMode
-from tessera.core.precision import Precision
 from tessera.parallel.sequence import TENSOR_MODES
+from tessera.precision.plan import PrecisionPlan, run_config_of
 
 __all__ = ["Job", "JobGroups"]
 
@@ -65,7 +65,7 @@ class Job:
 
     layout: Layout
     groups: JobGroups
-    precision: Precision
+    precision: PrecisionPlan
     tensor_mode: str = "mtp"
     device: torch.device = torch.device("cpu")
     seed: int = 0
@@ -92,19 +92,18 @@ class Job:
         return dataclasses.replace(self, **changes)
 
     @classmethod
-    def of(cls, cfg: Mapping[str, Any], groups: JobGroups | None = None, *, layout: Layout | None = None,
+    def of(cls, cfg: RunConfig | Mapping[str, Any], groups: JobGroups | None = None, *, layout: Layout | None = None,
            device: torch.device | str = "cpu", seed: int | None = None) -> Job:
-        """The job ``cfg`` describes over ``groups`` (none: a single process); the layout is read from the
-        groups unless given (a dry run's fake groups state theirs)."""
+        """The job ``cfg`` describes (its typed view; a plain dict is validated first) over ``groups`` (none: a
+        single process); the layout is read from the groups unless given (a dry run's fake groups state theirs)."""
         groups = groups or JobGroups()
-        tensor = (cfg.get("parallel") or {}).get("tensor") or {}
-        mode = tensor.get("mode") or default_of("parallel.tensor.mode")
-        return cls(layout=layout or groups.layout(), groups=groups, precision=Precision.from_config(cfg),
-                   tensor_mode=mode, device=torch.device(device),
-                   seed=int(cfg.get("seed", default_of("seed"))) if seed is None else seed)
+        run = run_config_of(cfg)
+        return cls(layout=layout or groups.layout(), groups=groups, precision=PrecisionPlan.from_run(run),
+                   tensor_mode=run.parallel.tensor.mode, device=torch.device(device),
+                   seed=run.seed if seed is None else seed)
 
     @classmethod
-    def single_process(cls, cfg: Mapping[str, Any], *, device: torch.device | str = "cpu",
+    def single_process(cls, cfg: RunConfig | Mapping[str, Any], *, device: torch.device | str = "cpu",
                        seed: int | None = None) -> Job:
         """A plain process: no process group, world size 1."""
         return cls.of(cfg, JobGroups(), layout=Layout(), device=device, seed=seed)

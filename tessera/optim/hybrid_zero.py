@@ -35,9 +35,7 @@ from torch import nn
 
 from tessera.config.dtypes import ModelDtype
 from tessera.core.context import gpc
-from tessera.core.grad_scaler import BaseGradScaler, build_grad_scaler
 from tessera.core.job import Job, JobGroups
-from tessera.core.precision import Precision
 from tessera.optim.bucket import Bucket
 from tessera.optim.buffers import GradientBuffers
 from tessera.optim.clipping import GradNorm, clip_factor
@@ -49,6 +47,8 @@ from tessera.optim.skips import StepRecord, TooManySkippedSteps
 from tessera.optim.state_format import SHARD_FORMAT, STATE_DICT_FORMAT, ShardSource
 from tessera.optim.step_observer import StepObserver
 from tessera.parallel.attrs import partition_dim
+from tessera.precision.plan import OptimizerDtypes, PrecisionPlan
+from tessera.precision.scaler import BaseGradScaler, build_grad_scaler
 
 __all__ = ["HybridZeroOptimizer", "TooManySkippedSteps"]
 
@@ -95,11 +95,15 @@ class HybridZeroOptimizer(torch.optim.Optimizer):
         self._params = trainable_params(optimizer)
         # the precision: the caller's dtype, else the job passed, else the parameters' own (not the launched job's:
         # a model may be cast to another dtype than the launch config's)
-        stated = Precision.of(dtype).model if dtype is not None else job.precision.model if job is not None else None
+        stated = (PrecisionPlan.of(dtype).model if dtype is not None
+                  else job.precision.model if job is not None else None)
         self._model_dtype = resolve_optimizer_dtype(stated, self._params)
         if seed is None:  # the run's seed (stochastic rounding of bf16 masters)
             seed = launched.seed if launched is not None else 0
-        self._policy = MasterPolicy.from_settings(self._settings, self._model_dtype, optimizer, seed)
+        # the section's dtypes through the precision plan's one resolver (``optimizer_dtypes``): the same function
+        # that gave a launched job's plan its ``optimizer`` from the same keys
+        self._dtypes = self._settings.dtypes(self._model_dtype)
+        self._policy = MasterPolicy.from_dtypes(self._dtypes, optimizer, seed)
         self._scaler = grad_scaler if grad_scaler is not None else build_grad_scaler(grad_scal_cfg, self._model_dtype)
         self._grads = GradientBuffers(
             optimizer.param_groups, param_name_map(param_names, self._params), dp=self._groups.dp,
@@ -138,6 +142,11 @@ class HybridZeroOptimizer(torch.optim.Optimizer):
     @property
     def policy(self) -> MasterPolicy:
         return self._policy
+
+    @property
+    def optimizer_dtypes(self) -> OptimizerDtypes:
+        """The master, moment and reduction dtypes this optimizer keeps (the plan's ``OptimizerDtypes``)."""
+        return self._dtypes
 
     @property
     def scaler(self) -> BaseGradScaler:

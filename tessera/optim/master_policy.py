@@ -20,19 +20,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tessera.config.dtypes import ModelDtype, dtypes_by_short_name
-from tessera.core.precision import model_dtype_of
+from tessera.config.dtypes import ModelDtype
 from tessera.logs import log_once
 from tessera.optim.bucket import Bucket
 from tessera.optim.lowp_adamw import COMPENSATIONS, Noise, adamw_step, element_noise, name_key
 from tessera.optim.params import LOW_PRECISION
-from tessera.optim.settings import ZeroSettings
 from tessera.optim.step_observer import StepObserver
+from tessera.precision.plan import OptimizerDtypes, model_dtype_of
 
 __all__ = ["MasterPolicy", "resolve_optimizer_dtype"]
-
-_DTYPES = dtypes_by_short_name("fp32", "bf16")
-
 
 def resolve_optimizer_dtype(stated: ModelDtype | None, params: list[nn.Parameter]) -> ModelDtype:
     """The model precision the optimizer works for: the ``stated`` one when given (checked against the
@@ -69,24 +65,12 @@ class MasterPolicy:
     seed: int = 0
 
     @classmethod
-    def from_settings(cls, settings: ZeroSettings, precision: ModelDtype, optimizer: torch.optim.Optimizer,
-                      seed: int = 0) -> MasterPolicy:
-        """The policy the settings ask for, checked against the model precision and the optimizer."""
-        def pick(key: str, allowed: tuple[str, ...]) -> str:
-            v = getattr(settings, key)
-            if v not in allowed:
-                raise ValueError(f"hybrid_zero_optimizer.{key} must be one of {list(allowed)}, got {v!r}")
-            return v
-
-        master = pick("master_dtype", tuple(_DTYPES))
-        comp = pick("master_compensation", COMPENSATIONS)
-        state = pick("optimizer_state_dtype", tuple(_DTYPES))
-        if master == "bf16" and precision.dtype != torch.bfloat16:
-            raise ValueError(f"hybrid_zero_optimizer.master_dtype='bf16' needs model.dtype bf16, not {precision.name}")
-        if comp != "none" and master != "bf16":
-            raise ValueError(f"hybrid_zero_optimizer.master_compensation={comp!r} applies to bf16 masters only "
-                             "(set master_dtype='bf16')")
-        policy = cls(_DTYPES[master], comp, _DTYPES[state], int(seed))
+    def from_dtypes(cls, dtypes: OptimizerDtypes, optimizer: torch.optim.Optimizer, seed: int = 0) -> MasterPolicy:
+        """The policy of the precision plan's optimizer dtypes, checked against the optimizer."""
+        if dtypes.compensation not in COMPENSATIONS:
+            raise ValueError(f"hybrid_zero_optimizer.master_compensation must be one of {list(COMPENSATIONS)}, "
+                             f"got {dtypes.compensation!r}")
+        policy = cls(dtypes.master, dtypes.compensation, dtypes.state, int(seed))
         if policy.custom and type(optimizer) is not torch.optim.AdamW:
             raise ValueError("low-precision masters / optimizer states are implemented for torch.optim.AdamW, "
                              f"not {type(optimizer).__name__}")

@@ -13,7 +13,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from tessera.config.dtypes import ModelDtype
 from tessera.config.schema import DEFAULT_REDUCE_BUCKET_SIZE
+from tessera.precision.plan import OptimizerDtypes, optimizer_dtypes
 
 __all__ = ["ZeroSettings"]
 
@@ -51,3 +53,9 @@ class ZeroSettings:
         if s.reduce_bucket_size < 1:
             raise ValueError(f"reduce_bucket_size must be >= 1 (elements), got {s.reduce_bucket_size}")
         return s
+
+    def dtypes(self, model: ModelDtype) -> OptimizerDtypes:
+        """The master / moment / reduction dtypes these settings ask for under ``model`` (the precision plan's one
+        resolver, which also checks the rules between them and the model dtype)."""
+        return optimizer_dtypes(self.master_dtype, self.optimizer_state_dtype, self.reduce_dtype,
+                                self.master_compensation, model)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from tessera.core.grad_scaler import BaseGradScaler
+from tessera.precision.scaler import BaseGradScaler
 
 __all__ = ["TooManySkippedSteps", "StepRecord", "SCALE_HISTORY"]
 

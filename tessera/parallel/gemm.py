@@ -56,6 +56,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from tessera import hardware
 from tessera.logs import log_once
 from tessera.parallel import wgrad
 from tessera.parallel.block_formats import BLOCK_RECIPES, BlockStats, fake_quantize, fake_quantize_with_stats
@@ -63,19 +64,33 @@ from tessera.parallel.cpu_kernels import upcast_on_cpu
 from tessera.parallel.fp8 import E4M3, E5M2, RECIPES, Observe, quantize, scaled
 from tessera.parallel.wgrad import fused_main_grad, placeholder
 
-__all__ = ["BACKENDS", "BLOCK_FORMATS", "BlockObserve", "FORMATS", "GEMM_RECIPES", "MODEL_DTYPE", "NO_SPLIT", "ROUTES",
-           "GemmPolicy", "GemmRoute", "TpSplit", "block_size", "choose_route", "fp8_linear", "fp8_tensor_cores",
-           "fuses_wgrad", "linear", "linear_grads", "linear_no_autograd", "policy_for", "route_for",
-           "wgrad_into_main"]
+__all__ = ["BACKENDS", "BLOCK_FORMATS", "BlockObserve", "FORMATS", "GEMM_RECIPES", "KEEP_HIGH", "MODEL_DTYPE",
+           "NO_SPLIT", "ROUTES", "GemmPolicy", "GemmRoute", "RecipeState", "TpSplit", "add_route", "block_size",
+           "choose_route", "fp8_linear", "fp8_tensor_cores", "fuses_wgrad", "gemm_recipes", "linear", "linear_grads",
+           "linear_no_autograd", "pick_route", "policy_for", "route_for", "wgrad_into_main"]
 
 
-# GemmPolicy.format: the operands' own dtype, fp8 (e4m3 / e5m2; recipe tensorwise or rowwise), or a block-scaled
-# format (recipe mxfp8 or nvfp4)
-FORMATS = ("model", "fp8", "block")
+# GemmPolicy.format: the operands' own dtype, fp8 (e4m3 / e5m2; recipe tensorwise or rowwise), a block-scaled
+# format (recipe mxfp8 or nvfp4), or a recipe that an added row of the table serves (``add_route``)
+FORMATS = ("model", "fp8", "block", "custom")
 BLOCK_FORMATS = ("mxfp8", "nvfp4")  # the block format's recipes
-GEMM_RECIPES = (*RECIPES, *BLOCK_FORMATS)  # what model.fp8.recipe (and its rules) may name
+GEMM_RECIPES = (*RECIPES, *BLOCK_FORMATS)  # the built-in recipes model.fp8.recipe (and its rules) may name
+KEEP_HIGH = ("bf16", "none")  # a model.fp8.rules recipe that keeps the module in the model's dtype
 BACKENDS = ("auto", "scaled_mm", "emulated")  # how the fp8 format's GEMMs run (model.fp8.backend)
 BlockObserve = Callable[[torch.Tensor, BlockStats], None]  # (fp32 operand, its quantization's BlockStats)
+
+
+class RecipeState:
+    """What a GEMM recipe owns for one linear beyond its switches: an RNG stream, fixed random signs, an amax
+    history. A route row's ``make_state(seed, name)`` builds one per linear (seeded from the run's seed and the
+    layer's name); the layer holds it in its policy, and checkpoints carry ``state_dict()`` so a resume continues
+    the same stream. The base holds nothing."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        return None
 
 
 @dataclass(frozen=True)
@@ -84,9 +99,10 @@ class GemmPolicy:
 
     ``format``: ``"model"`` (the operands' own dtype), ``"fp8"`` (``recipe``: ``"tensorwise"`` or
     ``"rowwise"`` scaling; ``backend``: ``"auto"``, ``"scaled_mm"`` or ``"emulated"``) or ``"block"``
-    (``recipe``: ``"mxfp8"`` or ``"nvfp4"``, emulated on every device). ``observe`` sees the fp8 forward input's
-    quantization, ``observe_blocks`` a block format's (precision telemetry); they are no part of the
-    choice (nor of equality).
+    (``recipe``: ``"mxfp8"`` or ``"nvfp4"``, emulated on every device) or ``"custom"`` (a recipe an added row
+    serves, ``add_route``). ``state`` is the recipe's own state for this linear (``RecipeState``; None: the
+    recipe has none). ``observe`` sees the fp8 forward input's quantization, ``observe_blocks`` a block
+    format's (precision telemetry). State and observers are no part of the choice (nor of equality).
     """
 
     format: str = "model"
@@ -94,6 +110,7 @@ class GemmPolicy:
     backend: str = "auto"
     observe: Observe | None = field(default=None, compare=False)
     observe_blocks: BlockObserve | None = field(default=None, compare=False)
+    state: RecipeState | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
@@ -102,12 +119,16 @@ class GemmPolicy:
             raise ValueError(f"fp8 recipe must be one of {list(RECIPES)}, got {self.recipe!r}")
         if self.format == "block" and self.recipe not in BLOCK_FORMATS:
             raise ValueError(f"block recipe must be one of {list(BLOCK_FORMATS)}, got {self.recipe!r}")
+        if self.format == "custom" and self.recipe not in _ROW_RECIPES:
+            raise ValueError(f"recipe {self.recipe!r} has no row in the GEMM route table (gemm.add_route)")
         if self.format == "model" and self.recipe is not None:
             raise ValueError(f"recipe={self.recipe!r} is a setting of the fp8 format, not of {self.format!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"fp8 backend must be one of {list(BACKENDS)}, got {self.backend!r}")
         if self.format == "block" and self.backend == "scaled_mm":
-            raise ValueError(f"{self.recipe} has no scaled_mm route: block formats are emulated on every device")
+            raise ValueError(f"model.fp8.backend='scaled_mm' runs the fp8 recipes (tensorwise, rowwise); "
+                             f"model.fp8.recipe={self.recipe!r} is a block format: {self.recipe} has no scaled_mm "
+                             "route, block formats are emulated on every device: use backend 'auto' or 'emulated'")
 
 
 def policy_for(recipe: str | None, backend: str = "auto") -> GemmPolicy:
@@ -117,7 +138,14 @@ def policy_for(recipe: str | None, backend: str = "auto") -> GemmPolicy:
         return MODEL_DTYPE
     if recipe in BLOCK_FORMATS:
         return GemmPolicy("block", recipe)
+    if recipe in _ROW_RECIPES and recipe not in RECIPES:
+        return GemmPolicy("custom", recipe)
     return GemmPolicy("fp8", recipe, backend)
+
+
+def gemm_recipes() -> tuple[str, ...]:
+    """Every recipe ``model.fp8.recipe`` may name: the built-in ones and those of rows added since import."""
+    return (*GEMM_RECIPES, *(r for r in _ROW_RECIPES if r not in GEMM_RECIPES))
 
 
 def block_size(policy: GemmPolicy) -> int | None:
@@ -156,6 +184,10 @@ class GemmRoute:
     results rounded to the tensors' dtype; False: in the operands' own dtype. ``sequence_chunked``: each row
     block of ``dx`` needs only that block of ``g``, so sequence parallelism may keep the input's chunk and
     compute ``dx`` chunk by chunk; False: the route keeps the gathered input (``tessera.parallel.sequence``).
+    ``copy_bytes``: bytes per operand element its quantized or upcast copies add inside one backward GEMM (the
+    memory plan's figure, calibrated with ``tools/memory_phases.py``); ``hardware``: what it needs to run at
+    speed. ``recipe``: the ``model.fp8.recipe`` a row serves by name (block and added recipes); ``make_state``:
+    builds that recipe's per-linear ``RecipeState`` from (the run's seed, the layer's name).
     """
 
     name: str
@@ -167,6 +199,10 @@ class GemmRoute:
     fp32_gemms: bool
     sequence_chunked: bool
     doc: str
+    copy_bytes: int = 0
+    hardware: str = "any device"
+    recipe: str | None = None
+    make_state: Callable[[int, str], RecipeState] | None = None
 
 
 # ------------------------------------------------------------------ native: torch's kernels
@@ -330,49 +366,61 @@ def _block_grad_weight(g2: torch.Tensor, x2: torch.Tensor, w: torch.Tensor, p: G
 NATIVE = GemmRoute(
     "native", "every device and dtype the rows below leave", _native_forward, _native_grad_input,
     _native_grad_weight, adds_into_main_grad=True, fp32_gemms=False, sequence_chunked=True,
-    doc="torch's own kernels in the operands' dtype (fp32 accumulation inside bf16 GPU GEMMs)")
+    doc="torch's own kernels in the operands' dtype (fp32 accumulation inside bf16 GPU GEMMs)", copy_bytes=0)
 CPU_UPCAST = GemmRoute(
     "cpu-upcast", "bf16/fp16 on CPUs without avx512_bf16/AMX (TESSERA_CPU_LOWP_MATMUL=native|upcast|auto)",
     _upcast_forward, _upcast_grad_input, _upcast_grad_weight, adds_into_main_grad=True, fp32_gemms=True,
     sequence_chunked=True,
-    doc="fp32 GEMMs on the upcast operands, each result rounded once: a bf16 GEMM's meaning, at fp32 GEMM speed")
+    doc="fp32 GEMMs on the upcast operands, each result rounded once: a bf16 GEMM's meaning, at fp32 GEMM speed",
+    copy_bytes=0, hardware="a CPU (the choice of tessera.parallel.cpu_kernels)")
 FP8_EMULATED = GemmRoute(
     "fp8-emulated", "policy format 'fp8' (recipe tensorwise or rowwise), any device", _fp8_forward,
     _fp8_grad_input, _fp8_grad_weight, adds_into_main_grad=False, fp32_gemms=True, sequence_chunked=False,
     doc="operands rounded to e4m3 (forward) / e5m2 (gradients) with current-amax scales agreed over TP, "
-        "dequantized, multiplied by fp32 GEMMs")
+        "dequantized, multiplied by fp32 GEMMs", copy_bytes=4)
 FP8_SCALED_MM = GemmRoute(
     "fp8-scaled-mm", "policy format 'fp8', backend 'scaled_mm', or 'auto' on CUDA sm_89+", _scaled_forward,
     _scaled_grad_input, _scaled_grad_weight, adds_into_main_grad=False, fp32_gemms=True, sequence_chunked=False,
     doc="the emulation's fp8 operands and scales through torch._scaled_mm (fp8 tensor cores): exact products, fp32 "
-        "sums scaled once, output in the model dtype")
+        "sums scaled once, output in the model dtype", copy_bytes=3,
+    hardware=f"CUDA sm_{''.join(map(str, hardware.FP8_TENSOR_CORES_FROM))}+ (fp8 tensor cores); elsewhere a slow "
+             "reference kernel")
 MXFP8_EMULATED = GemmRoute(
     "mxfp8-emulated", "policy format 'block', recipe 'mxfp8', any device", _block_forward, _block_grad_input,
     _block_grad_weight, adds_into_main_grad=False, fp32_gemms=True, sequence_chunked=False,
     doc="operands rounded to MXFP8 (E4M3, one E8M0 scale per 32 along each GEMM's reduction dim; gradients E4M3 "
-        "too), dequantized, multiplied by fp32 GEMMs")
+        "too), dequantized, multiplied by fp32 GEMMs", copy_bytes=12, recipe="mxfp8")
 NVFP4_EMULATED = GemmRoute(
     "nvfp4-emulated", "policy format 'block', recipe 'nvfp4', any device", _block_forward, _block_grad_input,
     _block_grad_weight, adds_into_main_grad=False, fp32_gemms=True, sequence_chunked=False,
     doc="operands rounded to NVFP4 (E2M1, one E4M3 scale per 16 along each GEMM's reduction dim, an fp32 "
-        "per-tensor scale agreed over TP), dequantized, multiplied by fp32 GEMMs")
+        "per-tensor scale agreed over TP), dequantized, multiplied by fp32 GEMMs", copy_bytes=12, recipe="nvfp4")
 ROUTES: dict[str, GemmRoute] = {r.name: r for r in (NATIVE, CPU_UPCAST, FP8_EMULATED, FP8_SCALED_MM,
                                                      MXFP8_EMULATED, NVFP4_EMULATED)}
+_ROW_RECIPES: dict[str, str] = {r.recipe: r.name for r in ROUTES.values() if r.recipe}  # recipe -> route name
 _FP8_CORES: dict[str, bool] = {}  # device type -> whether its (current) device has fp8 tensor cores
 
 
+def add_route(route: GemmRoute) -> None:
+    """Add a row to the table: a new recipe is one route (its three GEMMs, and ``make_state`` when it owns
+    state) and this call; ``model.fp8.recipe`` may then name ``route.recipe``. The layers do not change."""
+    if route.name in ROUTES or route.recipe is None or route.recipe in (*RECIPES, *_ROW_RECIPES, *KEEP_HIGH):
+        raise ValueError(f"route {route.name!r} (recipe {route.recipe!r}): the name and a new recipe must be unique")
+    ROUTES[route.name] = route
+    _ROW_RECIPES[route.recipe] = route.name
+
+
 def fp8_tensor_cores(device_type: str) -> bool:
-    """Whether ``device_type``'s current device multiplies fp8 on tensor cores: CUDA with compute capability
-    8.9 or later (Ada, Hopper, Blackwell). Asked once per process (traced code reads the cached answer)."""
+    """Whether ``device_type``'s current device multiplies fp8 on tensor cores (the hardware table's rule on
+    its compute capability). Asked once per process (traced code reads the cached answer)."""
     if device_type not in _FP8_CORES:
         _FP8_CORES[device_type] = device_type == "cuda" and torch.cuda.is_available() \
-            and torch.cuda.get_device_capability() >= (8, 9)
+            and hardware.fp8_tensor_cores(torch.cuda.get_device_capability())
     return _FP8_CORES[device_type]
 
 
-def _fp8_route(device_type: str, backend: str) -> tuple[GemmRoute, str]:
-    """The fp8 format's route under ``backend`` on ``device_type``, and why (for the log)."""
-    cores = fp8_tensor_cores(device_type)
+def _fp8_route(device_type: str, backend: str, cores: bool) -> tuple[GemmRoute, str]:
+    """The fp8 format's route under ``backend`` on ``device_type`` (``cores``: it has fp8 tensor cores), and why."""
     if backend == "emulated":
         return FP8_EMULATED, "model.fp8.backend='emulated'"
     if backend == "scaled_mm":
@@ -387,18 +435,26 @@ def _fp8_route(device_type: str, backend: str) -> tuple[GemmRoute, str]:
                           "needs CUDA sm_89+ to be fast)")
 
 
+def pick_route(device_type: str, dtype: torch.dtype | None, policy: GemmPolicy,
+               fp8_cores: bool) -> tuple[GemmRoute, str]:
+    """The route (and why, for fp8) of a linear on ``device_type`` whose operands are ``dtype`` under ``policy``,
+    where the device has fp8 tensor cores or not: the one rule the run (``choose_route``) and the memory plan
+    (``tessera.precision.routes``) both ask. No logging, no device probe."""
+    if policy.format == "fp8":
+        return _fp8_route(device_type, policy.backend, fp8_cores)
+    if policy.format in ("block", "custom"):
+        assert policy.recipe is not None
+        return ROUTES[_ROW_RECIPES[policy.recipe]], ""
+    if device_type == "cpu" and dtype is not None and upcast_on_cpu(dtype):
+        return CPU_UPCAST, ""
+    return NATIVE, ""
+
+
 def choose_route(device_type: str, dtype: torch.dtype | None, policy: GemmPolicy = MODEL_DTYPE) -> GemmRoute:
     """The route of a linear on ``device_type`` whose operands are ``dtype`` (None: the input's and the
     weight's differ, torch's kernels decide) under ``policy``; logged the first time, with why for fp8."""
-    why = ""
-    if policy.format == "fp8":
-        route, why = _fp8_route(device_type, policy.backend)
-    elif policy.format == "block":
-        route = ROUTES[f"{policy.recipe}-emulated"]
-    elif device_type == "cpu" and dtype is not None and upcast_on_cpu(dtype):
-        route = CPU_UPCAST
-    else:
-        route = NATIVE
+    route, why = pick_route(device_type, dtype, policy, fp8_tensor_cores(device_type) if policy.format == "fp8"
+                            else False)
     if not torch.compiler.is_compiling():  # traced code reads the route as a constant (warm-up logged it)
         what = policy.format if policy.recipe is None else f"{policy.format} {policy.recipe}"
         slow = route is FP8_SCALED_MM and not fp8_tensor_cores(device_type)

@@ -38,7 +38,7 @@ from tessera.parallel.comm import (
     scatter_to_region,
 )
 from tessera.parallel.fp8 import Observe
-from tessera.parallel.gemm import MODEL_DTYPE, BlockObserve, GemmPolicy, TpSplit, linear, policy_for
+from tessera.parallel.gemm import MODEL_DTYPE, BlockObserve, GemmPolicy, RecipeState, TpSplit, linear, policy_for
 from tessera.parallel.seeds import derive_seed
 from tessera.parallel.sequence import (
     gather_from_sequence_region,
@@ -172,11 +172,12 @@ class _ParallelLinear(nn.Module):
     def fp8_recipe(self, recipe: str | None) -> None:
         self.use_recipe(recipe, self.gemm_policy.backend)
 
-    def use_recipe(self, recipe: str | None, backend: str = "auto") -> None:
-        """Ask the GEMMs for ``recipe`` (``GEMM_RECIPES`` or None) on the fp8 ``backend``; observers are kept."""
+    def use_recipe(self, recipe: str | None, backend: str = "auto", state: RecipeState | None = None) -> None:
+        """Ask the GEMMs for ``recipe`` (``gemm.gemm_recipes()`` or None) on the fp8 ``backend``, with the recipe's
+        own ``state`` for this layer (``RecipeState``: an RNG stream, signs...); observers are kept."""
         old = self.gemm_policy
         self.gemm_policy = dataclasses.replace(policy_for(recipe, backend), observe=old.observe,
-                                               observe_blocks=old.observe_blocks)
+                                               observe_blocks=old.observe_blocks, state=state)
 
     @property
     def fp8_observe(self) -> Observe | None:

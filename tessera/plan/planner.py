@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from tessera.config import Config, ConfigError, check_model_sizes
-from tessera.core.precision import Precision
 from tessera.model.flash_probe import flash_attn_available
 from tessera.plan.report import (
     Plan,
@@ -24,6 +23,7 @@ from tessera.plan.report import (
     plan_notes,
     step_flops_per_rank,
 )
+from tessera.precision.plan import PrecisionPlan
 from tessera.train.memory_check import headroom_of
 
 __all__ = ["make_plan", "search_layouts", "Candidate", "with_layout"]
@@ -113,7 +113,7 @@ def search_layouts(cfg: Config, gpus: int, memory_gib: float, *, gpu: str = "h10
     headroom = headroom_of(cfg) if headroom is None else headroom
     flash = flash_attn_available() if flash_attn is None else flash_attn
     rows = cfg.data.micro_bsz * cfg.data.micro_num * max(1, gpus // cfg.parallel.tensor.size)
-    precision = Precision.from_config(cfg)
+    precision = PrecisionPlan.from_config(cfg)
     out: list[Candidate] = []
     for tp in [t for t in range(1, gpus + 1) if gpus % t == 0]:
         try:

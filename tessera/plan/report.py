@@ -17,12 +17,14 @@ from typing import Any
 from tessera.config import Config
 from tessera.config.schema import DEFAULT_MEMORY_HEADROOM
 from tessera.core.layout import Layout
-from tessera.core.precision import Precision
+from tessera.hardware import GPU_BY_PLAN_NAME, GPUS_PER_NODE, INTER_NODE_BYTES_S, NVLINK_BYTES_S
+from tessera.hardware import GPUS as HARDWARE
 from tessera.model import flops_per_token
 from tessera.model.activations import activation_bytes
 from tessera.model.args import ModelArgs
 from tessera.parallel.sequence import TENSOR_MODES
 from tessera.plan.tracker import ring_bytes
+from tessera.precision.plan import PrecisionPlan
 from tessera.train.memory_check import head_wgrad_fused, meta_census, param_counts
 from tessera.train.memory_extras import (
     MATMUL_STREAMS,
@@ -40,19 +42,10 @@ __all__ = ["GPUS", "StepShape", "Plan", "closed_form_plan", "step_flops_per_rank
 
 GIB = 2**30
 
-# --gpu name -> (memory in GiB as sold, the device name torch.cuda.get_device_name reports, which is its row
-# in the datasheet-peak table ``tessera.train.metrics.GPU_PEAK_TFLOPS``)
-GPUS: dict[str, tuple[float, str]] = {
-    "h100": (80.0, "NVIDIA H100 80GB HBM3"), "h100-pcie": (80.0, "NVIDIA H100 PCIe"),
-    "h100-nvl": (94.0, "NVIDIA H100 NVL"), "h200": (141.0, "NVIDIA H200"), "h200-nvl": (141.0, "NVIDIA H200 NVL"),
-    "h800": (80.0, "NVIDIA H800"), "gh200": (96.0, "NVIDIA GH200 480GB"), "b200": (180.0, "NVIDIA B200"),
-    "a100": (80.0, "NVIDIA A100-SXM4-80GB"), "a100-40gb": (40.0, "NVIDIA A100-SXM4-40GB"),
-    "a800": (80.0, "NVIDIA A800-SXM4-80GB"), "l40s": (48.0, "NVIDIA L40S"), "h20": (96.0, "NVIDIA H20"),
-}
-
-GPUS_PER_NODE = 8
-NVLINK_BYTES_S = 450e9  # per GPU and direction, H100 SXM class
-INTER_NODE_BYTES_S = 50e9  # 400 Gb/s per GPU
+# --gpu name -> (memory in GiB as sold, the device name torch.cuda.get_device_name reports): the hardware table's
+# rows that have a plan name (``tessera.hardware``)
+GPUS: dict[str, tuple[float, str]] = {plan: (float(HARDWARE[name].memory_gib or 0.0), name)
+                                      for plan, name in GPU_BY_PLAN_NAME.items()}
 
 ROLES = ("weights", "main_grads", "masters", "compensation", "optimizer_states")
 
@@ -81,17 +74,17 @@ class StepShape:
     seq_len: int
     checkpoint: Any
     mode: str
-    precision: Precision
+    precision: PrecisionPlan
 
 
 def _layout(cfg: Config, world: int, rank: int = 0) -> tuple[Layout, StepShape]:
     """The rank layout of rank ``rank`` of ``cfg`` on ``world`` ranks, and its step shape."""
     lay = Layout.of(world, cfg.parallel.tensor.size, cfg.parallel.zero1.size, rank)
     return lay, StepShape(cfg.data.micro_bsz, cfg.data.micro_num, cfg.data.seq_len, cfg.model.checkpoint,
-                          cfg.parallel.tensor.mode, Precision.from_config(cfg))
+                          cfg.parallel.tensor.mode, PrecisionPlan.from_config(cfg))
 
 
-def _param_counts(cfg: Config, tp: int, precision: Precision) -> tuple[int, int]:
+def _param_counts(cfg: Config, tp: int, precision: PrecisionPlan) -> tuple[int, int]:
     return param_counts(cfg.model, tp, precision)
 
 
@@ -324,7 +317,7 @@ def closed_form_plan(cfg: Config, lay: Layout, shape: StepShape, counts: tuple[i
     extras = gpu_extras(cfg, lay, shape, flash_installed)
     mem.update(extras)
     tp = lay.tp_size
-    if shape.checkpoint in (False, True, "selective") and not shape.precision.fp8.enabled:
+    if shape.checkpoint in (False, True, "selective") and not shape.precision.gemms.enabled:
         chunk = cfg.loss.chunk_tokens
         act = activation_bytes(cfg.model, shape.micro_bsz, shape.seq_len, tp, shape.mode, shape.checkpoint,
                                shape.precision.dtype, chunk, head_wgrad_fused(cfg, "cuda", shape.precision))

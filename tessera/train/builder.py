@@ -26,6 +26,7 @@ from tessera.model import Transformer, build_model
 from tessera.model.compile import compile_blocks, compiles_blocks
 from tessera.optim.hybrid_zero import HybridZeroOptimizer
 from tessera.optim.params import build_param_groups
+from tessera.precision.plan import run_config_of
 from tessera.train.lr_scheduler import WarmupCosineLR
 from tessera.train.precision_telemetry import PrecisionTelemetry
 from tessera.train.step import Trainer
@@ -68,13 +69,13 @@ def build_training_stack(
     buffers over DP). ``trainer_cls`` lets tests drive a subclass of the one Trainer.
     """
     cfg = typed_view(cfg)
-    job = job or gpc.job or Job.single_process(cfg.as_dict())
+    job = job or gpc.job or Job.single_process(cfg)
     groups = job.groups
     model = build_model(cfg.model, tp_group=groups.tp, seed=job.seed, device=job.device, tensor_mode=job.tensor_mode,
                         tensor_rng=partial(gpc.seed, ParallelMode.TENSOR))  # a no-op stream until a launch seeds it
     if before_cast is not None:
         before_cast(model)
-    amp = naive_amp_for(model, job.precision, sync_buffer=sync_buffer, parallel_mode=groups.dp)
+    amp = naive_amp_for(model, job.precision, sync_buffer=sync_buffer, parallel_mode=groups.dp, seed=job.seed)
     compiled = compile_enabled(cfg, job)
     if compiled:  # a no-op on meta parameters (dry runs)
         compile_blocks(model, backend=cfg.model.compile.backend, mode=cfg.model.compile.mode)
@@ -93,9 +94,7 @@ def build_training_stack(
 
 def typed_view(cfg: RunConfig | Config | Mapping[str, Any]) -> RunConfig:
     """The typed view the builder reads: as given, a ``Config``'s, or a plain dict's after validation."""
-    if isinstance(cfg, RunConfig):
-        return cfg
-    return (cfg if isinstance(cfg, Config) else Config.from_dict(cfg)).typed  # validated, defaults filled
+    return run_config_of(cfg)
 
 
 def compile_enabled(cfg: RunConfig | Config, job: Job) -> bool:

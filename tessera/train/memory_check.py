@@ -32,7 +32,6 @@ from tessera.config import check_model_sizes, parallel_sizes
 from tessera.config.schema import DEFAULT_MEMORY_HEADROOM, default_of
 from tessera.core.job import Job
 from tessera.core.naive_amp import fp32_module_names, naive_amp_for
-from tessera.core.precision import Precision
 from tessera.model import build_model
 from tessera.model.activations import activation_bytes
 from tessera.model.args import ModelArgs
@@ -40,6 +39,8 @@ from tessera.model.compile import compiles_blocks
 from tessera.model.flash_probe import flash_attn_available
 from tessera.parallel import MetaGroup
 from tessera.parallel.coordination import reduce_scalars
+from tessera.precision.plan import PrecisionPlan
+from tessera.precision.routes import current_capability
 from tessera.train.memory_extras import communicators, low_precision_gemm_bytes, runtime_allowance, sdpa_extra_bytes
 from tessera.train.precision_report import closed_form_bytes
 
@@ -82,7 +83,7 @@ class MetaCensus:
 
 
 @functools.lru_cache(maxsize=32)
-def _census_cached(model_json: str, tp: int, precision: Precision) -> MetaCensus:
+def _census_cached(model_json: str, tp: int, precision: PrecisionPlan) -> MetaCensus:
     model_cfg = json.loads(model_json)
     with torch.device("meta"):
         model = build_model(model_cfg, tp_group=MetaGroup(tp), seed=0, device="meta", tensor_rng=None)
@@ -96,19 +97,19 @@ def _census_cached(model_json: str, tp: int, precision: Precision) -> MetaCensus
                       sum(p.numel() for p in params if p.dtype == torch.float32), attention)
 
 
-def meta_census(model_cfg: Mapping[str, Any], tp: int, precision: Precision) -> MetaCensus:
+def meta_census(model_cfg: Mapping[str, Any], tp: int, precision: PrecisionPlan) -> MetaCensus:
     """Parameters of TP rank 0 by dtype and each layer's attention dtype, counted on a meta build with the
     run's fp32 marks (cached: the search and the refusal's options ask for the same TP sizes again)."""
     return _census_cached(json.dumps(dict(model_cfg), sort_keys=True, default=str), tp, precision)
 
 
-def param_counts(model_cfg: Mapping[str, Any], tp: int, precision: Precision) -> tuple[int, int]:
+def param_counts(model_cfg: Mapping[str, Any], tp: int, precision: PrecisionPlan) -> tuple[int, int]:
     """(model-dtype, fp32) parameters of TP rank 0 (``meta_census``)."""
     census = meta_census(model_cfg, tp, precision)
     return census.low_params, census.fp32_params
 
 
-def head_wgrad_fused(cfg: Mapping[str, Any], device_type: str, precision: Precision) -> bool:
+def head_wgrad_fused(cfg: Mapping[str, Any], device_type: str, precision: PrecisionPlan) -> bool:
     """Whether the fused head's backward adds its weight gradient straight into the fp32 main gradient
     (``tessera.parallel.wgrad``): the setting is on, main grads are fp32, and the device has an fp32-output
     GEMM for the head's operands (CUDA; on a CPU only fp32 ones are counted, the safe side)."""
@@ -131,14 +132,16 @@ def blocks_compiled(cfg: Mapping[str, Any], device_type: str) -> bool:
 
 def plan_persistent_state(cfg: Mapping[str, Any], world_size: int, tp: int, zero1: int,
                           checkpoint: Any = None, device_type: str = "cpu",
-                          flash_installed: bool | None = None, precision: Precision | None = None) -> StatePlan:
+                          flash_installed: bool | None = None, precision: PrecisionPlan | None = None,
+                          capability: tuple[int, int] | None = None) -> StatePlan:
     """Persistent bytes of TP rank 0 (the largest: it also holds its share of replicated norms), and the
     activation peak of one micro-batch (``checkpoint``: the config's ``model.checkpoint`` by default).
     On ``device_type`` "cuda" also SDPA's extra tensors (``flash_installed``: whether flash_attn runs
     there; None: whether it is installed here) and the communicator and workspace allowance.
-    ``precision``: the run's (a launched Job's); None resolves the config's."""
+    ``precision``: the run's (a launched Job's); None resolves the config's. ``capability``: the CUDA device's
+    (the planner's ``--gpu``; None: this process's device), which decides the fp8 route (``precision.routes``)."""
     _, dp, zero1 = parallel_sizes(world_size, tp, zero1)
-    precision = precision or Precision.from_config(cfg)
+    precision = precision or PrecisionPlan.from_config(cfg)
     model_cfg = dict(cfg["model"])
     census = meta_census(model_cfg, tp, precision)
     low, fp32 = census.low_params, census.fp32_params
@@ -151,9 +154,8 @@ def plan_persistent_state(cfg: Mapping[str, Any], world_size: int, tp: int, zero
         chunk = int((cfg.get("loss") or {}).get("chunk_tokens", default_of("loss.chunk_tokens")))
         forms = activation_bytes(model_cfg, data["micro_bsz"], data["seq_len"], tp, mode, checkpoint,
                                  precision.dtype, chunk, head_wgrad_fused(cfg, device_type, precision), compiled)
-        fp8 = precision.fp8
-        recipes = ([fp8.recipe, *(r for _, r in fp8.rules)] if fp8.enabled else [])
-        act = forms["peak"] + low_precision_gemm_bytes(model_cfg, data, tp, recipes, fp8.backend, device_type)
+        capability = current_capability(device_type) if capability is None else capability
+        act = forms["peak"] + low_precision_gemm_bytes(model_cfg, data, tp, precision.gemms, device_type, capability)
         kept = forms["kept"]
     attention = 0.0
     if device_type == "cuda" and data:
@@ -185,7 +187,7 @@ def available_bytes(device: torch.device) -> tuple[float, str]:
 
 
 def _layouts_that_fit(cfg: Mapping[str, Any], world_size: int, limit: float, device_type: str,
-                      precision: Precision) -> list[StatePlan]:
+                      precision: PrecisionPlan) -> list[StatePlan]:
     fits = []
     for tp in (t for t in range(1, world_size + 1) if world_size % t == 0):
         try:

@@ -31,6 +31,8 @@ import torch
 
 from tessera.model.args import ModelArgs
 from tessera.model.torch_varlen import torch_varlen
+from tessera.precision.plan import LowPrecisionGemms
+from tessera.precision.routes import gemm_copy_bytes
 
 __all__ = ["NCCL_COMMUNICATOR_BYTES", "MATMUL_WORKSPACE_BYTES", "MATMUL_STREAMS", "communicators",
            "runtime_allowance", "sdpa_extra_bytes"]
@@ -118,30 +120,18 @@ def sdpa_extra_bytes(cfg: Mapping[str, Any], tp: int, checkpoint: Any, flash_ins
     return {"mask": bool_mask + kept(masks), "gqa": kept(copies)}
 
 
-BLOCK_RECIPES = ("mxfp8", "nvfp4")
-
-
-def low_precision_gemm_bytes(model_cfg: Mapping[str, Any], data: Mapping[str, Any], tp: int, recipes: list[str],
-                             backend: str, device_type: str) -> float:
+def low_precision_gemm_bytes(model_cfg: Mapping[str, Any], data: Mapping[str, Any], tp: int, gemms: LowPrecisionGemms,
+                             device_type: str, capability: tuple[int, int] | None) -> float:
     """Bytes the low-precision GEMM routes add at the backward's peak: the quantized (and, emulated, dequantized
     fp32) copies of one linear's operands, for the largest linear (the MLP's: ``T x f/tp`` activations and an
     ``f/tp x h`` weight). The routes keep the model-dtype input and weight for backward (what a forward keeps
-    is unchanged); the copies live only inside one GEMM's backward. Per operand element: emulated tensorwise or
-    rowwise 4 bytes (fp32 dequantized; the 1-byte copies are freed as they are read), the emulated block formats
-    12 (their scales, the padded blocks and the reshaped copies too), ``torch._scaled_mm`` 3 (the e4m3/e5m2
-    copies and a column-major one). Calibrated with ``tools/memory_phases.py`` on the CPU; zero without
-    low-precision recipes."""
-    if not recipes:
+    is unchanged); the copies live only inside one GEMM's backward. Per operand element: the route's own
+    ``copy_bytes`` (``tessera.parallel.gemm``), for the route the run takes on this device kind
+    (``tessera.precision.routes``); zero without low-precision recipes."""
+    per_element = gemm_copy_bytes(gemms, device_type, capability)
+    if not per_element:
         return 0.0
     a = ModelArgs.from_config(model_cfg)
     tokens = int(data["micro_bsz"]) * int(data["seq_len"])
     f_t = a.ffn_hidden_size // tp
-    elements = tokens * f_t + f_t * a.hidden_size
-
-    def per_element(recipe: str) -> int:
-        if recipe in BLOCK_RECIPES:
-            return 12
-        scaled_mm = backend == "scaled_mm" or (backend == "auto" and device_type == "cuda")
-        return 3 if scaled_mm else 4
-
-    return float(max(per_element(r) for r in recipes) * elements)
+    return float(per_element * (tokens * f_t + f_t * a.hidden_size))

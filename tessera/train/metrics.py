@@ -14,56 +14,20 @@ import os
 import resource
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
 from tessera.files import os_error_text
+from tessera.hardware import GPUS, PeakTFLOPS
 from tessera.parallel.gemm import linear
 from tessera.train.wandb_log import WandbError, WandbRun, wanted
 
 logger = logging.getLogger("tessera")
 
-class PeakTFLOPS(NamedTuple):
-    """Dense datasheet peaks (no sparsity) of one GPU, TFLOP/s; None where it has no such unit."""
-
-    bf16: float | None
-    fp16: float | None
-    tf32: float | None
-    fp32: float | None
-
-
-_H100_SXM = PeakTFLOPS(989.0, 989.0, 494.0, 67.0)
-_H100_PCIE = PeakTFLOPS(756.0, 756.0, 378.0, 51.0)
-_HOPPER_NVL = PeakTFLOPS(835.0, 835.0, 417.0, 60.0)  # H100 NVL / H200 NVL: 1,671 TFLOP/s bf16 with sparsity
-_A100 = PeakTFLOPS(312.0, 312.0, 156.0, 19.5)
-
-# Keyed by the full device name as torch.cuda.get_device_name reports it, matched exactly: variants of one chip
-# differ in clocks and power (the H100 NVL and PCIe cards are not the SXM part), and a name missing here gets a
-# peak measured on the device instead (``measure_matmul_tflops``) rather than another variant's.
-GPU_PEAK_TFLOPS: dict[str, PeakTFLOPS] = {
-    "NVIDIA H100 80GB HBM3": _H100_SXM,  # the SXM5 part
-    "NVIDIA H100 PCIe": _H100_PCIE,
-    "NVIDIA H100 NVL": _HOPPER_NVL,
-    "NVIDIA H200": _H100_SXM,  # the SXM part: H100's compute with more memory
-    "NVIDIA H200 NVL": _HOPPER_NVL,
-    "NVIDIA GH200 480GB": _H100_SXM,
-    "NVIDIA H800": _H100_SXM,
-    "NVIDIA H800 PCIe": _H100_PCIE,
-    "NVIDIA H20": PeakTFLOPS(148.0, 148.0, 74.0, 44.0),
-    "NVIDIA B200": PeakTFLOPS(2250.0, 2250.0, 1100.0, 80.0),
-    "NVIDIA A100-SXM4-80GB": _A100,
-    "NVIDIA A100-SXM4-40GB": _A100,
-    "NVIDIA A100 80GB PCIe": _A100,
-    "NVIDIA A100-PCIE-40GB": _A100,
-    "NVIDIA A800-SXM4-80GB": _A100,
-    "NVIDIA A800 80GB PCIe": _A100,
-    "NVIDIA L40S": PeakTFLOPS(362.0, 362.0, 183.0, 91.6),
-    "NVIDIA A10": PeakTFLOPS(125.0, 125.0, 62.5, 31.2),
-    "Tesla V100-SXM2-16GB": PeakTFLOPS(None, 125.0, 15.7, 15.7),  # no bf16 units; tf32 runs as fp32
-    "Tesla V100-SXM2-32GB": PeakTFLOPS(None, 125.0, 15.7, 15.7),
-    "NVIDIA GeForce RTX 4090": PeakTFLOPS(165.2, 165.2, 82.6, 82.6),  # fp32 accumulation
-}
+# the datasheet peaks are the hardware table's (``tessera.hardware``): a name missing there gets a peak measured on
+# the device instead (``measure_matmul_tflops``) rather than another variant's
+GPU_PEAK_TFLOPS: dict[str, PeakTFLOPS] = {name: spec.peaks for name, spec in GPUS.items()}
 
 
 def gpu_peak_tflops(device_name: str, precision_name: str) -> float | None:

@@ -18,9 +18,9 @@ import torch.distributed as dist
 from torch import nn
 
 from tessera.core.naive_amp import NaiveAMPModel, fp32_module_names, unwrap_model
-from tessera.core.precision import Precision
 from tessera.optim.hybrid_zero import HybridZeroOptimizer
 from tessera.optim.params import build_param_groups
+from tessera.precision.plan import PrecisionPlan
 
 __all__ = ["ModuleRow", "PrecisionReport", "closed_form_bytes", "precision_report", "POLICIES", "policy_table"]
 
@@ -84,7 +84,7 @@ class PrecisionReport:
         return "\n".join(lines)
 
 
-def closed_form_bytes(precision: Precision, zero1_size: int, low_params: int, fp32_params: int) -> dict[str, float]:
+def closed_form_bytes(precision: PrecisionPlan, zero1_size: int, low_params: int, fp32_params: int) -> dict[str, float]:
     """Bytes per parameter by role for ``low_params`` model-dtype and ``fp32_params`` fp32 parameters, under
     the run's optimizer dtypes (masters, moments, gradient reduction, compensation)."""
     p, opt, d = precision.model, precision.optimizer, zero1_size
@@ -155,8 +155,7 @@ def _build_and_measure(
     params = list(amp.parameters())
     low = sum(p.numel() for p in params if p.dtype != torch.float32)
     fp32 = sum(p.numel() for p in params if p.dtype == torch.float32)
-    run = Precision.from_config({"model": {"dtype": dtype},
-                                    "hybrid_zero_optimizer": {**(policy or {}), "reduce_dtype": reduce_dtype}})
+    run = PrecisionPlan(amp.model_dtype, optimizer=opt.optimizer_dtypes)  # what this optimizer resolved
     d = opt.zero1_size
     return PrecisionReport(
         precision=run.name, zero1_size=d, reduce_dtype=reduce_dtype,
