@@ -48,6 +48,7 @@ from tessera.model import flops_per_token
 from tessera.model.kv_cache import generate_ids_cached
 from tessera.optim.skips import TooManySkippedSteps
 from tessera.parallel.coordination import agree_on_errors, on_rank0_while_others_wait
+from tessera.precision.linears import RecipeStates
 from tessera.train.builder import TrainingStack, build_training_stack
 from tessera.train.live_eval import LiveEval, prepare_live_eval
 from tessera.train.lm_eval_adapter import EvalSetupError
@@ -273,6 +274,9 @@ class Run:
                                 lr_scheduler=stack.scheduler, sampler=data.train)
         self.rng = RngStreams(gpc)
         self.state.register("rng", self.rng, per_rank=True)
+        recipes = RecipeStates(stack.inner_model)  # GEMM recipes that own state (an RNG stream...): per rank
+        if recipes:
+            self.state.register("gemm_recipes", recipes, per_rank=True)
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
 
     @property

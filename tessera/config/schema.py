@@ -21,7 +21,7 @@ from tessera.model.compile import BACKENDS as COMPILE_BACKENDS
 from tessera.model.compile import MODES as COMPILE_MODES
 from tessera.model.rotary import rope_scaling_problem
 from tessera.parallel.gemm import BACKENDS as FP8_BACKENDS
-from tessera.parallel.gemm import GEMM_RECIPES
+from tessera.parallel.gemm import GEMM_RECIPES, KEEP_HIGH, gemm_recipes
 from tessera.parallel.sequence import TENSOR_MODES
 
 __all__ = ["Key", "Section", "OneOf", "SCHEMA", "default_of", "REQUIRED", "NORM_TYPES", "PRECISION_GROUPS",
@@ -79,6 +79,15 @@ def _one_of(*choices: Any) -> OneOf:
     return OneOf(choices)
 
 
+class GemmRecipeChoice(OneOf):
+    """``model.fp8.recipe``: the built-in recipes (``choices``, the typed view's ``Literal``) and any recipe a row
+    added to the GEMM route table since (``tessera.parallel.gemm.add_route``), looked up when a config is read."""
+
+    def __call__(self, v: Any) -> str | None:
+        known = gemm_recipes()
+        return None if v in known else f"must be one of {list(known)}"
+
+
 def _size_or_all(v: Any) -> str | None:
     return None if v == -1 or v >= 1 else "must be -1 (whole data-parallel group) or >= 1"
 
@@ -120,11 +129,11 @@ def _str_list(v: Any) -> str | None:
     return None if all(isinstance(x, str) for x in v) else "must be a list of strings"
 
 
-FP8_KEEP_HIGH = ("bf16", "none")  # a model.fp8.rules recipe that keeps the module in the model's dtype
+FP8_KEEP_HIGH = KEEP_HIGH  # a model.fp8.rules recipe that keeps the module in the model's dtype
 
 
 def _fp8_rules(v: Any) -> str | None:
-    choices = [*GEMM_RECIPES, *FP8_KEEP_HIGH]
+    choices = [*gemm_recipes(), *FP8_KEEP_HIGH]
     for rule in v:
         if not (isinstance(rule, (list, tuple)) and len(rule) == 2 and all(isinstance(x, str) for x in rule)):
             return f"must be a list of (pattern, recipe) pairs of strings, got {rule!r}"
@@ -262,7 +271,7 @@ SCHEMA = Section(
                     {
                         "enabled": Key(BOOL, False, doc="low-precision GEMMs in the parallel linears (bf16 model "
                                                         "only): fp8 or a block format, as recipe and rules say"),
-                        "recipe": Key(STR, "tensorwise", _one_of(*GEMM_RECIPES),
+                        "recipe": Key(STR, "tensorwise", GemmRecipeChoice(GEMM_RECIPES),
                                       doc="fp8 with one scale per operand (tensorwise) or per row/column along the "
                                           "kept dims (rowwise); mxfp8 (E4M3, an E8M0 scale per 32) or nvfp4 (E2M1, "
                                           "an E4M3 scale per 16 and an fp32 one per tensor), emulated"),
