@@ -179,3 +179,74 @@ def test_an_unknown_task_and_a_missing_lm_eval_are_one_error_line(tmp_path, caps
     code, out, err = _run(capsys, missing, "--tasks", "tiny_facts_mc")
     assert code == 1 and err.strip().splitlines() == [
         "error: tools/evaluate.py needs lm-evaluation-harness: pip install 'tessera[eval]' (the lm-eval package)"]
+
+
+def _context_tasks(folder) -> str:
+    """tiny_facts_mc with no question: its context empty (``tiny_empty_mc``) or only whitespace (``tiny_blank_mc``,
+    which lm-eval turns into an empty context by moving the whitespace into the continuation)."""
+    os.makedirs(folder)
+    for name in ("tiny_tasks.py", "tiny_facts.jsonl"):
+        with open(os.path.join(TASKS, name), encoding="utf-8") as src, open(os.path.join(folder, name), "w") as dst:
+            dst.write(src.read())
+    for task, text in (("tiny_empty_mc", ""), ("tiny_blank_mc", "  ")):
+        with open(os.path.join(folder, f"{task}.yaml"), "w", encoding="utf-8") as f:
+            f.write(f'task: {task}\ncustom_dataset: !function tiny_tasks.load_facts\ntest_split: test\n'
+                    f'output_type: multiple_choice\ndoc_to_text: "{text}"\ndoc_to_choice: "{{{{choices}}}}"\n'
+                    'doc_to_target: answer\ntarget_delimiter: ""\nmetric_list:\n  - metric: acc\n')
+    return str(folder)
+
+
+def _hf_backend(ckpt, task: str, tasks: str) -> dict:
+    from lm_eval.tasks import TaskManager
+
+    return lm_eval.simple_evaluate(model="hf", model_args=dict(pretrained=ckpt["hf"], dtype="float32",
+                                                               max_length=MAX_LENGTH),
+                                   tasks=[task], task_manager=TaskManager(include_path=tasks), device="cpu",
+                                   batch_size=3, log_samples=True)
+
+
+def test_an_empty_context_is_scored_and_a_blank_one_refused_as_the_hf_backend_does(ckpt, tmp_path, capsys):
+    """An empty context is conditioned on the end-of-document id (the export's eos), as lm-eval does; a context
+    of only whitespace reaches the model empty, which lm-eval's hf backend refuses (an assertion): the tool
+    refuses it too, in one line naming the task, instead of a line naming no task."""
+    tasks = _context_tasks(tmp_path / "tasks")
+    out = str(tmp_path / "ours.json")
+    run_tool("evaluate.py", ckpt["tp2"], "--tasks", "tiny_empty_mc", "--include-path", tasks, "--max-length",
+             str(MAX_LENGTH), "--batch-size", "5", "--output", out, "--log-samples")
+    with open(out, encoding="utf-8") as f:
+        ours = json.load(f)
+    theirs = _hf_backend(ckpt, "tiny_empty_mc", tasks)
+    for mine, ref in zip(_by_doc(ours, "tiny_empty_mc"), _by_doc(theirs, "tiny_empty_mc"), strict=True):
+        for (lp, _), (lp_ref, _), choice in zip(mine["filtered_resps"], ref["filtered_resps"], mine["doc"]["choices"],
+                                                strict=True):
+            assert abs(lp - lp_ref) <= 2 * len(choice.encode()) * ckpt["atol"], (choice, lp, lp_ref)
+    with pytest.raises(AssertionError):  # lm-eval 0.4.13: ``assert len(context_enc) > 0``
+        _hf_backend(ckpt, "tiny_blank_mc", tasks)
+    code, out_text, err = _run(capsys, ckpt["tp2"], "--tasks", "tiny_blank_mc", "--include-path", tasks)
+    assert code == 1 and out_text == "", err
+    assert err.strip().splitlines()[-1] == (
+        "error: task tiny_blank_mc, document 0: a context of only whitespace ('  ') leaves no token to condition on "
+        "once lm-eval moves its trailing whitespace into the continuation (lm-eval's hf backend refuses it too); "
+        "make the task's doc_to_text give an empty context (scored after the end-of-document id) or put the "
+        "whitespace in its target_delimiter"), err
+
+
+def test_the_tokenizer_advice_names_the_vocabulary_the_checkpoint_embeds(tmp_path, capsys):
+    """configs/tiny.py's model (256 ids, synthetic data: no tokenizer of its own) cannot take the byte tokenizer
+    (257 ids: the end-of-document id would have no row); the advice says so instead of leading to a crash."""
+    from tessera.checkpoint import Layout, Progress, TrainState, save_checkpoint
+    from tessera.config import Config
+    from tessera.model import build_model
+
+    cfg = Config.from_file(os.path.join(ROOT, "configs", "tiny.py"))
+    path = save_checkpoint(str(tmp_path / "ckpt"), 1, TrainState(build_model(cfg.model, seed=0),
+                                                                 progress=Progress(1)),
+                           config=cfg.to_dict(), layout=Layout())
+    code, _, err = _run(capsys, path, "--tasks", "tiny_facts_mc", "--include-path", TASKS)
+    assert code == 1 and err.strip().splitlines()[-1] == (
+        "error: no tokenizer: data.type='synthetic' has no tokenizer; pass --tokenizer PATH/tokenizer.json|"
+        "PATH/tokenizer.model of at most 256 ids (model.vocab_size=256; --tokenizer byte has 257 ids and needs "
+        "model.vocab_size >= 257)"), err
+    code, _, err = _run(capsys, path, "--tasks", "tiny_facts_mc", "--include-path", TASKS, "--tokenizer", "byte")
+    assert code == 1 and err.strip().splitlines()[-1] == (
+        "error: the tokenizer (--tokenizer byte) has 257 ids, more than model.vocab_size=256 embeds"), err

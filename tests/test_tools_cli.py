@@ -146,6 +146,15 @@ def test_out_of_range_flags_exit_2_naming_the_flag_and_value(capsys, name, argv,
     assert "Traceback" not in err and out == ""
 
 
+def test_evaluate_names_an_include_path_that_is_not_a_folder(capsys, tmp_path):
+    """lm-eval skips a missing task folder without a word and then knows no such task: the tool says why, as
+    train.py does for eval.include_path, before lm-eval or the checkpoint is read."""
+    (tmp_path / "tasks.yaml").write_text("task: my_task\n")
+    for folder in (tmp_path / "no_such_folder", tmp_path / "tasks.yaml"):
+        code, out, err = _run(capsys, "evaluate.py", MISSING, "--tasks", "my_task", "--include-path", str(folder))
+        assert (code, out) == (1, "") and err.splitlines() == [f"error: --include-path {folder}: not a folder"], err
+
+
 def test_convert_tp_without_dst_is_a_usage_error(capsys):
     code, _, err = _run(capsys, "convert_checkpoint.py", MISSING, "--consolidate", "x.safetensors", "--tp", "2")
     assert code == 2 and "--tp/--dp set the layout of DST" in err, err

@@ -438,10 +438,37 @@ def test_setup_problems_name_their_key(tmp_path, monkeypatch):
     assert problem(f"eval.include_path='{tmp_path}/none'") == f"eval.include_path={tmp_path}/none: not a folder"
     assert problem("eval.tokenizer=None") == (
         "eval.tasks needs a tokenizer: data.type='synthetic' has no tokenizer; pass "
-        "eval.tokenizer=byte|PATH/tokenizer.json|PATH/tokenizer.model")
+        "eval.tokenizer=byte|PATH/tokenizer.json|PATH/tokenizer.model (at most 258 ids: model.vocab_size=258)")
     assert problem("model.vocab_size=256") == (
         "eval: the tokenizer (eval.tokenizer=byte) has 257 ids, more than model.vocab_size=256 embeds")
     assert problem() is None
+
+
+def test_the_tokenizer_advice_names_the_vocabulary_it_needs_and_following_it_works(monkeypatch):
+    """configs/tiny.py embeds 256 ids: "pass eval.tokenizer=byte" (257 ids) led to a second error. The checks
+    before lm-eval's task index need only its import: a bare module stands in for lm-eval, and a stand-in task
+    manager for its index, so this runs without the extra."""
+    import types
+
+    from tessera.core.job import Job
+    from tessera.train import live_eval
+
+    monkeypatch.setitem(sys.modules, "lm_eval", types.ModuleType("lm_eval"))
+    monkeypatch.setattr(live_eval, "task_manager", lambda *a, **k: object())
+
+    def problem(*overrides):
+        cfg = _config("eval.tasks=['tiny_facts_mc']", "eval.tokenizer=None", *overrides)
+        return live_eval.LiveEval(cfg.typed, Job.of(cfg, seed=0)).setup_problem(cfg.typed)
+
+    assert problem("model.vocab_size=256") == (
+        "eval.tasks needs a tokenizer: data.type='synthetic' has no tokenizer; pass "
+        "eval.tokenizer=PATH/tokenizer.json|PATH/tokenizer.model of at most 256 ids (model.vocab_size=256; "
+        "eval.tokenizer=byte has 257 ids and needs model.vocab_size >= 257)")
+    assert problem("model.vocab_size=257").endswith(
+        "pass eval.tokenizer=byte|PATH/tokenizer.json|PATH/tokenizer.model (at most 257 ids: model.vocab_size=257)")
+    assert problem("model.vocab_size=257", "eval.tokenizer='byte'") is None  # the advice, followed
+    assert problem("model.vocab_size=256", "eval.tokenizer='byte'") == (
+        "eval: the tokenizer (eval.tokenizer=byte) has 257 ids, more than model.vocab_size=256 embeds")
 
 
 def test_bad_eval_values_are_config_errors_naming_the_key():

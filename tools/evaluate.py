@@ -18,7 +18,8 @@ checkpoint has them), with the run's tokenizer or ``--tokenizer``, and wrapped a
 
 The end-of-document id conditions an empty context and is the end-of-text token, as the exported Hugging
 Face model's ``eos_token_id`` is, so the scores equal lm-eval's ``hf`` backend on ``tools/export_hf.py``'s
-output up to floating-point summation order (tests/test_evaluate.py). Hub datasets download as lm-eval
+output up to floating-point summation order (tests/test_evaluate.py); a context of only whitespace, which that
+backend refuses, is refused here too, naming the task (docs/evaluation.md). Hub datasets download as lm-eval
 downloads them; set ``HF_DATASETS_OFFLINE=1`` and use ``--include-path`` for local tasks offline. The
 results table goes to stdout, everything else to stderr.
 """
@@ -38,9 +39,11 @@ from tessera.train.lm_eval_adapter import (
     EvalSetupError,
     evaluate_tasks,
     import_lm_eval,
+    include_path_problem,
     model_max_length,
     task_manager,
     tessera_lm_class,
+    tokenizer_problem,
 )
 
 
@@ -78,6 +81,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _evaluate(a: argparse.Namespace) -> int:
+    folder_problem = include_path_problem(a.include_path, "--include-path ")
+    if folder_problem:
+        raise EvalSetupError(folder_problem)
     lm_eval = import_lm_eval("tools/evaluate.py")
     from lm_eval.utils import make_table
 
@@ -86,9 +92,13 @@ def _evaluate(a: argparse.Namespace) -> int:
     if a.threads is not None:
         torch.set_num_threads(a.threads)
     model, meta = load_for_inference(a.checkpoint, dtype=parse_dtype_name(a.dtype), verify=not a.no_verify)
-    tokenizer, where = tokenizer_for_checkpoint(meta["checkpoint_path"], meta, a.tokenizer)
+    vocab_size = int(meta["config"]["model"]["vocab_size"])
+    tokenizer, where = tokenizer_for_checkpoint(meta["checkpoint_path"], meta, a.tokenizer, max_ids=vocab_size)
     if tokenizer is None:
         raise DataError(f"no tokenizer: {where}")
+    too_large = tokenizer_problem(tokenizer, where, vocab_size)
+    if too_large:
+        raise EvalSetupError(too_large)
     max_length = a.max_length or model_max_length(meta["config"]["model"])
     print(f"checkpoint {meta['checkpoint_path']} (step {meta.get('step')}), tokenizer from {where}, "
           f"{max_length} positions, batch {a.batch_size}, generation with the KV cache", file=sys.stderr)

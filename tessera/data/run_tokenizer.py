@@ -15,16 +15,30 @@ from tessera.data.text_corpus import text_tokenizer
 from tessera.data.token_file import find_shards
 from tessera.data.tokenizer import AnyTokenizer, ByteTokenizer, build_tokenizer, load_tokenizer
 
-__all__ = ["tokenizer_for_checkpoint"]
+__all__ = ["tokenizer_choices", "tokenizer_for_checkpoint"]
+
+
+def tokenizer_choices(how: str, max_ids: int | None = None) -> str:
+    """What to pass when a run has no tokenizer. ``max_ids``: the most ids the caller can use (an evaluation:
+    the model's vocabulary, which must embed the end-of-document id too), named so that the advice is not
+    followed by a second error; the byte tokenizer is offered only where it fits."""
+    files = "PATH/tokenizer.json|PATH/tokenizer.model"
+    if max_ids is None:
+        return f"pass {how}byte|{files}"
+    byte = ByteTokenizer.vocab_size
+    if max_ids < byte:
+        return (f"pass {how}{files} of at most {max_ids} ids (model.vocab_size={max_ids}; {how}byte has {byte} ids "
+                f"and needs model.vocab_size >= {byte})")
+    return f"pass {how}byte|{files} (at most {max_ids} ids: model.vocab_size={max_ids})"
 
 
 def tokenizer_for_checkpoint(path: str, meta: Mapping[str, Any], override: str | None = None, *,
-                             how: str = "--tokenizer ") -> tuple[AnyTokenizer | None, str]:
+                             how: str = "--tokenizer ", max_ids: int | None = None) -> tuple[AnyTokenizer | None, str]:
     """``(tokenizer or None, where it came from / why there is none)`` for checkpoint folder ``path``
     whose meta.json is ``meta``. ``override``: ``"byte"``, a ``tokenizer.json`` or a SentencePiece ``.model``
     path, used as is. ``how``: how the caller's user gives ``override`` (a flag, or a config key and ``=``), for
-    the texts."""
-    choices = f"pass {how}byte|PATH/tokenizer.json|PATH/tokenizer.model"
+    the texts; ``max_ids``: the most ids the caller can use, named in the advice (``tokenizer_choices``)."""
+    choices = tokenizer_choices(how, max_ids)
     if override:
         return build_tokenizer(override), f"{how}{override}"
     if isinstance(meta.get("tokenizer"), dict):  # recorded by tools/import_hf.py, file inside the step folder

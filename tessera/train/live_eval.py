@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 import time
 from typing import Any
 
@@ -48,10 +47,12 @@ from tessera.train.lm_eval_adapter import (
     EvalSetupError,
     evaluate_tasks,
     import_lm_eval,
+    include_path_problem,
     model_max_length,
     scores_of,
     task_manager,
     tessera_lm_class,
+    tokenizer_problem,
 )
 from tessera.train.metrics import MetricsWriter
 
@@ -104,18 +105,19 @@ class LiveEval:
             self.lm_eval = import_lm_eval("eval.tasks")
         except EvalSetupError as e:
             return str(e)
-        if ev.include_path and not os.path.isdir(ev.include_path):
-            return f"eval.include_path={ev.include_path}: not a folder"
+        folder_problem = include_path_problem(ev.include_path, "eval.include_path=")
+        if folder_problem:
+            return folder_problem
         try:
             tokenizer, where = tokenizer_for_checkpoint(".", {"config": cfg.as_dict()}, ev.tokenizer,
-                                                        how="eval.tokenizer=")
+                                                        how="eval.tokenizer=", max_ids=cfg.model.vocab_size)
         except (DataError, OSError, ValueError) as e:
             return f"eval.tokenizer={ev.tokenizer}: {e}"
         if tokenizer is None:
             return f"eval.tasks needs a tokenizer: {where}"
-        if tokenizer.vocab_size > cfg.model.vocab_size:
-            return (f"eval: the tokenizer ({where}) has {tokenizer.vocab_size} ids, more than model.vocab_size="
-                    f"{cfg.model.vocab_size} embeds")
+        too_large = tokenizer_problem(tokenizer, where, cfg.model.vocab_size)
+        if too_large:
+            return f"eval: {too_large}"
         self.tokenizer = tokenizer
         try:
             self.manager = task_manager(ev.tasks, ev.include_path, tasks_key="eval.tasks",

@@ -14,13 +14,16 @@ the ``eval`` extra: it is imported only when asked for (``import_lm_eval``), and
   stopping at the end-of-document id or a stop string.
 
 The end-of-document id conditions an empty context and is the end-of-text token, as the exported Hugging
-Face model's ``eos_token_id`` is (tests/test_evaluate.py checks the scores against lm-eval's ``hf`` backend).
+Face model's ``eos_token_id`` is (tests/test_evaluate.py checks the scores against lm-eval's ``hf`` backend). A
+context of only whitespace reaches the model empty (lm-eval moves trailing whitespace into the continuation) and
+is refused, naming the task, as that backend refuses it (``unconditioned_request``, docs/evaluation.md).
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -31,8 +34,9 @@ from tessera.model.kv_cache import generate_ids_cached
 from tessera.model.scoring import continuation_logprobs
 from tessera.model.transformer import Transformer
 
-__all__ = ["EvalSetupError", "import_lm_eval", "model_max_length", "task_manager", "tessera_lm_class", "generate_text",
-           "evaluate_tasks", "scores_of"]
+__all__ = ["EvalSetupError", "import_lm_eval", "include_path_problem", "model_max_length", "task_manager",
+           "tessera_lm_class", "tokenizer_problem", "unconditioned_request", "generate_text", "evaluate_tasks",
+           "scores_of"]
 
 EXTRA = "pip install 'tessera[eval]' (the lm-eval package)"
 
@@ -59,6 +63,23 @@ def model_max_length(model_cfg: Mapping[str, Any]) -> int:
     length = int(model_cfg["max_position_embeddings"])
     window = model_cfg.get("sliding_window")
     return min(length, int(window)) if window else length
+
+
+def include_path_problem(include_path: str | None, include_key: str) -> str | None:
+    """Why the folder of local tasks cannot be used, naming it as the caller's user gave it (``include_key``:
+    ``--include-path `` or ``eval.include_path=``), or None. lm-eval itself skips a missing folder without a
+    word and then reports only that it knows no such task."""
+    if include_path and not os.path.isdir(include_path):
+        return f"{include_key}{include_path}: not a folder"
+    return None
+
+
+def tokenizer_problem(tokenizer: AnyTokenizer, where: str, vocab_size: int) -> str | None:
+    """Why the model cannot be evaluated with ``tokenizer`` (from ``where``), or None: every id, the
+    end-of-document id that pads and conditions an empty context included, must have a row of the embedding."""
+    if tokenizer.vocab_size > vocab_size:
+        return f"the tokenizer ({where}) has {tokenizer.vocab_size} ids, more than model.vocab_size={vocab_size} embeds"
+    return None
 
 
 def task_manager(tasks: Sequence[str], include_path: str | None, *, tasks_key: str, include_key: str) -> Any:
@@ -109,6 +130,16 @@ def tessera_lm_class(lm_eval: Any) -> type:
         def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs: Any) -> list[int]:
             return list(self.tok.encode(string))
 
+        def loglikelihood(self, requests: Sequence[Any], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+            """lm-eval's own (an empty context conditioned on the end-of-document id), after refusing, with the
+            task's name, the requests its ``hf`` backend refuses too (``unconditioned_request``)."""
+            for req in requests:
+                problem = unconditioned_request(self, req.args[0])
+                if problem:
+                    raise ValueError(f"task {req.task_name}, document {req.doc_id}: {problem}")
+            answers: list[tuple[float, bool]] = super().loglikelihood(requests, disable_tqdm=disable_tqdm)
+            return answers
+
         def _loglikelihood_tokens(self, requests: Sequence[tuple[Any, list[int], list[int]]],
                                   disable_tqdm: bool = False, **kwargs: Any) -> list[tuple[float, bool]]:
             answers = self._score([(ctx, cont) for _, ctx, cont in requests])
@@ -149,6 +180,22 @@ def tessera_lm_class(lm_eval: Any) -> type:
             return text
 
     return TesseraLM
+
+
+def unconditioned_request(lm: Any, context: str) -> str | None:
+    """Why a log-likelihood request with this ``context`` has nothing to condition on, or None.
+
+    lm-eval moves a context's trailing whitespace into the continuation, so a context of only whitespace
+    reaches the model as an empty one; only a context that is empty from the start gets the end-of-document
+    id in its place. lm-eval's ``hf`` backend refuses the first kind (an assertion in 0.4.13), so it is
+    refused here too, as one line, rather than scored in a way no reference backend scores it."""
+    stripped = context.rstrip()
+    if not context or lm.tok_encode(stripped):
+        return None
+    return (f"a context of only whitespace ({context!r}) leaves no token to condition on once lm-eval moves its "
+            "trailing whitespace into the continuation (lm-eval's hf backend refuses it too); make the task's "
+            "doc_to_text give an empty context (scored after the end-of-document id) or put the whitespace in "
+            "its target_delimiter")
 
 
 def generate_text(lm: Any, context: str, gen_kwargs: dict[str, Any]) -> str:
