@@ -500,6 +500,9 @@ def test_tool_errors_are_one_clear_line(tmp_path, capsys, monkeypatch):
     assert tool.main([run, "--measure", "nope"]) == 2
     assert "unknown; the measures are" in capsys.readouterr().err
     assert tool.main([str(tmp_path / "missing"), "--measure", "update_lost"]) == 2
+    assert capsys.readouterr().err == f"error: {tmp_path / 'missing'}: no such file or folder\n"
+    (tmp_path / "no_run").mkdir()
+    assert tool.main([str(tmp_path / "no_run"), "--measure", "update_lost"]) == 2
     assert "no metrics.jsonl there" in capsys.readouterr().err
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "metrics.jsonl").write_text('{"kind": "train", "step": 1}\n')
@@ -510,6 +513,21 @@ def test_tool_errors_are_one_clear_line(tmp_path, capsys, monkeypatch):
     err = capsys.readouterr().err
     assert err.startswith("error: the heat map needs matplotlib") and "--no-plot" in err
     assert tool.main([run, "--measure", "update_lost", "--no-plot"]) == 0  # the summary needs no matplotlib
+
+
+def test_tool_reads_a_log_folder_holding_one_run_as_compare_runs_does(tmp_path, capsys):
+    """train.py writes <log_folder>/<job_name>/metrics.jsonl: the log_folder alone names the run when it holds
+    one (tools/compare_runs.py's rule), and two runs there are refused, naming both."""
+    import shutil
+
+    (tmp_path / "logs" / "job").mkdir(parents=True)
+    run = _run_dir(tmp_path / "logs" / "job")
+    tool = _tool()
+    assert tool.main([str(tmp_path / "logs"), "--measure", "update_lost", "--no-plot"]) == 0
+    assert f"{run}/metrics.jsonl: 3 rows x 3 measured steps" in capsys.readouterr().out
+    shutil.copytree(run, tmp_path / "logs" / "other")
+    assert tool.main([str(tmp_path / "logs"), "--measure", "update_lost", "--no-plot"]) == 2
+    assert "several runs below it" in capsys.readouterr().err
 
 
 def test_a_model_whose_names_the_optimizer_does_not_use_is_refused():

@@ -3,7 +3,8 @@
     python tools/precision_telemetry.py RUN_DIR --measure update_lost [--out heatmap.png] [--top 8] [--no-plot]
     python tools/precision_telemetry.py RUN_DIR --list
 
-RUN_DIR is the run's log folder (``<log_folder>/<job_name>``, holding ``metrics.jsonl``) or that file. The
+RUN_DIR is the run's log folder (``<log_folder>/<job_name>``, holding ``metrics.jsonl``), the ``log_folder``
+above it when that holds one run, or the file (found as ``tools/compare_runs.py`` finds a run). The
 records are the ``kind="precision"`` lines a run writes with ``metrics.precision_every=N``; the measures
 and what they mean are ``tessera.train.precision_telemetry.MEASURES`` (``--list`` prints them with the
 rows and steps the run has). The heat map needs matplotlib (``pip install -e ".[plots]"``); the text
@@ -21,6 +22,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from tessera.analysis.run_compare import CompareError, metrics_path
 from tessera.cli_args import positive_int
 from tessera.files import os_error_text
 from tessera.train.precision_telemetry import MEASURES, Measure
@@ -32,9 +34,10 @@ class ToolError(Exception):
 
 def load(run_dir: str) -> tuple[str, list[dict[str, Any]]]:
     """(path of metrics.jsonl, its precision records in step order)."""
-    path = run_dir if os.path.isfile(run_dir) else os.path.join(run_dir, "metrics.jsonl")
-    if not os.path.isfile(path):
-        raise ToolError(f"{run_dir}: no metrics.jsonl there (pass <log_folder>/<job_name> of a run, or the file)")
+    try:
+        path = metrics_path(run_dir)
+    except CompareError as e:
+        raise ToolError(str(e)) from None
     records = []
     with open(path) as f:
         for number, line in enumerate(f, 1):
@@ -151,7 +154,8 @@ def render(out: str, rows: list[str], steps: list[int], values: list[list[float]
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("run_dir", metavar="RUN_DIR",
-                    help="the run's log folder (<log_folder>/<job_name>) or its metrics.jsonl")
+                    help="the run's log folder (<log_folder>/<job_name>, or a log_folder holding one run) or its "
+                         "metrics.jsonl")
     ap.add_argument("--measure", default=None, help=f"one of {', '.join(MEASURES)}")
     ap.add_argument("--out", default=None, help="the PNG to write (default: RUN_DIR/precision_<measure>.png)")
     ap.add_argument("--top", type=positive_int, default=8, help="worst rows to print (default 8)")
