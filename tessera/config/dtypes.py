@@ -7,8 +7,8 @@ are all derived from it.
 
 This module is the one place a dtype name is parsed; it sits in ``config`` because the config checks parse
 ``model.dtype`` before any run exists. ``torch.tf32`` is not a storage type: the parameters stay fp32 and
-TF32 is a compute mode. The run's resolved precision (``Precision``: this model dtype, the fp32 marks,
-fp8, the optimizer's dtypes) and the backend switches are ``tessera.core.precision``.
+TF32 is a compute mode. The run's resolved precision (``PrecisionPlan``: this model dtype, the fp32 marks,
+fp8, the optimizer's dtypes) and the backend switches are ``tessera.precision``.
 """
 
 from __future__ import annotations

@@ -7,10 +7,10 @@
     context.py           ParallelContext / gpc (InternEvo's getters, RNG streams) and the launchers that fill it:
                          launch, launch_from_torch, launch_from_slurm
     config.py            as_config: the config a launch takes (file, dict or Config), validated
-    precision.py         Precision: the run's dtypes as torch dtypes (model, optimizer), fp32 marks, fp8; the
-                         backend switches
-    naive_amp.py         NaiveAMPModel and the fp32 marks
-    grad_scaler.py       the loss scalers a precision needs
+    naive_amp.py         NaiveAMPModel (InternEvo's path), applying the precision plan's dtype and fp32 marks
+    grad_scaler.py       InternEvo's path of the loss scalers (they live in tessera.precision.scaler)
+
+The run's precision plan is its own package, ``tessera.precision``, below this one.
 
 This package imports nothing of its own here: import the module you need.
 """
