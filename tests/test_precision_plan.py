@@ -132,3 +132,12 @@ def test_a_stateful_recipe_trains_and_resumes_bitwise(tmp_path):
     resumed = _train(tmp_path, "resumed", "ckpt.enable_save_ckpt=True", "ckpt.auto_resume=True",
                      f"ckpt.save_ckpt_folder='{again}'")
     assert resumed == whole[3:]  # bitwise: the streams continue where the checkpoint left them
+
+
+def test_the_low_precision_log_names_each_recipes_operand_formats():
+    """Block formats round gradients to their own element format (issue 62: the log said e5m2 for them)."""
+    from tessera.precision.linears import gradient_format
+
+    assert gradient_format("mxfp8") == "e4m3 forward and gradients"
+    assert gradient_format("nvfp4") == "e2m1 forward and gradients"
+    assert gradient_format("rowwise") == "e4m3 forward / e5m2 gradients"
