@@ -162,6 +162,59 @@ def test_a_resumed_run_continues_the_same_wandb_run_and_a_fresh_one_starts_anoth
     assert new_id != first["id"] and new_id in [r["id"] for r in offline_runs(str(log_dir))]
 
 
+class _FakeRun:
+    """What wandb.init returns, as far as the start line reads it (wandb 0.31's attributes)."""
+
+    def __init__(self, offline: bool, log_dir: str, run_id: str, name: str):
+        self.offline, self.id, self.name = offline, run_id, name
+        self.dir = os.path.join(log_dir, "wandb", f"offline-run-20261129_000000-{run_id}", "files")
+        self.url = None if offline else f"https://wandb.example/team/tessera-test/runs/{run_id}"
+
+    def log(self, *a, **k):
+        pass
+
+    def finish(self):
+        pass
+
+
+def _fake_wandb(monkeypatch):
+    import types
+
+    module = types.ModuleType("wandb")
+    module.Settings = dict
+    module.init = lambda **kw: _FakeRun(kw["mode"] == "offline", kw["dir"], kw["id"], kw["name"])
+    monkeypatch.setitem(sys.modules, "wandb", module)
+
+
+def test_one_line_says_wandb_is_on_and_where_the_run_goes(tmp_path, monkeypatch, caplog):
+    """W&B's own output is silenced, so tessera says it: online, the run's page; offline, its folder and the
+    command that uploads it. (W&B itself stands in here; the real offline folder is checked below.)"""
+    _fake_wandb(monkeypatch)
+    caplog.set_level("INFO", logger="tessera")
+    for mode in ("offline", "online"):
+        caplog.clear()
+        w = _writer(tmp_path / mode, 0, dict(SETTINGS, mode=mode))
+        run_id = (tmp_path / mode / RUN_ID_FILE).read_text().strip()
+        w.close()
+        lines = [r.getMessage() for r in caplog.records if "metrics.wandb" in r.getMessage()]
+        head = f"metrics.wandb: W&B run {mode} (id {run_id}) of project tessera-test"
+        folder = tmp_path / mode / "wandb" / f"offline-run-20261129_000000-{run_id}"
+        assert lines == [f"{head}, offline, in {folder}; upload it with: wandb sync {folder}" if mode == "offline"
+                         else f"{head}, online: https://wandb.example/team/tessera-test/runs/{run_id}"]
+
+
+def test_the_offline_line_names_the_folder_wandb_wrote(tmp_path, caplog):
+    pytest.importorskip("wandb")
+    caplog.set_level("INFO", logger="tessera")
+    w = _writer(tmp_path / "job", 0)
+    w.close()
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("metrics.wandb: W&B run")]
+    folder = line.rsplit("wandb sync ", 1)[1]
+    run_id = (tmp_path / "job" / RUN_ID_FILE).read_text().strip()
+    assert os.path.dirname(folder) == str(tmp_path / "job" / "wandb") and os.path.isdir(folder)
+    assert glob.glob(os.path.join(folder, f"run-{run_id}.wandb")), os.listdir(folder)
+
+
 def test_without_the_package_one_problem_naming_the_extra(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb raises ImportError
     w = _writer(tmp_path / "job", 0)

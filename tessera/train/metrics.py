@@ -1,6 +1,7 @@
 """Training metrics: throughput, achieved TFLOP/s and MFU, memory, and where they are written.
 
-Rank 0 writes every logged step three ways: a concise line (under a tqdm bar), TensorBoard scalars,
+Rank 0 writes every logged step three ways: a concise line (under a tqdm bar when stderr is a terminal: in a
+file or a pipe a bar's redraws would run into the lines), TensorBoard scalars,
 and one JSON object per line in ``metrics.jsonl`` so scripts can read a run without parsing text; the
 precision telemetry's steps (``log_precision``) and lm-eval's scores (``log_eval``) go to the same two
 files. With ``metrics.wandb`` the TensorBoard scalars also go to Weights & Biases (``tessera.train.wandb_log``).
@@ -12,6 +13,7 @@ import json
 import logging
 import os
 import resource
+import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
@@ -118,7 +120,8 @@ class MetricsWriter:
         self.log_dir = log_dir
         self.problem: str | None = None
         self._bar: Any = None
-        self._show_progress = False  # bars on (rank 0, metrics.progress_bar): the training one, then validation's
+        self._show_progress = False  # bars on (rank 0, metrics.progress_bar, a terminal): training's, validation's
+        self._say_progress = False  # bars wanted but stderr is no terminal: a line says a validation starts
         self._tb: Any = None
         self._jsonl: Any = None
         self._wandb: WandbRun | None = None
@@ -149,7 +152,8 @@ class MetricsWriter:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(log_dir=os.path.join(self.log_dir, "tensorboard"))
-        if progress_bar:
+        self._say_progress = progress_bar and not stderr_is_terminal()
+        if progress_bar and not self._say_progress:
             from tqdm import tqdm
 
             self._show_progress = True
@@ -222,7 +226,10 @@ class MetricsWriter:
 
     def progress(self, items: Iterable[Any], total: int | None, desc: str = "valid") -> Iterable[Any]:
         """``items`` under a bar of their own while the bars are on (a validation pass can take minutes); the
-        training bar's clock leaves that time out. Elsewhere (other ranks, bars off) ``items`` as they are."""
+        training bar's clock leaves that time out. Where bars were asked for but stderr is no terminal, one line
+        says the pass starts. Elsewhere (other ranks, bars off) ``items`` as they are."""
+        if self.enabled and self._say_progress:
+            self._print(f"{desc}: {'?' if total is None else total} batches")
         if not (self.enabled and self._show_progress):
             return items
         return self._progress(items, total, desc)
@@ -299,6 +306,16 @@ class MetricsWriter:
             self._fail(e)
         self._tb = self._jsonl = None
         self.enabled = False
+
+
+def stderr_is_terminal() -> bool:
+    """Whether tqdm's bars (drawn on stderr) reach a terminal; redirected to a file or a pipe, their redraws
+    would run into the printed lines, so they are left out there, as most tools leave theirs."""
+    isatty = getattr(sys.stderr, "isatty", None)
+    try:
+        return bool(isatty and isatty())
+    except (OSError, ValueError):  # a closed or detached stream
+        return False
 
 
 def format_train_line(step: int, v: Mapping[str, Any]) -> str:

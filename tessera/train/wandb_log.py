@@ -9,7 +9,8 @@ TensorBoard events, which a resumed run also continues): a run resumed from a ch
 continues that W&B run (``resume="allow"``); a run from step 0 starts a new one and replaces the file.
 W&B's files (and, in ``offline`` mode, the run folders ``wandb sync`` uploads) go under that folder's
 ``wandb/``. W&B's steps only increase: the rows of steps a crashed run logged after its last checkpoint,
-which the resumed run logs again, may be dropped by W&B (metrics.jsonl keeps both).
+which the resumed run logs again, may be dropped by W&B (metrics.jsonl keeps both). Once the run has started,
+one log line says so and where it goes: its page online, its folder (and the ``wandb sync`` command) offline.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any
 
 from tessera.files import atomic_write_text
 
-__all__ = ["WandbRun", "RUN_ID_FILE", "WandbError"]
+__all__ = ["WandbRun", "RUN_ID_FILE", "WandbError", "started_line"]
 
 logger = logging.getLogger("tessera")
 RUN_ID_FILE = "wandb_run_id"
@@ -60,6 +61,7 @@ class WandbRun:
         except Exception as e:  # noqa: BLE001 - wandb's own errors: no API key, no network in online mode, ...
             raise WandbError(f"metrics.wandb: wandb.init failed: {type(e).__name__}: {e}") from None
         self.failed = False
+        logger.info("%s", started_line(self._run, settings["project"]))
 
     def log(self, step: int, scalars: Mapping[str, float]) -> None:
         """One step's scalars (several calls for one step merge into its row)."""
@@ -77,6 +79,17 @@ class WandbRun:
             self._run.finish()
         except Exception as e:  # noqa: BLE001 - training is over; the files are written
             logger.warning("metrics.wandb: finishing the W&B run failed: %s: %s", type(e).__name__, e)
+
+
+def started_line(run: Any, project: str) -> str:
+    """The line that says W&B is on, for a user who set ``metrics.wandb`` (W&B's own output is silenced): the
+    run and its page online; offline, its folder and the command that uploads it (W&B's run object exposes
+    ``offline``, ``dir`` (the run folder's ``files/``) and ``url``)."""
+    what = f"metrics.wandb: W&B run {run.name} (id {run.id}) of project {project}"
+    if getattr(run, "offline", False):
+        folder = os.path.dirname(os.path.normpath(run.dir))
+        return f"{what}, offline, in {folder}; upload it with: wandb sync {folder}"
+    return f"{what}, online: {run.url}"
 
 
 def _run_id(log_dir: str, start_step: int) -> str:
