@@ -7,7 +7,10 @@
 
 Each policy is trained ``--seeds`` times (the seeds ``SEEDS`` in order: the demo's own first), each a full
 ``train.py`` run (``harness.train_run``: torchrun, as many processes as the config's layout needs) from
-scratch in ``<workdir>/<policy>/seed<N>``. Per run: the final validation bits per byte, the median tokens/s
+scratch in ``<workdir>/<policy>/seed<N>``, its output in ``stdout.log`` there (a line says when each run starts
+and ends). Per run: the final validation bits per byte (bits per token where the config's held-out data records
+no bytes, e.g. ``data.type='synthetic'``: ``METRICS``; a config without held-out data, or one a policy cannot
+apply to, e.g. fp8 on an fp32 model, is refused before the first run), the median tokens/s
 per device (the first 10% of the steps left out as warm-up); per policy the persistent bytes per parameter
 (the closed form of ``precision_report``). They are kept in ``<workdir>/study.json``, so policies can be run
 one invocation at a time (``--only``). ``--jobs N`` trains N runs at a time (a machine with many cores: the
@@ -38,6 +41,7 @@ from typing import Any
 from benchmarks import harness
 from tessera.analysis.run_compare import Group, read_series, summarize, verdict
 from tessera.cli_args import nonnegative_int, positive_int
+from tessera.config import ConfigError
 
 TITLE = "## 8. Precision study: the demo under each optimizer and fp8 policy"
 PICTURES_PUBLISHED = "docs/precision"  # the heat maps BENCHMARKS.md section 8 links to
@@ -74,6 +78,42 @@ PICTURES: dict[str, str] = {
 BASELINE = "fp32 masters (default)"
 SEEDS = (1024, 7, 3, 11, 13, 17, 19, 23, 29, 31)  # the demo's own three first (configs/demo.py's docstring)
 CURVES = "study_curves.png"  # compare_runs' picture of every policy's training curves, under --pictures
+# the figure of a run: its final validation's bits per byte, else (no bytes recorded) its bits per token
+METRICS = {"bits_per_byte": ("bits per byte", "bits/byte"), "bits_per_token": ("bits per token", "bits/token")}
+
+
+class StudyError(Exception):
+    """A run of the study failed or gave no figure: one ``error:`` line naming the run and its log."""
+
+
+def check_policies(config: str, overrides: Sequence[str], names: Sequence[str]) -> None:
+    """Refuse, before the first run, what would stop the study after hours of runs: a policy the config cannot
+    take (fp8 or bf16 masters on an fp32 model), or runs that would end without a validation (the figure)."""
+    for name in names:
+        try:
+            cfg = harness.load_config(config, [*overrides, *STUDY[name]])
+        except ConfigError as e:
+            raise ConfigError(f"policy {name!r} on {config}: {e}") from None
+        check_validation(config, cfg.data)
+
+
+def check_validation(config: str, data: Any) -> None:
+    """Refuse a ``data`` section (of ``config``) whose runs would end without a validation: token or text data
+    with no held-out folder or rule."""
+    if data.type in ("synthetic", "stdlib") or data.valid_folder:
+        return
+    rule = data.type == "text" and (data.text.valid_fraction or data.text.valid_every_nth)
+    if not rule:
+        held_out = " or a held-out rule (data.text.valid_fraction / valid_every_nth)" if data.type == "text" else ""
+        raise ConfigError(f"{config}: data.type={data.type!r} without data.valid_folder has no validation, and the "
+                          f"study compares the runs' final validation: give data.valid_folder=FOLDER{held_out}")
+
+
+def figure_metric(rows: dict[str, Any]) -> str:
+    """The study's figure: bits per byte when every run's validation has it, else bits per token (which every
+    validation has)."""
+    runs = [s for r in rows.values() for s in r["seeds"].values()]
+    return "bits_per_byte" if all("bits_per_byte" in s for s in runs) else "bits_per_token"
 
 
 def _slug(name: str) -> str:
@@ -122,13 +162,22 @@ def run_seed(name: str, index: int, seed: int, args: Any) -> dict[str, Any]:
     extra = [*args.overrides, f"seed={seed}",
              *([f"metrics.precision_every={args.telemetry_every}"] if telemetry else [])]
     run_dir = _run_dir(args, name, seed)
-    records = harness.train_run(harness.ROOT, args.config, [*extra, *STUDY[name]], run_dir)
+    harness.log(f"[study] {name}, seed {seed}: training (output in {os.path.join(run_dir, 'stdout.log')})")
+    try:
+        records = harness.train_run(harness.ROOT, args.config, [*extra, *STUDY[name]], run_dir)
+    except RuntimeError as e:  # train.py's own error line is the last line of its log
+        raise StudyError(f"{name}, seed {seed}: {e}") from None
     train = [r for r in records if r.get("kind") == "train"]
     valid = [r for r in records if r.get("kind") == "valid"]
-    out: dict[str, Any] = {"bits_per_byte": valid[-1]["bits_per_byte"], "skipped": train[-1]["skipped_steps"],
+    if not (train and valid):
+        raise StudyError(f"{name}, seed {seed}: the run logged no {'validation' if train else 'training step'} "
+                         f"(see {os.path.join(run_dir, 'stdout.log')})")
+    figures = {k: valid[-1][k] for k in METRICS if k in valid[-1]}
+    out: dict[str, Any] = {**figures, "skipped": train[-1]["skipped_steps"],
                            "tgs": statistics.median(r["tgs"] for r in train[len(train) // 10:]),
                            "steps": train[-1]["step"], "run": os.path.join(run_dir, "run")}
-    harness.log(f"[study] {name}, seed {seed}: {out['bits_per_byte']:.4f} bits/byte")
+    metric = next(iter(figures))  # bits per byte first, where the run has it
+    harness.log(f"[study] {name}, seed {seed}: {figures[metric]:.4f} {METRICS[metric][1]}")
     if telemetry:
         out["telemetry"] = {"every": args.telemetry_every, **picture(
             name, os.path.join(run_dir, "run"), os.path.join(args.pictures, f"{_slug(name)}.png"))}
@@ -164,9 +213,11 @@ def run_policies(names: Sequence[str], args: Any, rows: dict[str, Any]) -> None:
                 json.dump({"rows": rows}, f, indent=1)
 
 
-def statistics_of(rows: dict[str, Any], kind: str = "valid", metric: str = "bits_per_byte") -> list[dict[str, Any]]:
-    """compare_runs' statistics of the rows' runs: per policy the final ``metric`` over seeds, and against the
-    baseline policy (the first policy when the default was not run) Welch's 95% interval and the verdict."""
+def statistics_of(rows: dict[str, Any], kind: str = "valid", metric: str | None = None) -> list[dict[str, Any]]:
+    """compare_runs' statistics of the rows' runs: per policy the final ``metric`` (default: ``figure_metric``)
+    over seeds, and against the baseline policy (the first policy when the default was not run) Welch's 95%
+    interval and the verdict."""
+    metric = metric or figure_metric(rows)
     names = [n for n in STUDY if n in rows]
     groups = [Group(n, tuple(read_series(s["run"], kind, metric) for s in rows[n]["seeds"].values())) for n in names]
     baseline = BASELINE if BASELINE in names else names[0]
@@ -206,10 +257,12 @@ def measure(args: Any) -> dict[str, Any]:
             rows = json.load(f).get("rows", {})
     rows = {n: r for n, r in rows.items() if "seeds" in r}  # rows of the one-seed study have no runs to compare
     names = args.only or list(STUDY)
+    check_policies(args.config, args.overrides, names)  # a ConfigError: publish's one error line, before any run
     harness.log(f"[study] {len(names)} policies x {args.seeds} seeds, {args.jobs} run(s) at a time")
     run_policies(names, args, rows)
-    return {"config": args.config, "jobs": args.jobs, "rows": rows, "stats": statistics_of(rows),
-            "curves": curves(rows, os.path.join(args.pictures, CURVES))}
+    metric = figure_metric(rows)
+    return {"config": args.config, "jobs": args.jobs, "rows": rows, "metric": metric,
+            "stats": statistics_of(rows, metric=metric), "curves": curves(rows, os.path.join(args.pictures, CURVES))}
 
 
 def _interval(st: dict[str, Any]) -> str:
@@ -230,16 +283,20 @@ def markdown(res: dict[str, Any]) -> list[str]:
     reproduce = res.get("command") or (f"python -m benchmarks precision-study{config} --seeds {seeds[-1]}"
                                        f"{f' --jobs {jobs}' if jobs > 1 else ''}")
     at_commit = f", commit {res['commit']}" if res.get("commit") else ""
+    metric = res.get("metric", "bits_per_byte")  # results saved before the metric was recorded: bits per byte
+    figure = ("the final bits per byte over every held-out file" if metric == "bits_per_byte" else
+              "the final validation's bits per token (the config's held-out data records no bytes)")
     lines = [f"Reproduce: `{reproduce}` ({harness.machine_line(res['machine'])}; {res['date']}{at_commit}). "
              f"Each run trains {'/'.join(map(str, steps))} steps. Each policy is trained {n_seeds} times, "
              f"seeds {', '.join(map(str, SEEDS[:seeds[-1]]))} (the same data otherwise), each run from scratch; the "
-             "figure is the final bits per byte over every held-out file, its mean and standard deviation over the "
-             "seeds; the difference from the default policy comes with Welch's 95% interval and the verdict of "
+             f"figure is {figure}, its mean and standard deviation over the seeds; the difference from the default "
+             "policy comes with Welch's 95% interval and the verdict of "
              "`tools/compare_runs.py` (docs/compare-runs.md says what it means: \"within seed noise\" is no proof "
              "of equality). Tokens/s per device is the median over the runs' steps (first 10% left out); bytes per "
              "parameter are the persistent training state of this layout (closed form, `tools/precision_report.py "
              "--policies` measures it).", "",
-             "| policy | overrides | seeds | final bits/byte (mean ± std) | vs fp32 masters [95% interval] | verdict | "
+             f"| policy | overrides | seeds | final {METRICS[metric][1]} (mean ± std) | vs fp32 masters [95% interval] "
+             "| verdict | "
              "tokens/s per device | bytes/param | skipped steps |",
              "|---|---|---:|---:|---:|---|---:|---:|---:|"]
     for r in rows:
@@ -261,8 +318,8 @@ def markdown(res: dict[str, Any]) -> list[str]:
     if drawn:
         lines += ["", "**What each policy does to the numerics, per module** (the runs of the first seed, "
                   f"`metrics.precision_every={drawn[0]['telemetry']['every']}`; one heat map per policy, module x "
-                  "step, drawn by `python tools/precision_telemetry.py <run> --measure <name>`; README \"Precision "
-                  "telemetry\" says what each measure means)."]
+                  "step, drawn by `python tools/precision_telemetry.py <run> --measure <name>`; docs/telemetry.md says "
+                  "what each measure means)."]
     for r in drawn:
         t = r["telemetry"]
         worst = ", ".join(f"`{row}` {mean:.3g}" for row, mean in t["worst"])
@@ -299,7 +356,11 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m benchmarks pr
         publishing = os.path.basename(args.out) == harness.PUBLISHED
         args.pictures = PICTURES_PUBLISHED if publishing else os.path.join(args.workdir, "pictures")
     os.makedirs(args.workdir, exist_ok=True)
-    return harness.publish(args, argv, prog, "precision-study", TITLE, lambda: measure(args), markdown)
+    try:
+        return harness.publish(args, argv, prog, "precision-study", TITLE, lambda: measure(args), markdown)
+    except StudyError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -37,3 +37,78 @@ def test_runs_trained_at_once_equal_runs_trained_alone_and_every_policy_has_its_
     assert len(table) == 2 and all("| 2 |" in line for line in table)
     assert "[" in table[1] and ("within seed noise" in table[1] or "differs" in table[1])
     assert os.path.exists(tmp_path / "study" / "pictures" / precision_study.CURVES)
+
+
+TINY_RUNS = ["model.dtype='torch.bfloat16'", "data.total_steps=3", "lr_scheduler.total_steps=3", "generate.max_new_tokens=0",
+             "metrics.progress_bar=False", "metrics.log_every=1"]
+
+
+def _valid(run: str) -> dict:
+    with open(os.path.join(run, "metrics.jsonl"), encoding="utf-8") as f:
+        return [r for r in map(json.loads, f) if r["kind"] == "valid"][-1]
+
+
+@pytest.mark.slow
+def test_a_config_whose_validation_has_no_bytes_is_studied_in_bits_per_token(tmp_path, capsys):
+    """configs/tiny.py validates on synthetic tokens, which stand for no text: no bits per byte. The study takes
+    the figure every run's validation has (bits per token, read back here from each run's metrics.jsonl) instead
+    of stopping after the first run with a KeyError; each run says when it starts and where its output goes."""
+    work = tmp_path / "study"
+    policies = ["fp32 masters (default)", "fp8 tensorwise"]  # the issue's, on tiny's model in bf16
+    code = precision_study.main(["--config", "configs/tiny.py", "--seeds", "1", "--only", *policies,
+                                 "--telemetry-every", "0", "--workdir", str(work), *TINY_RUNS])
+    out, err = capsys.readouterr()
+    assert code == 0 and "Traceback" not in err, err
+    study = json.loads((work / "study.json").read_text())["rows"]
+    for policy in policies:
+        (seed,) = study[policy]["seeds"].values()
+        assert seed["bits_per_token"] == _valid(seed["run"])["bits_per_token"] and "bits_per_byte" not in seed
+        started = err.index(f"[study] {policy}, seed 1024: training (output in ")
+        assert started < err.index(f"[study] {policy}, seed 1024: {seed['bits_per_token']:.4f} bits/token")
+    table = [line for line in out.splitlines() if line.startswith("| ")]
+    assert "final bits/token (mean ± std)" in table[0] and len(table) == 1 + len(policies)
+    assert "bits per token (the config's held-out data records no bytes)" in out
+
+
+def test_a_policy_the_config_cannot_take_is_refused_before_the_first_run(tmp_path, capsys):
+    """configs/tiny.py's model is fp32, which fp8 refuses: one error line naming the policy, before the first
+    policy (which the config takes) has trained."""
+    work = tmp_path / "study"
+    code = precision_study.main(["--config", "configs/tiny.py", "--seeds", "2", "--only", "fp32 masters (default)",
+                                 "fp8 tensorwise", "--workdir", str(work), "data.total_steps=20"])
+    err = capsys.readouterr().err
+    (line,) = [line for line in err.splitlines() if line.startswith("error:")]
+    override = precision_study.STUDY["fp8 tensorwise"][0]  # the key that turns fp8 on
+    assert code == 2 and line.startswith(f"error: policy 'fp8 tensorwise' on configs/tiny.py: override {override}: ")
+    assert line.endswith("needs model.dtype bfloat16, not float32"), err
+    assert "Traceback" not in err and os.listdir(work) == []  # no run was started
+
+
+def test_a_config_without_held_out_data_is_refused_before_the_first_run(tmp_path, capsys):
+    work = tmp_path / "study"
+    code = precision_study.main(["--config", "configs/tiny.py", "--seeds", "1", "--only", POLICIES[0],
+                                 "--workdir", str(work), "data.type='tokens'", f"data.train_folder='{tmp_path}'"])
+    err = capsys.readouterr().err
+    assert code == 2 and [line for line in err.splitlines() if line.startswith("error:")] == [
+        "error: configs/tiny.py: data.type='tokens' without data.valid_folder has no validation, and the study "
+        "compares the runs' final validation: give data.valid_folder=FOLDER"], err
+    assert "Traceback" not in err and os.listdir(work) == []  # no run was started
+
+
+def test_the_section_points_to_the_page_that_defines_each_measure_it_draws():
+    """The heat maps' sentence names where the measures are defined: docs/telemetry.md, which defines each one
+    the study draws (README's "Precision telemetry" is a one-line table row)."""
+    telemetry = {"every": 50, "measure": "update_lost", "picture": "docs/precision/x.png", "steps": [50, 100],
+                 "mean": [0.1, 0.2], "low": [50, 0.1], "high": [100, 0.2], "worst": [["layers.0", 0.3]]}
+    seed = {"skipped": 0, "tgs": 100.0, "steps": 100, "bits_per_byte": 2.0}
+    res = {"config": "configs/demo.py", "machine": {"cpu": "x", "cores": 2, "flags": {}, "torch": "2"},
+           "date": "d", "curves": "c.png", "stats": [{"name": "bf16 masters", "n": 1, "mean": 2.0, "std": 0.0,
+                                                      "welch": None, "verdict": "baseline"}],
+           "rows": {"bf16 masters": {"name": "bf16 masters", "overrides": [], "seeds": {"1024": seed},
+                                     "bytes_per_param": 12.0, "telemetry": telemetry}}}
+    text = "\n".join(precision_study.markdown(res))
+    assert "docs/telemetry.md says what each measure means" in text and "README" not in text
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "telemetry.md"),
+              encoding="utf-8") as f:
+        page = f.read()
+    assert all(f"`{measure}`" in page for measure in set(precision_study.PICTURES.values()))
