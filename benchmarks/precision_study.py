@@ -53,13 +53,13 @@ STUDY: dict[str, list[str]] = {  # name -> config overrides (bf16 model, as the 
     "bf16 masters + stochastic": ["hybrid_zero_optimizer.master_dtype='bf16'",
                                   "hybrid_zero_optimizer.master_compensation='stochastic'"],
     "bf16 Adam moments": ["hybrid_zero_optimizer.optimizer_state_dtype='bf16'"],
-    "fp8 tensorwise": ["model.fp8.enabled=True", "model.fp8.recipe='tensorwise'"],
-    "fp8 rowwise": ["model.fp8.enabled=True", "model.fp8.recipe='rowwise'"],
-    "mxfp8": ["model.fp8.enabled=True", "model.fp8.recipe='mxfp8'"],
-    "nvfp4": ["model.fp8.enabled=True", "model.fp8.recipe='nvfp4'"],
+    "fp8 tensorwise": ["model.low_precision.enabled=True", "model.low_precision.recipe='tensorwise'"],
+    "fp8 rowwise": ["model.low_precision.enabled=True", "model.low_precision.recipe='rowwise'"],
+    "mxfp8": ["model.low_precision.enabled=True", "model.low_precision.recipe='mxfp8'"],
+    "nvfp4": ["model.low_precision.enabled=True", "model.low_precision.recipe='nvfp4'"],
     # the published recipes' shape: the ends high, attention MXFP8, the MLP NVFP4
     "per module: ends bf16, attention mxfp8, MLP nvfp4": [
-        "model.fp8.enabled=True", "model.fp8.rules=[['layers.0.*', 'bf16'], ['layers.3.*', 'bf16'], "
+        "model.low_precision.enabled=True", "model.low_precision.rules=[['layers.0.*', 'bf16'], ['layers.3.*', 'bf16'], "
         "['*.attention.*', 'mxfp8'], ['*.feed_forward.*', 'nvfp4']]"],
 }
 # the telemetry measure drawn for each policy: what it changes, or what it risks
@@ -122,15 +122,15 @@ def _slug(name: str) -> str:
 
 def _bytes_per_param(config: str, overrides: list[str]) -> float:
     from tessera.config.checks import parallel_sizes
-    from tessera.core.precision import Precision
     from tessera.model import build_model
+    from tessera.precision.plan import PrecisionPlan
     from tessera.train.precision_report import closed_form_bytes
 
     cfg = harness.load_config(config, overrides)
     tp = cfg.parallel.tensor.size
     _, _, zero1 = parallel_sizes(tp, tp, cfg.parallel.zero1.size)
     n = sum(p.numel() for p in build_model(cfg.model, tp_group=None, device="meta").parameters())
-    return closed_form_bytes(Precision.from_config(cfg), zero1, n, 0)["total"]  # the overrides are in cfg
+    return closed_form_bytes(PrecisionPlan.from_config(cfg), zero1, n, 0)["total"]  # the overrides are in cfg
 
 
 def picture(name: str, log_dir: str, out: str) -> dict[str, Any]:

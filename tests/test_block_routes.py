@@ -140,7 +140,7 @@ def test_a_shard_the_block_does_not_divide_is_refused_when_the_model_is_built():
     from tessera.config import ConfigError
 
     # one KV head of 16 features: wk/wv give 16 outputs, not a multiple of MXFP8's 32-element block
-    with pytest.raises(ConfigError, match=r"model.fp8 recipe 'mxfp8' on linear 'layers.0.attention.wk': its "
+    with pytest.raises(ConfigError, match=r"model.low_precision recipe 'mxfp8' on linear 'layers.0.attention.wk': its "
                                           r"out_features per rank, 16, is not a multiple of the 32-element"):
         _amp(["model.num_kv_attention_heads=1", 'model.fp8={"enabled": True, "recipe": "mxfp8"}'])
     # NVFP4's 16-element block divides it; a rule keeping the attention high lets MXFP8 run on the rest
@@ -168,11 +168,11 @@ def test_rules_give_per_module_recipes_first_match_wins_after_exclude():
 def test_bad_rules_and_backends_are_config_errors():
     from tessera.config import ConfigError
 
-    with pytest.raises(ConfigError, match=r"model.fp8.rules.*recipe must be one of"):
+    with pytest.raises(ConfigError, match=r"model.low_precision.rules.*recipe must be one of"):
         _amp(['model.fp8={"enabled": True, "rules": [["*", "fp4"]]}'])
-    with pytest.raises(ConfigError, match=r"model.fp8.rules.*\(pattern, recipe\) pairs"):
+    with pytest.raises(ConfigError, match=r"model.low_precision.rules.*\(pattern, recipe\) pairs"):
         _amp(['model.fp8={"enabled": True, "rules": ["*"]}'])
-    with pytest.raises(ConfigError, match=r"model.fp8.backend='scaled_mm' runs the fp8 recipes"):
+    with pytest.raises(ConfigError, match=r"model.low_precision.backend='scaled_mm' runs the fp8 recipes"):
         _amp(['model.fp8={"enabled": True, "recipe": "nvfp4", "backend": "scaled_mm"}'])
 
 
@@ -184,7 +184,7 @@ def test_train_py_reports_the_refused_shard_in_one_error_line(tmp_path):
                                      "parallel.tensor.size=2"], nproc=2, expect_ok=False)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
-    lines = [line for line in out.splitlines() if "error: model.fp8 recipe 'mxfp8' on linear" in line]
+    lines = [line for line in out.splitlines() if "error: model.low_precision recipe 'mxfp8' on linear" in line]
     assert lines and "'layers.0.attention.wk'" in lines[0] and "16 (32 over tensor-parallel size 2)" in lines[0]
     assert "raise ConfigError" not in out  # reported, not a traceback
 

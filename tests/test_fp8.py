@@ -216,10 +216,10 @@ def test_fp8_model_at_tp2_equals_tp1(recipe, mode, tp_model_runs):
 def test_fp8_config_needs_a_bf16_model():
     from tessera.config import Config, ConfigError
 
-    with pytest.raises(ConfigError, match="model.fp8.enabled=True needs model.dtype bfloat16"):
+    with pytest.raises(ConfigError, match="model.low_precision.enabled=True needs model.dtype bfloat16"):
         Config.from_dict({"model": {**SMALL, "dtype": "torch.float32", "fp8": {"enabled": True}},
                           "data": {"type": "synthetic", "seq_len": 32}})
-    with pytest.raises(ConfigError, match="model.fp8.recipe"):
+    with pytest.raises(ConfigError, match="model.low_precision.recipe"):
         Config.from_dict({"model": {**SMALL, "fp8": {"enabled": True, "recipe": "delayed"}},
                           "data": {"type": "synthetic", "seq_len": 32}})
 

@@ -21,7 +21,7 @@ from tessera.config import Config
 from tessera.model.args import ModelArgs
 from tessera.parallel import gemm
 from tessera.precision.plan import LowPrecisionGemms, PrecisionPlan
-from tessera.train.memory_extras import low_precision_gemm_bytes
+from tessera.memory.extras import low_precision_gemm_bytes
 from tests import toy_stochastic_recipe as toy
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,8 +45,8 @@ def test_the_plan_reads_the_typed_config_once():
 def test_each_cross_key_rule_is_written_once():
     """The rules' texts occur once in the package: a second copy of a rule would be a second place to keep."""
     sources = "\n".join(p.read_text(encoding="utf-8") for p in (ROOT / "tessera").rglob("*.py"))
-    for rule in ("model.fp8.enabled=True needs model.dtype", "master_dtype='bf16' needs model.dtype",
-                 "applies to bf16 masters only", "has no scaled_mm", "KEEP_HIGH = ("):
+    for rule in ("model.low_precision.enabled=True needs model.dtype", "master_dtype='bf16' needs model.dtype",
+                 "applies to bf16 masters only", "runs the fp8 recipes (tensorwise, rowwise)", "KEEP_HIGH = ("):
         assert len(re.findall(re.escape(rule), sources)) == 1, rule
 
 
@@ -141,3 +141,24 @@ def test_the_low_precision_log_names_each_recipes_operand_formats():
     assert gradient_format("mxfp8") == "e4m3 forward and gradients"
     assert gradient_format("nvfp4") == "e2m1 forward and gradients"
     assert gradient_format("rowwise") == "e4m3 forward / e5m2 gradients"
+
+
+def test_a_config_written_with_model_fp8_still_loads_and_says_the_new_name(caplog):
+    """``model.fp8`` (the published configs' name) is read as ``model.low_precision``, in a file's dict and in an
+    override alike, with one warning line naming the new name."""
+    import logging
+
+    from tessera import logs
+
+    logs._LOGGED.discard("config: model.fp8 is now called model.low_precision; read as model.low_precision")
+    with caplog.at_level(logging.WARNING, logger="tessera"):
+        old = Config.from_file(TINY, ["model.dtype='bf16'", "model.fp8.enabled=True", "model.fp8.recipe='nvfp4'"])
+        old_dict = Config.from_dict({**Config.from_file(TINY).to_dict(), "model": {
+            **{k: v for k, v in Config.from_file(TINY).to_dict()["model"].items() if k != "low_precision"},
+            "dtype": "bf16", "fp8": {"enabled": True, "recipe": "nvfp4"}}})
+    new = Config.from_file(TINY, ["model.dtype='bf16'", "model.low_precision.enabled=True",
+                                  "model.low_precision.recipe='nvfp4'"])
+    assert old.typed.model.low_precision == new.typed.model.low_precision == old_dict.typed.model.low_precision
+    assert "fp8" not in old["model"] and "fp8" not in old_dict["model"]
+    said = [r.getMessage() for r in caplog.records if "model.fp8 is now called model.low_precision" in r.getMessage()]
+    assert len(said) == 1

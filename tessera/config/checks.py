@@ -120,9 +120,10 @@ def check_config(cfg: dict[str, Any], source: str | None = None) -> None:
 
 
 def low_precision_gemms_problem(enabled: bool, model: ModelDtype) -> str | None:
-    """The rule between ``model.fp8.enabled`` and ``model.dtype`` (the config check and the layers ask it)."""
+    """The rule between ``model.low_precision.enabled`` and ``model.dtype`` (the config check and the layers ask
+    it)."""
     if enabled and model.dtype != torch.bfloat16:
-        return f"model.fp8.enabled=True needs model.dtype bfloat16, not {model.name}"
+        return f"model.low_precision.enabled=True needs model.dtype bfloat16, not {model.name}"
     return None
 
 
@@ -141,7 +142,7 @@ def masters_problem(master_dtype: str, compensation: str, model: ModelDtype) -> 
 def check_optimizer_precision(cfg: dict[str, Any], source: str | None = None) -> None:
     """The cross-key precision rules: fp8 linears and bf16 masters only under a bf16 model, a compensation only
     for bf16 masters, the block formats never on the scaled_mm backend (``GemmPolicy``'s rule)."""
-    opt, fp8 = cfg["hybrid_zero_optimizer"], cfg["model"]["fp8"]
+    opt, fp8 = cfg["hybrid_zero_optimizer"], cfg["model"]["low_precision"]
     model_dtype = resolve_model_dtype(cfg["model"]["dtype"])
     problem = (low_precision_gemms_problem(fp8["enabled"], model_dtype)
                or masters_problem(opt["master_dtype"], opt["master_compensation"], model_dtype))

@@ -15,6 +15,7 @@ import ast
 import copy
 import importlib.util
 import linecache
+import logging
 import os
 import re
 import traceback
@@ -30,6 +31,7 @@ from tessera.config.internevo import internevo_names, is_internevo_path, transla
 from tessera.config.schema import SCHEMA, Key, Section
 from tessera.config.typed import RunConfig, typed_config
 from tessera.config.validate import suggest, validate_config
+from tessera.logs import log_once
 
 __all__ = ["Config", "load_python_file", "parse_override", "apply_overrides", "blame_overrides"]
 
@@ -95,7 +97,7 @@ class Config(dict):
     def from_dict(cls, raw: Mapping[str, Any], source: str | None = None) -> Config:
         """Validate a plain dict (e.g. written in a test) against the schema and fill defaults; InternEvo's keys
         are translated first (``tessera.config.internevo``)."""
-        filled = validate_config(translate_internevo(raw, source), source)
+        filled = validate_config(translate_internevo(renamed_keys(raw), source), source)
         check_config(filled, source)
         return cls(filled, source)
 
@@ -198,6 +200,44 @@ def _literal_problem(e: ValueError | SyntaxError) -> str:
     return "only numbers, strings, lists, tuples, dicts, True, False and None are literals (quote a string)"
 
 
+# sections that moved, old path -> new path: a config written with the old name still loads, told the new one once
+RENAMED_SECTIONS: dict[tuple[str, ...], tuple[str, ...]] = {
+    ("model", "fp8"): ("model", "low_precision"),  # it holds every sub-bf16 format (mxfp8, nvfp4), not only fp8
+}
+
+
+def _new_name(parts: list[str]) -> list[str]:
+    """An override's key path under the sections' current names (logged once per old name)."""
+    for old, new in RENAMED_SECTIONS.items():
+        if tuple(parts[: len(old)]) == old:
+            _tell_renamed(old, new)
+            return [*new, *parts[len(old):]]
+    return parts
+
+
+def _tell_renamed(old: tuple[str, ...], new: tuple[str, ...]) -> None:
+    log_once(f"config: {'.'.join(old)} is now called {'.'.join(new)}; read as {'.'.join(new)}", logging.WARNING)
+
+
+def renamed_keys(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """``raw`` with every section of an old name (``RENAMED_SECTIONS``) under its new one; keys given under both
+    names merge, the old name's last (a command-line override of the old name wins over the file's new one)."""
+    out = dict(raw)
+    for old, new in RENAMED_SECTIONS.items():
+        parent = out.get(old[0])
+        if not isinstance(parent, Mapping) or old[1] not in parent:
+            continue
+        parent = dict(parent)
+        legacy = parent.pop(old[1])
+        current = parent.get(new[1])
+        if isinstance(legacy, Mapping) and isinstance(current, Mapping):
+            legacy = {**current, **legacy}
+        parent[new[1]] = legacy
+        out[old[0]] = parent
+        _tell_renamed(old, new)
+    return out
+
+
 def apply_overrides(raw: dict[str, Any], overrides: Iterable[str], source: str | None = None) -> None:
     """Apply CLI overrides in place; keys are checked against the schema (typos get a suggestion). A key
     InternEvo defines may be overridden too (``model.num_chunks=1``); the translation then reads it. An error
@@ -206,6 +246,7 @@ def apply_overrides(raw: dict[str, Any], overrides: Iterable[str], source: str |
     for n, text in enumerate(texts, 1):
         label = f"bad override {text!r} (override {n} of {len(texts)} on the command line)"
         parts, value = parse_override(text, source, label)
+        parts = _new_name(parts)
         node: dict[str, Any] = raw
         spec: Section | None = SCHEMA
         for i, p in enumerate(parts):

@@ -80,8 +80,9 @@ def _one_of(*choices: Any) -> OneOf:
 
 
 class GemmRecipeChoice(OneOf):
-    """``model.fp8.recipe``: the built-in recipes (``choices``, the typed view's ``Literal``) and any recipe a row
-    added to the GEMM route table since (``tessera.parallel.gemm.add_route``), looked up when a config is read."""
+    """``model.low_precision.recipe``: the built-in recipes (``choices``, the typed view's ``Literal``) and any
+    recipe a row added to the GEMM route table since (``tessera.parallel.gemm.add_route``), looked up when a config
+    is read."""
 
     def __call__(self, v: Any) -> str | None:
         known = gemm_recipes()
@@ -129,7 +130,7 @@ def _str_list(v: Any) -> str | None:
     return None if all(isinstance(x, str) for x in v) else "must be a list of strings"
 
 
-FP8_KEEP_HIGH = KEEP_HIGH  # a model.fp8.rules recipe that keeps the module in the model's dtype
+FP8_KEEP_HIGH = KEEP_HIGH  # a model.low_precision.rules recipe that keeps the module in the model's dtype
 
 
 def _fp8_rules(v: Any) -> str | None:
@@ -267,7 +268,7 @@ SCHEMA = Section(
                         "mode": Key(STR, "default", _one_of(*COMPILE_MODES), doc="inductor's mode"),
                     }
                 ),
-                "fp8": Section(
+                "low_precision": Section(
                     {
                         "enabled": Key(BOOL, False, doc="low-precision GEMMs in the parallel linears (bf16 model "
                                                         "only): fp8 or a block format, as recipe and rules say"),

@@ -22,7 +22,7 @@ import torch
 
 from tessera.config.errors import ConfigError, where
 
-__all__ = ["RunConfig", "DistConfig", "ModelConfig", "CompileConfig", "Fp8Config", "ParallelConfig",
+__all__ = ["RunConfig", "DistConfig", "ModelConfig", "CompileConfig", "LowPrecisionConfig", "ParallelConfig",
            "TensorParallelConfig", "Zero1Config", "PipelineConfig", "DataConfig", "TextDataConfig", "AdamConfig",
            "LrSchedulerConfig", "GradScalerConfig", "Fp16ScalerConfig", "HybridZeroConfig", "LossConfig", "CkptConfig",
            "MetricsConfig", "WandbConfig", "MemoryConfig", "GenerateConfig", "EvalConfig", "FILLED_KEYS",
@@ -56,7 +56,7 @@ class CompileConfig(_Section):
 
 
 @dataclass(frozen=True)
-class Fp8Config(_Section):
+class LowPrecisionConfig(_Section):
     enabled: bool
     recipe: Literal["tensorwise", "rowwise", "mxfp8", "nvfp4"]
     backend: Literal["auto", "scaled_mm", "emulated"]
@@ -96,7 +96,7 @@ class ModelConfig(_Section):
     use_fp32_norm: bool
     allow_reduced_precision_reduction: bool
     compile: CompileConfig
-    fp8: Fp8Config
+    low_precision: LowPrecisionConfig
 
 
 @dataclass(frozen=True)

@@ -214,7 +214,7 @@ fp8_recipe_of = gemm_recipe_of  # the name published configs' docs use
 
 def enable_fp8_linears(amp: NaiveAMPModel, recipe: str, exclude: Iterable[str] = ("output",), *,
                        backend: str = "auto", rules: Iterable[tuple[str, str]] = (), seed: int = 0) -> list[str]:
-    """``enable_low_precision_linears`` on a wrapped model, with the ``model.fp8`` keys as arguments (every
+    """``enable_low_precision_linears`` on a wrapped model, with the ``model.low_precision`` keys as arguments (every
     sub-bf16 recipe, not only fp8: the older name)."""
     gemms = LowPrecisionGemms(True, recipe, tuple(exclude), backend, tuple((str(p), str(r)) for p, r in rules))
     return enable_low_precision_linears(unwrap_model(amp), amp.model_dtype, gemms, seed=seed)

@@ -74,9 +74,9 @@ __all__ = ["BACKENDS", "BLOCK_FORMATS", "BlockObserve", "FORMATS", "GEMM_RECIPES
 # format (recipe mxfp8 or nvfp4), or a recipe that an added row of the table serves (``add_route``)
 FORMATS = ("model", "fp8", "block", "custom")
 BLOCK_FORMATS = ("mxfp8", "nvfp4")  # the block format's recipes
-GEMM_RECIPES = (*RECIPES, *BLOCK_FORMATS)  # the built-in recipes model.fp8.recipe (and its rules) may name
-KEEP_HIGH = ("bf16", "none")  # a model.fp8.rules recipe that keeps the module in the model's dtype
-BACKENDS = ("auto", "scaled_mm", "emulated")  # how the fp8 format's GEMMs run (model.fp8.backend)
+GEMM_RECIPES = (*RECIPES, *BLOCK_FORMATS)  # the built-in recipes model.low_precision.recipe (and its rules) may name
+KEEP_HIGH = ("bf16", "none")  # a model.low_precision.rules recipe that keeps the module in the model's dtype
+BACKENDS = ("auto", "scaled_mm", "emulated")  # how the fp8 format's GEMMs run (model.low_precision.backend)
 BlockObserve = Callable[[torch.Tensor, BlockStats], None]  # (fp32 operand, its quantization's BlockStats)
 
 
@@ -126,13 +126,14 @@ class GemmPolicy:
         if self.backend not in BACKENDS:
             raise ValueError(f"fp8 backend must be one of {list(BACKENDS)}, got {self.backend!r}")
         if self.format == "block" and self.backend == "scaled_mm":
-            raise ValueError(f"model.fp8.backend='scaled_mm' runs the fp8 recipes (tensorwise, rowwise); "
-                             f"model.fp8.recipe={self.recipe!r} is a block format: {self.recipe} has no scaled_mm "
-                             "route, block formats are emulated on every device: use backend 'auto' or 'emulated'")
+            raise ValueError(f"model.low_precision.backend='scaled_mm' runs the fp8 recipes (tensorwise, rowwise); "
+                             f"model.low_precision.recipe={self.recipe!r} is a block format: {self.recipe} has no "
+                             "scaled_mm route, block formats are emulated on every device: use backend 'auto' or "
+                             "'emulated'")
 
 
 def policy_for(recipe: str | None, backend: str = "auto") -> GemmPolicy:
-    """The policy of a ``model.fp8`` recipe: None (the model's dtype), ``tensorwise``/``rowwise`` (fp8 with
+    """The policy of a ``model.low_precision`` recipe: None (the model's dtype), ``tensorwise``/``rowwise`` (fp8 with
     ``backend``) or a block format (``mxfp8``/``nvfp4``, emulated: ``backend`` is not theirs to choose)."""
     if recipe is None:
         return MODEL_DTYPE
@@ -144,7 +145,7 @@ def policy_for(recipe: str | None, backend: str = "auto") -> GemmPolicy:
 
 
 def gemm_recipes() -> tuple[str, ...]:
-    """Every recipe ``model.fp8.recipe`` may name: the built-in ones and those of rows added since import."""
+    """Every recipe ``model.low_precision.recipe`` may name: the built-in ones and those of rows added since import."""
     return (*GEMM_RECIPES, *(r for r in _ROW_RECIPES if r not in GEMM_RECIPES))
 
 
@@ -186,8 +187,8 @@ class GemmRoute:
     compute ``dx`` chunk by chunk; False: the route keeps the gathered input (``tessera.parallel.sequence``).
     ``copy_bytes``: bytes per operand element its quantized or upcast copies add inside one backward GEMM (the
     memory plan's figure, calibrated with ``tools/memory_phases.py``); ``hardware``: what it needs to run at
-    speed. ``recipe``: the ``model.fp8.recipe`` a row serves by name (block and added recipes); ``make_state``:
-    builds that recipe's per-linear ``RecipeState`` from (the run's seed, the layer's name).
+    speed. ``recipe``: the ``model.low_precision.recipe`` a row serves by name (block and added recipes);
+    ``make_state``: builds that recipe's per-linear ``RecipeState`` from (the run's seed, the layer's name).
     """
 
     name: str
@@ -403,7 +404,7 @@ _FP8_CORES: dict[str, bool] = {}  # device type -> whether its (current) device 
 
 def add_route(route: GemmRoute) -> None:
     """Add a row to the table: a new recipe is one route (its three GEMMs, and ``make_state`` when it owns
-    state) and this call; ``model.fp8.recipe`` may then name ``route.recipe``. The layers do not change."""
+    state) and this call; ``model.low_precision.recipe`` may then name ``route.recipe``. The layers do not change."""
     if route.name in ROUTES or route.recipe is None or route.recipe in (*RECIPES, *_ROW_RECIPES, *KEEP_HIGH):
         raise ValueError(f"route {route.name!r} (recipe {route.recipe!r}): the name and a new recipe must be unique")
     ROUTES[route.name] = route
@@ -422,17 +423,17 @@ def fp8_tensor_cores(device_type: str) -> bool:
 def _fp8_route(device_type: str, backend: str, cores: bool) -> tuple[GemmRoute, str]:
     """The fp8 format's route under ``backend`` on ``device_type`` (``cores``: it has fp8 tensor cores), and why."""
     if backend == "emulated":
-        return FP8_EMULATED, "model.fp8.backend='emulated'"
+        return FP8_EMULATED, "model.low_precision.backend='emulated'"
     if backend == "scaled_mm":
-        why = "model.fp8.backend='scaled_mm'"
+        why = "model.low_precision.backend='scaled_mm'"
         if not cores:
             why += (f"; {device_type} has no fp8 tensor cores: torch._scaled_mm runs a reference kernel there, "
                     "with tensorwise scales 100x and more slower than the emulation (BENCHMARKS.md section 19)")
         return FP8_SCALED_MM, why
     if cores:
-        return FP8_SCALED_MM, f"model.fp8.backend='auto': {device_type} has fp8 tensor cores (sm_89+)"
-    return FP8_EMULATED, (f"model.fp8.backend='auto': {device_type} has no fp8 tensor cores (torch._scaled_mm "
-                          "needs CUDA sm_89+ to be fast)")
+        return FP8_SCALED_MM, f"model.low_precision.backend='auto': {device_type} has fp8 tensor cores (sm_89+)"
+    return FP8_EMULATED, (f"model.low_precision.backend='auto': {device_type} has no fp8 tensor cores "
+                          "(torch._scaled_mm needs CUDA sm_89+ to be fast)")
 
 
 def pick_route(device_type: str, dtype: torch.dtype | None, policy: GemmPolicy,

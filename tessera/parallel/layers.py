@@ -143,7 +143,7 @@ class _ParallelLinear(nn.Module):
         self.out_features = out_features
         self.shard_dim = shard_dim
         self.init_std = init_std
-        self.gemm_policy: GemmPolicy = MODEL_DTYPE  # the training setup (model.fp8) may ask for fp8
+        self.gemm_policy: GemmPolicy = MODEL_DTYPE  # the training setup (model.low_precision) may ask for fp8
         split = self.tp_size > 1  # which operand dims TP splits (the fp8 route agrees on amaxes over them)
         self.tp_split = TpSplit(process_group, w_split_out=split) if shard_dim == 0 else \
             TpSplit(process_group, x_split_in=split, w_split_in=split)
@@ -165,7 +165,7 @@ class _ParallelLinear(nn.Module):
     @property
     def fp8_recipe(self) -> str | None:
         """The low-precision recipe of the GEMMs (tensorwise/rowwise fp8, mxfp8, nvfp4; None: the model's
-        dtype), as ``model.fp8`` sets it."""
+        dtype), as ``model.low_precision`` sets it."""
         return self.gemm_policy.recipe
 
     @fp8_recipe.setter

@@ -1,4 +1,4 @@
-"""One GEMM policy per linear: the ``model.fp8`` section resolved over a built decoder's parallel linears.
+"""One GEMM policy per linear: the ``model.low_precision`` section resolved over a built decoder's parallel linears.
 
 ``gemm_recipe_of`` is the rule (exclude first, then the first matching per-module rule, else the section's
 recipe); ``enable_low_precision_linears`` applies it, checks that a block format's blocks tile each shard,
@@ -40,8 +40,8 @@ ParallelLinear = ColumnParallelLinear | RowParallelLinear
 
 def gemm_recipe_of(name: str, recipe: str, exclude: Iterable[str] = ("output",),
                    rules: Iterable[tuple[str, str]] = ()) -> str | None:
-    """The GEMM recipe ``model.fp8`` gives the linear ``name`` (None: the model's dtype): ``exclude`` first, then
-    the first rule whose fnmatch pattern matches (``bf16``/``none`` keep it high), else ``recipe``."""
+    """The GEMM recipe ``model.low_precision`` gives the linear ``name`` (None: the model's dtype): ``exclude``
+    first, then the first rule whose fnmatch pattern matches (``bf16``/``none`` keep it high), else ``recipe``."""
     if any(fnmatch.fnmatchcase(name, pat) for pat in exclude):
         return None
     for pattern, rule_recipe in rules:
@@ -76,10 +76,10 @@ def _check_blocks(name: str, module: ParallelLinear, recipe: str) -> None:
     for what, size, full in (("in", in_rank, module.in_features), ("out", out_rank, module.out_features)):
         if size % block:
             shard = f" ({full} over tensor-parallel size {module.tp_size})" if module.tp_size > 1 else ""
-            raise ConfigError(f"model.fp8 recipe {recipe!r} on linear {name!r}: its {what}_features per rank, "
-                              f"{size}{shard}, is not a multiple of the {block}-element scale block (a block must "
-                              f"not straddle a TP shard); keep the layer out (model.fp8.exclude or a 'bf16' rule) "
-                              f"or change the sizes")
+            raise ConfigError(f"model.low_precision recipe {recipe!r} on linear {name!r}: its {what}_features per "
+                              f"rank, {size}{shard}, is not a multiple of the {block}-element scale block (a block "
+                              f"must not straddle a TP shard); keep the layer out (model.low_precision.exclude or a "
+                              f"'bf16' rule) or change the sizes")
 
 
 def _check_section(gemms: LowPrecisionGemms) -> None:
@@ -87,9 +87,9 @@ def _check_section(gemms: LowPrecisionGemms) -> None:
     known = gemm_recipes()
     for r in [gemms.recipe, *(r for _, r in gemms.rules if r not in KEEP_HIGH)]:
         if r not in known:
-            raise ValueError(f"model.fp8.recipe must be one of {list(known)}, got {r!r}")
+            raise ValueError(f"model.low_precision.recipe must be one of {list(known)}, got {r!r}")
     if gemms.backend not in BACKENDS:
-        raise ValueError(f"model.fp8.backend must be one of {list(BACKENDS)}, got {gemms.backend!r}")
+        raise ValueError(f"model.low_precision.backend must be one of {list(BACKENDS)}, got {gemms.backend!r}")
 
 
 def enable_low_precision_linears(model: nn.Module, model_dtype: ModelDtype, gemms: LowPrecisionGemms, *,

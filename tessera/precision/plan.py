@@ -2,7 +2,7 @@
 
 ``PrecisionPlan.from_run`` is the only reader of ``model.dtype`` and the precision keys around it
 (``model.allow_reduced_precision_reduction``, ``model.fp32_modules``, ``model.use_fp32_norm``, the
-low-precision GEMMs of ``model.fp8``, and the dtypes of ``hybrid_zero_optimizer``), and it reads them off the
+low-precision GEMMs of ``model.low_precision``, and the dtypes of ``hybrid_zero_optimizer``), and it reads them off the
 typed ``RunConfig`` (so mypy checks every field name). Everything below the launcher takes the plan
 (``Job.precision``): the NaiveAMP wrapper, the optimizer's master policy, the memory closed forms, the dry run
 and the telemetry. The cross-key rules are the config's (``tessera.config.checks``), checked when the config
@@ -32,8 +32,8 @@ _OPTIMIZER_DTYPES = (torch.float32, torch.bfloat16)
 
 @dataclass(frozen=True)
 class LowPrecisionGemms:
-    """The config's ``model.fp8`` section: low-precision GEMMs in the parallel linears (an fp8 recipe or a block
-    format: the routes of ``tessera.parallel.gemm``), the fp8 backend and the per-module rules."""
+    """The config's ``model.low_precision`` section: low-precision GEMMs in the parallel linears (an fp8 recipe or a
+    block format: the routes of ``tessera.parallel.gemm``), the fp8 backend and the per-module rules."""
 
     enabled: bool = False
     recipe: str = "tensorwise"
@@ -43,7 +43,7 @@ class LowPrecisionGemms:
 
     @classmethod
     def from_section(cls, section: Any) -> LowPrecisionGemms:
-        """From the typed ``model.fp8`` section (``Fp8Config``)."""
+        """From the typed ``model.low_precision`` section (``LowPrecisionConfig``)."""
         return cls(bool(section.enabled), str(section.recipe), tuple(section.exclude), str(section.backend),
                    tuple((str(p), str(r)) for p, r in section.rules))
 
@@ -134,7 +134,7 @@ class PrecisionPlan:
         fp32 = model.fp32_modules
         return cls(model=model_dtype, reduced_precision_reduction=bool(model.allow_reduced_precision_reduction),
                    fp32_modules=(fp32,) if isinstance(fp32, str) else tuple(fp32),
-                   use_fp32_norm=bool(model.use_fp32_norm), gemms=LowPrecisionGemms.from_section(model.fp8),
+                   use_fp32_norm=bool(model.use_fp32_norm), gemms=LowPrecisionGemms.from_section(model.low_precision),
                    optimizer=_optimizer_dtypes_of(optimizer, model_dtype))
 
     @classmethod

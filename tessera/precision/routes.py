@@ -3,7 +3,7 @@ rule (``tessera.parallel.gemm.pick_route``) on a device described by the hardwar
 hand, so ``tools/plan.py --gpu a100`` plans the route an A100 runs.
 
 A device kind is ``"cpu"`` or ``"cuda"`` with a compute capability: the capability decides whether the fp8
-recipes take ``torch._scaled_mm`` under ``model.fp8.backend='auto'`` (``tessera.hardware.fp8_tensor_cores``).
+recipes take ``torch._scaled_mm`` under ``model.low_precision.backend='auto'`` (``tessera.hardware.fp8_tensor_cores``).
 """
 
 from __future__ import annotations
