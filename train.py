@@ -48,7 +48,7 @@ from tessera.model import flops_per_token
 from tessera.model.kv_cache import generate_ids_cached
 from tessera.optim.skips import TooManySkippedSteps
 from tessera.parallel.coordination import agree_on_errors, on_rank0_while_others_wait
-from tessera.precision.linears import RecipeStates
+from tessera.precision.linears import ForwardSchedule, RecipeStates
 from tessera.train.builder import TrainingStack, build_training_stack
 from tessera.train.live_eval import LiveEval, prepare_live_eval
 from tessera.train.lm_eval_adapter import EvalSetupError
@@ -274,6 +274,7 @@ class Run:
                                 lr_scheduler=stack.scheduler, sampler=data.train)
         self.rng = RngStreams(gpc)
         self.state.register("rng", self.rng, per_rank=True)
+        self.forward_schedule = ForwardSchedule(stack.inner_model, job.precision.gemms)
         recipes = RecipeStates(stack.inner_model)  # GEMM recipes that own state (an RNG stream...): per rank
         if recipes:
             self.state.register("gemm_recipes", recipes, per_rank=True)
@@ -399,6 +400,7 @@ def train_one_step(run: Run) -> None:
     paces the printed line)."""
     cfg, progress, optimizer = run.cfg, run.progress, run.stack.optimizer
     lr = run.stack.scheduler.current_lr
+    run.forward_schedule.before_step(progress.step + 1)
     try:
         result = run.stack.trainer.train_step(run.data.train.next_step_batches(), step=progress.step + 1)
     except TooManySkippedSteps as e:

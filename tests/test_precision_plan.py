@@ -84,16 +84,23 @@ def test_stochastic_rounding_is_unbiased_and_never_passes_a_neighbour():
     assert abs(float((r == 1.125).float().mean()) - p) <= 5 * (p * (1 - p) / draws) ** 0.5
 
 
+@pytest.fixture
+def toy_route(monkeypatch):
+    """The toy recipe's row in copies of the table, for this test only (the table is the process's)."""
+    monkeypatch.setattr(gemm, "ROUTES", dict(gemm.ROUTES))
+    monkeypatch.setattr(gemm, "_ROW_RECIPES", dict(gemm._ROW_RECIPES))
+    toy.install()
+
+
 def _stack(seed: int):
     from tessera.core.job import Job
     from tessera.train.builder import build_training_stack
 
-    toy.install()
     cfg = Config.from_file(TINY, ["model.dtype='bf16'", f'model.fp8={{"enabled": True, "recipe": "{toy.RECIPE}"}}'])
     return build_training_stack(cfg, Job.of(cfg, seed=seed), sync_buffer=False)
 
 
-def test_every_linear_gets_its_own_stream_from_the_seed_and_its_name():
+def test_every_linear_gets_its_own_stream_from_the_seed_and_its_name(toy_route):
     from tessera.precision.linears import RecipeStates
 
     states = RecipeStates(_stack(3).inner_model)

@@ -139,13 +139,34 @@ def masters_problem(master_dtype: str, compensation: str, model: ModelDtype) -> 
     return None
 
 
+def low_precision_switches_problem(section: dict[str, Any], num_layers: int) -> str | None:
+    """The rules between ``model.low_precision``'s switches and its recipes (the main one and the rules'): NVFP4's
+    switches need an NVFP4 linear, stochastic rounding a block format, the kept blocks fewer than the model's."""
+    if not section["enabled"]:
+        return None
+    recipes = {section["recipe"], *(r for _, r in section["rules"])}
+    for key in ("nvfp4_2d_weights", "hadamard_wgrad"):
+        if section[key] and "nvfp4" not in recipes:
+            return (f"model.low_precision.{key}=True is an nvfp4 switch, but no linear runs nvfp4 (recipes "
+                    f"{sorted(recipes)})")
+    if section["stochastic_gradients"] and not recipes & set(BLOCK_FORMATS):
+        return ("model.low_precision.stochastic_gradients=True rounds a block format's gradients, but no linear runs "
+                f"mxfp8 or nvfp4 (recipes {sorted(recipes)})")
+    kept = section["keep_first_blocks"] + section["keep_last_blocks"]
+    if kept >= num_layers:
+        return (f"model.low_precision.keep_first_blocks + keep_last_blocks = {kept} keeps every one of "
+                f"model.num_layers={num_layers} blocks in the model dtype: nothing would run in low precision")
+    return None
+
+
 def check_optimizer_precision(cfg: dict[str, Any], source: str | None = None) -> None:
     """The cross-key precision rules: fp8 linears and bf16 masters only under a bf16 model, a compensation only
     for bf16 masters, the block formats never on the scaled_mm backend (``GemmPolicy``'s rule)."""
     opt, fp8 = cfg["hybrid_zero_optimizer"], cfg["model"]["low_precision"]
     model_dtype = resolve_model_dtype(cfg["model"]["dtype"])
     problem = (low_precision_gemms_problem(fp8["enabled"], model_dtype)
-               or masters_problem(opt["master_dtype"], opt["master_compensation"], model_dtype))
+               or masters_problem(opt["master_dtype"], opt["master_compensation"], model_dtype)
+               or low_precision_switches_problem(fp8, cfg["model"]["num_layers"]))
     if problem is None and fp8["recipe"] in BLOCK_FORMATS:
         try:
             GemmPolicy("block", fp8["recipe"], fp8["backend"])

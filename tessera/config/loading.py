@@ -28,6 +28,7 @@ import torch
 from tessera.config.checks import check_config
 from tessera.config.errors import ConfigError, where
 from tessera.config.internevo import internevo_names, is_internevo_path, translate_internevo
+from tessera.config.presets import apply_low_precision_preset
 from tessera.config.schema import SCHEMA, Key, Section
 from tessera.config.typed import RunConfig, typed_config
 from tessera.config.validate import suggest, validate_config
@@ -97,7 +98,8 @@ class Config(dict):
     def from_dict(cls, raw: Mapping[str, Any], source: str | None = None) -> Config:
         """Validate a plain dict (e.g. written in a test) against the schema and fill defaults; InternEvo's keys
         are translated first (``tessera.config.internevo``)."""
-        filled = validate_config(translate_internevo(renamed_keys(raw), source), source)
+        named = apply_low_precision_preset(renamed_keys(raw), source)
+        filled = validate_config(translate_internevo(named, source), source)
         check_config(filled, source)
         return cls(filled, source)
 

@@ -21,7 +21,7 @@ from tessera.model.compile import BACKENDS as COMPILE_BACKENDS
 from tessera.model.compile import MODES as COMPILE_MODES
 from tessera.model.rotary import rope_scaling_problem
 from tessera.parallel.gemm import BACKENDS as FP8_BACKENDS
-from tessera.parallel.gemm import GEMM_RECIPES, KEEP_HIGH, gemm_recipes
+from tessera.parallel.gemm import GEMM_RECIPES, KEEP_HIGH, SCALE_ROUNDINGS, gemm_recipes
 from tessera.parallel.sequence import TENSOR_MODES
 
 __all__ = ["Key", "Section", "OneOf", "SCHEMA", "default_of", "REQUIRED", "NORM_TYPES", "PRECISION_GROUPS",
@@ -130,6 +130,7 @@ def _str_list(v: Any) -> str | None:
     return None if all(isinstance(x, str) for x in v) else "must be a list of strings"
 
 
+LOW_PRECISION_PRESETS = ("nvidia", "torchtitan")  # model.low_precision.preset (tessera.config.presets)
 FP8_KEEP_HIGH = KEEP_HIGH  # a model.low_precision.rules recipe that keeps the module in the model's dtype
 
 
@@ -286,6 +287,32 @@ SCHEMA = Section(
                                      doc="(pattern, recipe) pairs: the first whose fnmatch pattern matches a linear's "
                                          "name gives its recipe (a GEMM recipe, or 'bf16'/'none' to keep it in the "
                                          "model dtype); unmatched linears take recipe; exclude applies first"),
+                        "preset": Key(STR, None, _one_of(*LOW_PRECISION_PRESETS), nullable=True,
+                                      doc="a published recipe's switches at once (tessera.config.presets): 'nvidia' "
+                                          "(NVFP4 with 2D weights, Hadamard wgrad, stochastic gradients, first and "
+                                          "last blocks bf16) or 'torchtitan' (NVFP4, the last 15% of blocks bf16); "
+                                          "keys given beside it win"),
+                        "mx_scale_rounding": Key(STR, "rceil", _one_of(*SCALE_ROUNDINGS),
+                                                 doc="mxfp8's E8M0 block scale: rceil rounds the scale up (no element "
+                                                     "saturates; NVIDIA's MXFP8 recipe, torchao's default), floor "
+                                                     "rounds it down (OCP's rule: a block's largest element may clip)"),
+                        "nvfp4_2d_weights": Key(BOOL, False,
+                                                doc="nvfp4: weights in 16x16 blocks, so the forward and the data-"
+                                                    "gradient GEMM see one quantized weight (TE: 2D quantization)"),
+                        "hadamard_wgrad": Key(BOOL, False,
+                                              doc="nvfp4: a 16-point random Hadamard transform (signs from the run's "
+                                                  "seed) of the weight-gradient GEMM's operands along the tokens"),
+                        "stochastic_gradients": Key(BOOL, False,
+                                                    doc="block formats: gradients rounded stochastically (unbiased), "
+                                                        "from a per-linear stream that checkpoints carry"),
+                        "keep_first_blocks": Key(INT, 0, _non_negative,
+                                                 doc="decoder blocks at the start kept in the model dtype"),
+                        "keep_last_blocks": Key(INT, 0, _non_negative,
+                                                doc="decoder blocks at the end kept in the model dtype"),
+                        "high_precision_forward_from_step": Key(INT, None, _positive, nullable=True,
+                                                                doc="from this optimizer step on, the forward GEMMs "
+                                                                    "run in the model dtype (the backward stays in "
+                                                                    "the recipe)"),
                     }
                 ),
             },

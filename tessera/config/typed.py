@@ -62,6 +62,14 @@ class LowPrecisionConfig(_Section):
     backend: Literal["auto", "scaled_mm", "emulated"]
     exclude: Sequence[str]
     rules: Sequence[tuple[str, str]]
+    preset: Literal["nvidia", "torchtitan"] | None
+    mx_scale_rounding: Literal["floor", "rceil"]
+    nvfp4_2d_weights: bool
+    hadamard_wgrad: bool
+    stochastic_gradients: bool
+    keep_first_blocks: int
+    keep_last_blocks: int
+    high_precision_forward_from_step: int | None
 
 
 @dataclass(frozen=True)

@@ -62,12 +62,14 @@ from tessera.parallel import wgrad
 from tessera.parallel.block_formats import BLOCK_RECIPES, BlockStats, fake_quantize, fake_quantize_with_stats
 from tessera.parallel.cpu_kernels import upcast_on_cpu
 from tessera.parallel.fp8 import E4M3, E5M2, RECIPES, Observe, quantize, scaled
+from tessera.parallel.recipe_state import RecipeState
 from tessera.parallel.wgrad import fused_main_grad, placeholder
 
 __all__ = ["BACKENDS", "BLOCK_FORMATS", "BlockObserve", "FORMATS", "GEMM_RECIPES", "KEEP_HIGH", "MODEL_DTYPE",
-           "NO_SPLIT", "ROUTES", "GemmPolicy", "GemmRoute", "RecipeState", "TpSplit", "add_route", "block_size",
-           "choose_route", "fp8_linear", "fp8_tensor_cores", "fuses_wgrad", "gemm_recipes", "linear", "linear_grads",
-           "linear_no_autograd", "pick_route", "policy_for", "route_for", "wgrad_into_main"]
+           "NO_SPLIT", "ROUTES", "SCALE_ROUNDINGS", "GemmPolicy", "GemmRoute", "RecipeState", "RecipeSwitches",
+           "TpSplit", "add_route", "block_size", "choose_route", "fp8_linear", "fp8_tensor_cores", "fuses_wgrad",
+           "gemm_recipes", "linear", "linear_grads", "linear_no_autograd", "pick_route", "policy_for", "route_for",
+           "wgrad_into_main"]
 
 
 # GemmPolicy.format: the operands' own dtype, fp8 (e4m3 / e5m2; recipe tensorwise or rowwise), a block-scaled
@@ -79,18 +81,6 @@ KEEP_HIGH = ("bf16", "none")  # a model.low_precision.rules recipe that keeps th
 BACKENDS = ("auto", "scaled_mm", "emulated")  # how the fp8 format's GEMMs run (model.low_precision.backend)
 BlockObserve = Callable[[torch.Tensor, BlockStats], None]  # (fp32 operand, its quantization's BlockStats)
 
-
-class RecipeState:
-    """What a GEMM recipe owns for one linear beyond its switches: an RNG stream, fixed random signs, an amax
-    history. A route row's ``make_state(seed, name)`` builds one per linear (seeded from the run's seed and the
-    layer's name); the layer holds it in its policy, and checkpoints carry ``state_dict()`` so a resume continues
-    the same stream. The base holds nothing."""
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        return None
 
 
 @dataclass(frozen=True)
@@ -108,6 +98,11 @@ class GemmPolicy:
     format: str = "model"
     recipe: str | None = None
     backend: str = "auto"
+    scale_rounding: str = "floor"  # mxfp8's E8M0 scales: "floor" (OCP) or "rceil" (round up: NVIDIA, torchao)
+    weight_2d: bool = False  # nvfp4: 16x16 weight blocks, one quantized weight for the forward and dgrad GEMMs
+    hadamard: bool = False  # nvfp4: a 16-point random Hadamard transform of the wgrad GEMM's operands
+    stochastic: bool = False  # block formats: gradients rounded stochastically (RecipeState's stream)
+    forward_high: bool = False  # the forward GEMM in the model's dtype (the backward stays in the recipe)
     observe: Observe | None = field(default=None, compare=False)
     observe_blocks: BlockObserve | None = field(default=None, compare=False)
     state: RecipeState | None = field(default=None, compare=False)
@@ -125,23 +120,71 @@ class GemmPolicy:
             raise ValueError(f"recipe={self.recipe!r} is a setting of the fp8 format, not of {self.format!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"fp8 backend must be one of {list(BACKENDS)}, got {self.backend!r}")
+        self._check_switches()
         if self.format == "block" and self.backend == "scaled_mm":
             raise ValueError(f"model.low_precision.backend='scaled_mm' runs the fp8 recipes (tensorwise, rowwise); "
                              f"model.low_precision.recipe={self.recipe!r} is a block format: {self.recipe} has no "
                              "scaled_mm route, block formats are emulated on every device: use backend 'auto' or "
                              "'emulated'")
 
+    def _check_switches(self) -> None:
+        problem = _switch_problem(self)
+        if problem:
+            raise ValueError(problem)
 
-def policy_for(recipe: str | None, backend: str = "auto") -> GemmPolicy:
+
+def policy_for(recipe: str | None, backend: str = "auto", switches: RecipeSwitches | None = None) -> GemmPolicy:
     """The policy of a ``model.low_precision`` recipe: None (the model's dtype), ``tensorwise``/``rowwise`` (fp8 with
-    ``backend``) or a block format (``mxfp8``/``nvfp4``, emulated: ``backend`` is not theirs to choose)."""
+    ``backend``), a block format (``mxfp8``/``nvfp4``, emulated: ``backend`` is not theirs to choose) or a recipe
+    with a row of its own; ``switches``: the recipe switches, each applied where the recipe has it."""
     if recipe is None:
         return MODEL_DTYPE
     if recipe in BLOCK_FORMATS:
-        return GemmPolicy("block", recipe)
-    if recipe in _ROW_RECIPES and recipe not in RECIPES:
-        return GemmPolicy("custom", recipe)
-    return GemmPolicy("fp8", recipe, backend)
+        policy = GemmPolicy("block", recipe)
+    elif recipe in _ROW_RECIPES and recipe not in RECIPES:
+        policy = GemmPolicy("custom", recipe)
+    else:
+        policy = GemmPolicy("fp8", recipe, backend)
+    return policy if switches is None else switches.apply(policy)
+
+
+@dataclass(frozen=True)
+class RecipeSwitches:
+    """The published recipes' switches over the bare formats (``model.low_precision``), each given to the recipes
+    that have it: MXFP8's scale rounding; NVFP4's 2D weight blocks and Hadamard-transformed wgrad operands; the
+    block formats' stochastic rounding of gradients."""
+
+    scale_rounding: str = "floor"
+    weight_2d: bool = False
+    hadamard: bool = False
+    stochastic: bool = False
+
+    def apply(self, policy: GemmPolicy) -> GemmPolicy:
+        """``policy`` with the switches its recipe has."""
+        if policy.format != "block":
+            return policy
+        nvfp4 = policy.recipe == "nvfp4"
+        return dataclasses.replace(policy, scale_rounding="floor" if nvfp4 else self.scale_rounding,
+                                   weight_2d=nvfp4 and self.weight_2d, hadamard=nvfp4 and self.hadamard,
+                                   stochastic=self.stochastic)
+
+
+SCALE_ROUNDINGS = ("floor", "rceil")
+
+
+def _switch_problem(p: GemmPolicy) -> str | None:
+    """Why a policy's switches do not fit its recipe (None: they do)."""
+    if p.scale_rounding not in SCALE_ROUNDINGS:
+        return f"scale rounding must be one of {list(SCALE_ROUNDINGS)}, got {p.scale_rounding!r}"
+    if p.scale_rounding != "floor" and p.recipe != "mxfp8":
+        return f"scale rounding {p.scale_rounding!r} is MXFP8's switch, not {p.recipe}'s"
+    if (p.weight_2d or p.hadamard) and p.recipe != "nvfp4":
+        return f"2D weight blocks and the Hadamard transform are NVFP4's switches, not {p.recipe}'s"
+    if p.stochastic and p.format != "block":
+        return f"stochastic rounding of gradients is a block format's switch, not {p.recipe}'s"
+    if p.forward_high and p.format == "model":
+        return "forward_high applies to a low-precision recipe"
+    return None
 
 
 def gemm_recipes() -> tuple[str, ...]:
@@ -479,6 +522,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return _RoutedLinear.apply(x, weight, bias, route.name, policy, split)
 
 
+def _forward_of(route: GemmRoute, x: torch.Tensor, weight: torch.Tensor, policy: GemmPolicy) -> Forward:
+    """The forward GEMM a linear runs: its route's, or the model dtype's where the policy asks for a high-precision
+    forward (the published NVFP4 recipe's last stretch of training)."""
+    if policy.forward_high:
+        return pick_route(x.device.type, x.dtype if x.dtype == weight.dtype else None, MODEL_DTYPE, False)[0].forward
+    return route.forward
+
+
 class _RoutedLinear(torch.autograd.Function):
     """``x W^T + b`` through one route's forward GEMM; saves ``x`` and ``W`` as given (so the low-precision
     tensors, not upcast copies); the backward is the route's two GEMMs (``linear_grads``)."""
@@ -489,7 +540,7 @@ class _RoutedLinear(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
         ctx.route, ctx.policy, ctx.split = route, policy, split
-        return ROUTES[route].forward(x, weight, bias, policy, split)
+        return _forward_of(ROUTES[route], x, weight, policy)(x, weight, bias, policy, split)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
@@ -502,7 +553,7 @@ class _RoutedLinear(torch.autograd.Function):
 def linear_no_autograd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                        policy: GemmPolicy = MODEL_DTYPE, split: TpSplit = NO_SPLIT) -> torch.Tensor:
     """The forward of :func:`linear` for code that writes its own backward (``linear_grads``)."""
-    return route_for(x, weight, policy).forward(x, weight, bias, policy, split)
+    return _forward_of(route_for(x, weight, policy), x, weight, policy)(x, weight, bias, policy, split)
 
 
 def linear_grads(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, has_bias: bool,

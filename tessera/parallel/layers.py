@@ -172,6 +172,11 @@ class _ParallelLinear(nn.Module):
     def fp8_recipe(self, recipe: str | None) -> None:
         self.use_recipe(recipe, self.gemm_policy.backend)
 
+    def use_policy(self, policy: GemmPolicy) -> None:
+        """Ask the GEMMs for ``policy`` (its recipe, switches and state); the observers are kept."""
+        old = self.gemm_policy
+        self.gemm_policy = dataclasses.replace(policy, observe=old.observe, observe_blocks=old.observe_blocks)
+
     def use_recipe(self, recipe: str | None, backend: str = "auto", state: RecipeState | None = None) -> None:
         """Ask the GEMMs for ``recipe`` (``gemm.gemm_recipes()`` or None) on the fp8 ``backend``, with the recipe's
         own ``state`` for this layer (``RecipeState``: an RNG stream, signs...); observers are kept."""

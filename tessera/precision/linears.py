@@ -8,7 +8,9 @@ the run's seed and the layer's name. ``RecipeStates`` gathers those states as on
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
+import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -23,6 +25,7 @@ from tessera.parallel.gemm import (
     BACKENDS,
     BLOCK_FORMATS,
     KEEP_HIGH,
+    GemmPolicy,
     GemmRoute,
     block_size,
     gemm_recipes,
@@ -30,10 +33,11 @@ from tessera.parallel.gemm import (
     policy_for,
 )
 from tessera.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from tessera.parallel.recipe_state import RecipeState, RecipeStream
 from tessera.precision.fp32_marks import fp32_module_names
 from tessera.precision.plan import LowPrecisionGemms
 
-__all__ = ["RecipeStates", "enable_low_precision_linears", "gemm_recipe_of", "gradient_format"]
+__all__ = ["ForwardSchedule", "RecipeStates", "enable_low_precision_linears", "gemm_recipe_of", "gradient_format"]
 
 ParallelLinear = ColumnParallelLinear | RowParallelLinear
 
@@ -92,36 +96,98 @@ def _check_section(gemms: LowPrecisionGemms) -> None:
         raise ValueError(f"model.low_precision.backend must be one of {list(BACKENDS)}, got {gemms.backend!r}")
 
 
+_BLOCK = re.compile(r"^layers\.(\d+)\.")  # a decoder block's linears: layers.<i>.* (tessera.model's names)
+
+
+def _block_index(name: str) -> int | None:
+    m = _BLOCK.match(name)
+    return int(m.group(1)) if m else None
+
+
+def _kept_blocks(model: nn.Module, gemms: LowPrecisionGemms) -> set[int]:
+    """The decoder blocks ``keep_first_blocks`` / ``keep_last_blocks`` keep in the model dtype."""
+    blocks = sorted({i for name, _ in model.named_modules() if (i := _block_index(name)) is not None})
+    return set(blocks[: gemms.keep_first_blocks]) | set(blocks[len(blocks) - gemms.keep_last_blocks:])
+
+
+def _state_for(policy: GemmPolicy, seed: int, name: str) -> RecipeState | None:
+    """The state a linear's recipe owns: an added row's own (``make_state``), the published switches' stream
+    (stochastic rounding, Hadamard signs), or none."""
+    if policy.format == "custom":
+        make_state = _row_of(str(policy.recipe)).make_state
+        return make_state(seed, name) if make_state else None
+    return RecipeStream(seed, name) if policy.stochastic or policy.hadamard else None
+
+
 def enable_low_precision_linears(model: nn.Module, model_dtype: ModelDtype, gemms: LowPrecisionGemms, *,
                                  seed: int = 0) -> list[str]:
     """Run the GEMMs of ``model``'s parallel linears in the section's recipes (fp8 tensorwise/rowwise on its
-    backend, a block format, or an added recipe: ``tessera.parallel.gemm``), except fp32-marked modules and
-    excluded names; a recipe that owns state gets it per linear from ``seed`` and the linear's name. Returns
-    the names converted (logged once, each recipe counted with its operands' formats)."""
+    backend, a block format with the recipe switches, or an added recipe: ``tessera.parallel.gemm``), except
+    fp32-marked modules, excluded names and the kept decoder blocks; a recipe that owns state gets it per linear
+    from ``seed`` and the linear's name. Returns the names converted (logged once, each recipe counted with its
+    operands' formats)."""
     problem = low_precision_gemms_problem(True, model_dtype)
     if problem:
         raise ValueError(problem)
     _check_section(gemms)
-    fp32 = fp32_module_names(model)
+    fp32, kept = fp32_module_names(model), _kept_blocks(model, gemms)
     done: dict[str, str] = {}
     for name, module in model.named_modules():
         if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)) or name in fp32:
             continue
         chosen = gemm_recipe_of(name, gemms.recipe, gemms.exclude, gemms.rules)
-        if chosen is None:
+        if chosen is None or _block_index(name) in kept:
             continue
         if chosen in BLOCK_FORMATS:
             _check_blocks(name, module, chosen)
-        policy = policy_for(chosen, gemms.backend)
-        make_state = _row_of(chosen).make_state if policy.format == "custom" else None
-        module.use_recipe(chosen, gemms.backend, make_state(seed, name) if make_state else None)
+        policy = policy_for(chosen, gemms.backend, gemms.switches)
+        module.use_policy(dataclasses.replace(policy, state=_state_for(policy, seed, name)))
         done[name] = chosen
     counts = {r: sum(1 for v in done.values() if v == r) for r in dict.fromkeys(done.values())}
     fp8_backend = f", fp8 backend {gemms.backend}" if any(r in ("tensorwise", "rowwise") for r in counts) else ""
     recipes = "; ".join(f"{r} x{n}: {gradient_format(r)}" for r, n in counts.items()) or "none"
-    log_once(f"low-precision linears ({recipes}{fp8_backend}) on {len(done)} modules; kept out: fp32-marked "
-             f"modules, {list(gemms.exclude)} and rules {list(gemms.rules)}")
+    switches = _switches_text(gemms)
+    log_once(f"low-precision linears ({recipes}{fp8_backend}{switches}) on {len(done)} modules; kept out: "
+             f"fp32-marked modules, {list(gemms.exclude)}, rules {list(gemms.rules)}"
+             + (f", decoder blocks {sorted(kept)}" if kept else ""))
     return list(done)
+
+
+def _switches_text(gemms: LowPrecisionGemms) -> str:
+    """The recipe switches that are on, for the log line."""
+    s = gemms.switches
+    on = [name for name, flag in (("2D weight blocks", s.weight_2d), ("Hadamard wgrad", s.hadamard),
+                                  ("stochastic gradients", s.stochastic)) if flag]
+    if "mxfp8" in gemms.recipes:
+        on.append(f"mxfp8 scales {s.scale_rounding}")
+    if gemms.high_precision_forward_from_step:
+        on.append(f"forward in the model dtype from step {gemms.high_precision_forward_from_step}")
+    return f"; {', '.join(on)}" if on else ""
+
+
+def _low_precision_linears(model: nn.Module) -> list[ParallelLinear]:
+    return [m for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))
+            and m.gemm_policy.format != "model"]
+
+
+class ForwardSchedule:
+    """``high_precision_forward_from_step``: from that optimizer step on (a resumed run too), the low-precision
+    linears' forward GEMMs run in the model dtype; the backward GEMMs keep the recipe. ``before_step(step)`` is
+    called with the step about to run; it changes the policies once."""
+
+    def __init__(self, model: nn.Module, gemms: LowPrecisionGemms) -> None:
+        self.model, self.from_step, self.switched = model, gemms.high_precision_forward_from_step, False
+
+    def before_step(self, step: int) -> bool:
+        """Switch the forwards when ``step`` reached the configured one; True when this call switched them."""
+        if self.switched or self.from_step is None or step < self.from_step:
+            return False
+        for m in _low_precision_linears(self.model):
+            m.use_policy(dataclasses.replace(m.gemm_policy, forward_high=True))
+        self.switched = True
+        log_once(f"from step {step}: forward GEMMs of the low-precision linears in the model dtype "
+                 "(model.low_precision.high_precision_forward_from_step)")
+        return True
 
 
 class RecipeStates:

@@ -21,7 +21,8 @@ import torch
 from tessera.config import Config
 from tessera.config.checks import masters_problem
 from tessera.config.dtypes import ModelDtype, dtype_from_name, resolve_model_dtype
-from tessera.config.typed import HybridZeroConfig, ModelConfig, RunConfig
+from tessera.config.typed import HybridZeroConfig, LowPrecisionConfig, ModelConfig, RunConfig
+from tessera.parallel.gemm import RecipeSwitches
 from tessera.precision.switches import apply_precision
 
 __all__ = ["LowPrecisionGemms", "ModelDtype", "OptimizerDtypes", "PrecisionPlan", "model_dtype_of",
@@ -33,19 +34,28 @@ _OPTIMIZER_DTYPES = (torch.float32, torch.bfloat16)
 @dataclass(frozen=True)
 class LowPrecisionGemms:
     """The config's ``model.low_precision`` section: low-precision GEMMs in the parallel linears (an fp8 recipe or a
-    block format: the routes of ``tessera.parallel.gemm``), the fp8 backend and the per-module rules."""
+    block format: the routes of ``tessera.parallel.gemm``), the fp8 backend, the per-module rules, the published
+    recipes' switches (``RecipeSwitches``), the decoder blocks kept in the model dtype at either end, and the step
+    from which the forward GEMMs run in the model dtype."""
 
     enabled: bool = False
     recipe: str = "tensorwise"
     exclude: tuple[str, ...] = ("output",)
     backend: str = "auto"
     rules: tuple[tuple[str, str], ...] = ()
+    switches: RecipeSwitches = RecipeSwitches()
+    keep_first_blocks: int = 0
+    keep_last_blocks: int = 0
+    high_precision_forward_from_step: int | None = None
 
     @classmethod
-    def from_section(cls, section: Any) -> LowPrecisionGemms:
-        """From the typed ``model.low_precision`` section (``LowPrecisionConfig``)."""
+    def from_section(cls, section: LowPrecisionConfig) -> LowPrecisionGemms:
+        """From the typed ``model.low_precision`` section."""
+        switches = RecipeSwitches(str(section.mx_scale_rounding), bool(section.nvfp4_2d_weights),
+                                  bool(section.hadamard_wgrad), bool(section.stochastic_gradients))
         return cls(bool(section.enabled), str(section.recipe), tuple(section.exclude), str(section.backend),
-                   tuple((str(p), str(r)) for p, r in section.rules))
+                   tuple((str(p), str(r)) for p, r in section.rules), switches, int(section.keep_first_blocks),
+                   int(section.keep_last_blocks), section.high_precision_forward_from_step)
 
     @property
     def recipes(self) -> list[str]:

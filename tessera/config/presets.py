@@ -1,0 +1,53 @@
+"""Published low-precision recipes as one key: ``model.low_precision.preset`` fills the section's switches the way
+a recipe in the field sets them, before validation; a key the config gives beside the preset wins.
+
+- ``nvidia``: "Pretraining Large Language Models with NVFP4" (NVIDIA, arXiv 2509.25149; Transformer Engine's
+  ``NVFP4BlockScaling``): NVFP4 with 16x16 weight blocks, a random Hadamard transform of the weight-gradient
+  GEMM's operands, stochastic rounding of gradients, and the first and last blocks kept in BF16 (the paper keeps
+  its first 2 and last 8 of 62 blocks: here the same shares, at least one block each).
+- ``torchtitan``: torchtitan's NVFP4 converter: NVFP4 with the last 15% of blocks and the head in BF16.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from tessera.config.errors import ConfigError, where
+
+__all__ = ["PRESETS", "apply_low_precision_preset"]
+
+_NVIDIA_FIRST, _NVIDIA_LAST = 2 / 62, 8 / 62  # the paper's 12B model: 2 first and 8 last of its 62 blocks in BF16
+_TORCHTITAN_LAST = 0.15
+
+
+def _nvidia(num_layers: int) -> dict[str, Any]:
+    return {"recipe": "nvfp4", "nvfp4_2d_weights": True, "hadamard_wgrad": True, "stochastic_gradients": True,
+            "keep_first_blocks": max(1, math.ceil(num_layers * _NVIDIA_FIRST)),
+            "keep_last_blocks": max(1, math.ceil(num_layers * _NVIDIA_LAST))}
+
+
+def _torchtitan(num_layers: int) -> dict[str, Any]:
+    return {"recipe": "nvfp4", "keep_last_blocks": max(1, math.ceil(num_layers * _TORCHTITAN_LAST))}
+
+
+PRESETS = {"nvidia": _nvidia, "torchtitan": _torchtitan}
+
+
+def apply_low_precision_preset(raw: Mapping[str, Any], source: str | None = None) -> dict[str, Any]:
+    """``raw`` with ``model.low_precision.preset``'s switches filled in where the config does not set them (and
+    ``enabled`` on unless set); unchanged without a preset."""
+    model = raw.get("model")
+    section = model.get("low_precision") if isinstance(model, Mapping) else None
+    if not isinstance(section, Mapping) or section.get("preset") is None:
+        return dict(raw)
+    name = section["preset"]
+    if name not in PRESETS:
+        raise ConfigError(f"model.low_precision.preset={name!r}: must be one of {list(PRESETS)}{where(source)}")
+    layers = model.get("num_layers")
+    if not isinstance(layers, int) or isinstance(layers, bool) or layers < 1:
+        raise ConfigError(f"model.low_precision.preset={name!r} needs model.num_layers (an int >= 1), got "
+                          f"{layers!r}{where(source)}")
+    filled = {"enabled": True, **PRESETS[name](layers), **section}
+    return {**raw, "model": {**model, "low_precision": filled}}
