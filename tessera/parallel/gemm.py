@@ -322,11 +322,36 @@ def _col_major(t: torch.Tensor) -> torch.Tensor:
     return t.t().contiguous().t()
 
 
+SCALED_MM_MULTIPLE = 16  # torch._scaled_mm wants the reduction dim and the second operand's columns in multiples
+
+
+def _zero_padded(t: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
+    """``t`` with zeros appended along ``dim`` up to a multiple (fp8 tensors too: concatenated, not ``F.pad``)."""
+    short = -t.shape[dim] % multiple
+    if not short:
+        return t
+    shape = list(t.shape)
+    shape[dim] = short
+    return torch.cat([t, t.new_zeros(shape)], dim=dim)
+
+
 def _scaled_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
                out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``(a / a_scale) @ (b / b_scale) + bias`` on fp8 ``a`` (row-major) and ``b`` (column-major)."""
-    return torch._scaled_mm(a, b, a_scale.reciprocal().contiguous(), b_scale.reciprocal().contiguous(),
-                            bias=None if bias is None else bias.to(out_dtype), out_dtype=out_dtype)
+    """``(a / a_scale) @ (b / b_scale) + bias`` on fp8 ``a`` (row-major) and ``b`` (column-major). A reduction dim
+    (the tokens of the weight gradient) or an output width that is not a multiple of 16 is padded with zeros (the
+    kernel refuses it otherwise): zeros add nothing to a sum, and padded output columns are cut off. Scales along a
+    padded dim do not exist (rowwise scales run along the kept dims), so they need no padding, except ``b``'s
+    per-column scales, padded with ones."""
+    n = b.shape[1]
+    a, b = _zero_padded(a, 1, SCALED_MM_MULTIPLE), _zero_padded(b, 0, SCALED_MM_MULTIPLE)
+    if n % SCALED_MM_MULTIPLE:
+        b = _col_major(_zero_padded(b.t().contiguous(), 0, SCALED_MM_MULTIPLE).t())
+        if b_scale.dim() == 2 and b_scale.shape[1] == n:
+            b_scale = torch.cat([b_scale, b_scale.new_ones(1, b.shape[1] - n)], dim=1)
+        bias = None if bias is None else torch.cat([bias, bias.new_zeros(b.shape[1] - n)])
+    y = torch._scaled_mm(a, b, a_scale.reciprocal().contiguous(), b_scale.reciprocal().contiguous(),
+                         bias=None if bias is None else bias.to(out_dtype), out_dtype=out_dtype)
+    return y[:, :n] if y.shape[1] != n else y
 
 
 def _scaled_forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, p: GemmPolicy,
