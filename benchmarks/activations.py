@@ -10,7 +10,7 @@ reference to the C++ storage, so a tensor autograd keeps for backward counts for
 a TorchDispatchMode, so it also sees the backward and the recomputation). Gradients of the parameters
 are allocated before the forward, so they are not activations here. Step time: forward+backward
 without the tracker, every case in interleaved rounds, the slower rank per round. The closed form
-(``tessera.model.activations``) is given beside each measurement.
+(``tessera.memory.activations``) is given beside each measurement.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def run(args: Any) -> dict[str, Any]:
     import torch
 
     from harness.distributed import run_distributed
-    from tessera.model.activations import activation_bytes
+    from tessera.memory.activations import activation_bytes
     from tessera.parallel.sequence import TENSOR_MODES
 
     model = dict(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,

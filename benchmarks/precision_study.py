@@ -12,7 +12,7 @@ and ends). Per run: the final validation bits per byte (bits per token where the
 no bytes, e.g. ``data.type='synthetic'``: ``METRICS``; a config without held-out data, or one a policy cannot
 apply to, e.g. fp8 on an fp32 model, is refused before the first run), the median tokens/s
 per device (the first 10% of the steps left out as warm-up); per policy the persistent bytes per parameter
-(the closed form of ``precision_report``). They are kept in ``<workdir>/study.json``, so policies can be run
+(``tessera.memory.persistent``). They are kept in ``<workdir>/study.json``, so policies can be run
 one invocation at a time (``--only``). ``--jobs N`` trains N runs at a time (a machine with many cores: the
 whole 3-seed study is 30 demo runs, hours on 2 cores). The section's statistics are ``tools/compare_runs.py``'s
 (``tessera.analysis.run_compare.summarize``): per policy the mean and standard deviation of the final bits per
@@ -122,9 +122,9 @@ def _slug(name: str) -> str:
 
 def _bytes_per_param(config: str, overrides: list[str]) -> float:
     from tessera.config.checks import parallel_sizes
+    from tessera.memory.persistent import closed_form_bytes
     from tessera.model import build_model
     from tessera.precision.plan import PrecisionPlan
-    from tessera.train.precision_report import closed_form_bytes
 
     cfg = harness.load_config(config, overrides)
     tp = cfg.parallel.tensor.size

@@ -42,7 +42,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 # lowest first: a module may import its own layer and the layers before it, never a later one
-LAYERS = ("leaf", "parallel", "model", "config", "precision", "core", "data", "optim", "train", "analysis", "checkpoint", "plan")
+LAYERS = ("leaf", "parallel", "model", "config", "precision", "core", "memory", "data", "optim", "train", "analysis", "checkpoint", "plan")
 # tessera/<name>.py modules that import no tessera package (stdlib / torch only); "__init__" is tessera/__init__.py
 LEAF_MODULES = frozenset({"__init__", "files", "cli_args", "logs", "error_file", "run", "hardware"})
 MAX_FUNCTION_LINES = 80

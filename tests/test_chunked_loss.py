@@ -184,7 +184,7 @@ def test_the_activation_closed_form_counts_the_fused_head():
     """Live bytes of one forward and backward at TP=2 against ``activation_bytes(..., chunk_tokens)``, to 10%
     as the unfused closed form is checked (tests/test_sequence_parallel.py); with a vocabulary of 512 the
     fused head's peak is below the unfused one's."""
-    from tessera.model.activations import activation_bytes
+    from tessera.memory.activations import activation_bytes
 
     model = dict(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=512, mlp_ratio=2.0, multiple_of=16)
     cases = [dict(model=model, micro_bsz=2, seq_len=64, mode=mode, checkpoint=False, chunk_tokens=chunk)

@@ -17,9 +17,9 @@ import torch
 from tessera.config import Config
 from tessera.core.job import Job
 from tessera.data import build_data
+from tessera.memory.estimate import plan_persistent_state
 from tessera.model import build_model
 from tessera.train.builder import build_training_stack
-from tessera.train.memory_check import plan_persistent_state
 from tessera.train.metrics import gpu_peak_tflops, measure_matmul_tflops
 from tests.tolerances import order_rtol, transformer_depth
 

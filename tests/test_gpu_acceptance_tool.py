@@ -67,7 +67,7 @@ def test_the_memory_verdict_needs_the_peak_within_the_prediction(ratio, ok):
     """The real peak within [0.95, 1.05] of the prediction: an undercount admits runs that run out of memory,
     an overcount refuses layouts that fit."""
     from tessera.config import Config
-    from tessera.train.memory_check import plan_persistent_state
+    from tessera.memory.estimate import plan_persistent_state
 
     tool = _tool()
     need = plan_persistent_state(Config.from_file(TINY), 1, 1, 1, device_type="cuda").need / 2**30

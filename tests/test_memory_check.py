@@ -13,10 +13,11 @@ from harness.failure import explain
 from tessera.config import Config, ConfigError
 from tessera.core.job import Job
 from tessera.core.layout import Layout
+from tessera.memory.estimate import plan_persistent_state
 from tessera.plan import make_plan
 from tessera.train import memory_check
 from tessera.train.builder import build_training_stack
-from tessera.train.memory_check import check_memory, plan_persistent_state
+from tessera.train.memory_check import check_memory
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "tiny.py")
@@ -140,7 +141,7 @@ def _sdpa_cfg(*overrides: str) -> Config:
      3 * 60 * 60 + 3 * 60 * 64 * 4 + 2 * 3 * 60 * 2 * 16 * 4),
 ])
 def test_cuda_check_counts_sdpa_masks_and_gqa_copies(overrides, checkpoint, flash, expected, monkeypatch):
-    from tessera.train import memory_extras
+    from tessera.memory import extras as memory_extras
 
     monkeypatch.setattr(memory_extras, "torch_varlen", lambda: (None, "an older torch"))  # SDPA for packed rows
     cfg = _sdpa_cfg(*overrides, f"model.checkpoint={checkpoint!r}")

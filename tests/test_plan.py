@@ -4,7 +4,7 @@ real 7B size, and failing on a CPU-tensor collective as NCCL would.
 The reference for every traced figure is independent of the dry run: a real step of the same config on
 gloo processes (live tensor bytes counted the same way), ``optimizer.memory_bytes()`` of real tensors,
 and closed forms: the persistent bytes and the communication derived in the tests below from the
-config's dims, and ``tessera.model.activations`` for the activations.
+config's dims, and ``tessera.memory.activations`` for the activations.
 """
 
 from __future__ import annotations
@@ -161,7 +161,7 @@ def test_persistent_bytes_equal_the_closed_form(overrides, fp32_parts, per_low):
     total = sum(expected.values())
     assert plan.closed_form["persistent"] == pytest.approx(total)
     assert plan.traced["persistent"] == pytest.approx(total, rel=0.01)
-    # the activations: the dry run's live tensors against tessera.model.activations (two computations)
+    # the activations: the dry run's live tensors against tessera.memory.activations (two computations)
     assert plan.traced["backward_extra"] == pytest.approx(plan.closed_form["backward_extra"], rel=0.25)
 
 
@@ -262,7 +262,7 @@ def test_plan_counts_sdpa_masks_gqa_copies_and_the_runtime_allowance(monkeypatch
     of 60 tokens, 2 query heads of 16 per TP rank over 1 KV head, bf16), and both columns carry 1 GiB per
     NCCL communicator (world and TP group here) and 64 MiB of cuBLAS workspaces. With torch's varlen kernel
     the SDPA columns are empty as with flash_attn."""
-    from tessera.train import memory_extras
+    from tessera.memory import extras as memory_extras
 
     with_varlen = make_plan(_tiny("model.use_flash_attn=True", "model.dtype='torch.bfloat16'", "model.num_layers=3",
                                   "data.seq_len=60", "data.micro_bsz=3", "parallel.tensor.size=2"), 2, flash_attn=False,
@@ -309,7 +309,7 @@ def test_7b_plan_is_small_and_exact():
     assert plan["fits"] is True and plan["step_time_s"] > 0
     # no flash_attn on this machine: packed rows of 2 x 2048 tokens keep the bool mask and a bf16 copy per layer,
     # unless this torch has its own varlen kernel (then nothing, as with flash_attn)
-    from tessera.train.memory_extras import torch_varlen
+    from tessera.memory.extras import torch_varlen
 
     mask = 0 if torch_varlen()[0] is not None else 2 * 2048**2 * (1 + 32 * 2)
     assert plan["traced"]["sdpa_mask"] == plan["closed_form"]["sdpa_mask"] == mask

@@ -26,8 +26,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from harness.distributed import run_distributed
 from tessera.config import Config, ConfigError
+from tessera.memory.activations import activation_bytes
 from tessera.model import build_model
-from tessera.model.activations import activation_bytes
 from tessera.model.mlp import ffn_hidden_size
 from tessera.parallel import vocab_parallel_cross_entropy
 from tessera.parallel.attrs import is_tensor_parallel, partition_dim

@@ -167,7 +167,7 @@ def memory_check_vs_peak(config: str, overrides: list[str], measured_gib: float)
     allocator's peak: within ``MEMORY_BAND`` of the prediction passes. Undercounting admits runs that run out
     of memory; overcounting refuses layouts that fit."""
     from tessera.config import Config
-    from tessera.train.memory_check import plan_persistent_state
+    from tessera.memory.estimate import plan_persistent_state
 
     cfg = Config.from_file(config, overrides)
     plan = plan_persistent_state(cfg, 1, 1, 1, device_type="cuda")

@@ -2,10 +2,11 @@
 
     python tools/memory_phases.py [--config configs/1B.py] [--warmup 2] [--json phases.json] [key.sub=value ...]
 
-The memory check (``tessera.train.memory_check``) predicts a run's peak from closed forms: the persistent
-state (weights, fp32 main gradients, masters, optimizer moments), the activations of one micro-batch (what
-a forward keeps, and the backward's working set on top), SDPA's extra tensors and an allowance for the
-runtime's buffers. A prediction that misses the real peak says only that it missed; this tool says where.
+The memory check (``tessera.train.memory_check``, summing the memory model's terms, ``tessera.memory``)
+predicts a run's peak from closed forms: the persistent state (weights, fp32 main gradients, masters,
+optimizer moments), the activations of one micro-batch (what a forward keeps, and the backward's working set
+on top), SDPA's extra tensors and an allowance for the runtime's buffers. A prediction that misses the real
+peak says only that it missed; this tool says where.
 It builds the run's model and optimizer in this process (one rank: TP=1, DP=1; on CUDA when there is a GPU,
 else on the CPU), takes ``--warmup`` ordinary steps (compilation, the optimizer's moments), then one step
 split into its phases, each measured from the state it starts on:
@@ -131,7 +132,7 @@ def measure(cfg: Config, device: Any, warmup: int, meter_factory: Callable[[Any,
 
 def compare(cfg: Config, phases: dict[str, float], device_type: str) -> list[tuple[str, float | None, float]]:
     """(part, the check's figure or None, measured) rows, bytes."""
-    from tessera.train.memory_check import plan_persistent_state
+    from tessera.memory.estimate import plan_persistent_state
 
     plan = plan_persistent_state(cfg, 1, 1, 1, device_type=device_type)
     extras = plan.attention_bytes + plan.runtime_bytes

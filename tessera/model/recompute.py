@@ -11,7 +11,7 @@ activation and product. Each block's input (the layer input x, and h = x + atten
 the row-parallel GEMMs (wo, w2) and their all-reduce / reduce-scatter never run again: recomputation
 stops at their inputs (non-reentrant checkpoint's early stop).
 
-Trade-off, per layer (``tessera.model.activations`` has the closed forms, BENCHMARKS.md section 9
+Trade-off, per layer (``tessera.memory.activations`` has the closed forms, BENCHMARKS.md section 9
 the measurements), with T tokens, hidden h, query/KV widths q/k, SwiGLU width f, TP size t, mtp, fp32:
 
 - none keeps the norms' inputs and outputs, q/k after rotary, v, the attention output, the SwiGLU gate,

@@ -12,19 +12,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from tessera.config import Config, ConfigError, check_model_sizes
+from tessera.memory.census import param_counts
+from tessera.memory.estimate import gpu_extras, headroom_of
 from tessera.model.flash_probe import flash_attn_available
-from tessera.plan.report import (
-    Plan,
-    _layout,
-    _param_counts,
-    closed_form_plan,
-    gpu_extras,
-    gpu_spec,
-    plan_notes,
-    step_flops_per_rank,
-)
+from tessera.plan.report import Plan, _layout, closed_form_plan, gpu_spec, plan_notes, step_flops_per_rank
 from tessera.precision.plan import PrecisionPlan
-from tessera.train.memory_check import headroom_of
 
 __all__ = ["make_plan", "search_layouts", "Candidate", "with_layout"]
 
@@ -44,7 +36,7 @@ def make_plan(cfg: Config, world: int, *, config_name: str = "config", gpu: str 
     flash = flash_attn_available() if flash_attn is None else flash_attn
     lay, shape = _layout(cfg, world, rank)
     mem, comm, low, fp32 = closed_form_plan(cfg, lay, shape, counts, flash)
-    extras = gpu_extras(cfg, lay, shape, flash)
+    extras = gpu_extras(cfg, lay, shape.micro_bsz, shape.seq_len, shape.checkpoint, shape.precision, flash)
     plan = Plan(config_name, lay, shape, low + fp32, closed_form=mem, comm_closed_form=comm,
                 flops_per_rank=step_flops_per_rank(cfg, lay, shape), mfu=mfu,
                 headroom=headroom_of(cfg) if headroom is None else headroom,
@@ -121,7 +113,7 @@ def search_layouts(cfg: Config, gpus: int, memory_gib: float, *, gpu: str = "h10
         except (ValueError, ConfigError):
             continue
         dp = gpus // tp
-        counts = _param_counts(cfg, tp, precision)
+        counts = param_counts(cfg.model, tp, precision)
         if rows % dp:
             continue
         per_replica = rows // dp

@@ -1,9 +1,9 @@
 """The memory and time plan of one layout: traced figures from a dry run beside their closed forms.
 
-Closed forms: persistent state per parameter (``precision_report.closed_form_bytes``), activations of
-one micro-batch (``tessera.model.activations``), ring bytes of each collective, FLOPs per token
+Closed forms: memory from the memory model (``tessera.memory.estimate.closed_form_memory``: persistent state
+per parameter, activations of one micro-batch), ring bytes of each collective, FLOPs per token
 (``tessera.model.flops``). Both columns add what a GPU run holds beyond them, from the config
-(``tessera.train.memory_extras``): SDPA's packed-row masks and expanded GQA K/V when flash_attn does not
+(``tessera.memory.extras``): SDPA's packed-row masks and expanded GQA K/V when flash_attn does not
 run, and the allowance for NCCL communicators and cuBLAS workspaces. Step time is the FLOPs of one rank
 divided by the GPU's datasheet peak at a stated MFU: a planning figure, not a measurement.
 """
@@ -19,26 +19,17 @@ from tessera.config.schema import DEFAULT_MEMORY_HEADROOM
 from tessera.core.layout import Layout
 from tessera.hardware import GPU_BY_PLAN_NAME, GPUS_PER_NODE, INTER_NODE_BYTES_S, NVLINK_BYTES_S
 from tessera.hardware import GPUS as HARDWARE
+from tessera.memory.estimate import closed_form_memory
+from tessera.memory.extras import MATMUL_STREAMS, MATMUL_WORKSPACE_BYTES, NCCL_COMMUNICATOR_BYTES, communicators
 from tessera.model import flops_per_token
-from tessera.model.activations import activation_bytes
 from tessera.model.args import ModelArgs
 from tessera.parallel.sequence import TENSOR_MODES
 from tessera.plan.tracker import ring_bytes
 from tessera.precision.plan import PrecisionPlan
-from tessera.train.memory_check import head_wgrad_fused, meta_census, param_counts
-from tessera.train.memory_extras import (
-    MATMUL_STREAMS,
-    MATMUL_WORKSPACE_BYTES,
-    NCCL_COMMUNICATOR_BYTES,
-    communicators,
-    runtime_allowance,
-    sdpa_extra_bytes,
-)
 from tessera.train.metrics import gpu_peak_tflops
-from tessera.train.precision_report import closed_form_bytes
 
 __all__ = ["GPUS", "StepShape", "Plan", "closed_form_plan", "step_flops_per_rank", "gpu_spec", "gpu_for_device_name",
-           "gpu_extras", "plan_notes"]
+           "plan_notes"]
 
 GIB = 2**30
 
@@ -46,8 +37,6 @@ GIB = 2**30
 # rows that have a plan name (``tessera.hardware``)
 GPUS: dict[str, tuple[float, str]] = {plan: (float(HARDWARE[name].memory_gib or 0.0), name)
                                       for plan, name in GPU_BY_PLAN_NAME.items()}
-
-ROLES = ("weights", "main_grads", "masters", "compensation", "optimizer_states")
 
 
 def gpu_for_device_name(device_name: str) -> str | None:
@@ -82,10 +71,6 @@ def _layout(cfg: Config, world: int, rank: int = 0) -> tuple[Layout, StepShape]:
     lay = Layout.of(world, cfg.parallel.tensor.size, cfg.parallel.zero1.size, rank)
     return lay, StepShape(cfg.data.micro_bsz, cfg.data.micro_num, cfg.data.seq_len, cfg.model.checkpoint,
                           cfg.parallel.tensor.mode, PrecisionPlan.from_config(cfg))
-
-
-def _param_counts(cfg: Config, tp: int, precision: PrecisionPlan) -> tuple[int, int]:
-    return param_counts(cfg.model, tp, precision)
 
 
 def step_flops_per_rank(cfg: Config, lay: Layout, shape: StepShape) -> float:
@@ -276,18 +261,6 @@ class Plan:
         return "\n".join(lines)
 
 
-def gpu_extras(cfg: Config, lay: Layout, shape: StepShape, flash_installed: bool) -> dict[str, float]:
-    """What a GPU rank holds beyond the traced tensors (``tessera.train.memory_extras``): SDPA's packed-row
-    masks and expanded GQA K/V at the activation peak (none where flash_attn runs every layer), and the
-    allowance for NCCL communicators and cuBLAS workspaces."""
-    data = {"micro_bsz": shape.micro_bsz, "seq_len": shape.seq_len,
-            "pack_sample_into_one": cfg.data.pack_sample_into_one}
-    dtypes = list(meta_census(cfg.model, lay.tp_size, shape.precision).attention_dtypes)
-    sdpa = sdpa_extra_bytes({"model": cfg.model, "data": data}, lay.tp_size, shape.checkpoint, flash_installed, dtypes)
-    runtime = runtime_allowance(lay.world_size, lay.tp_size, lay.dp_size, lay.zero1_size, "cuda")
-    return {"sdpa_mask": sdpa["mask"], "gqa_kv": sdpa["gqa"], **runtime}
-
-
 def plan_notes(cfg: Config, lay: Layout, flash_installed: bool, extras: dict[str, float]) -> list[str]:
     """What the plan assumed about the attention path and the runtime's buffers, for the report."""
     if extras["sdpa_mask"] or extras["gqa_kv"]:
@@ -301,7 +274,7 @@ def plan_notes(cfg: Config, lay: Layout, flash_installed: bool, extras: dict[str
     n = communicators(lay.world_size, lay.tp_size, lay.dp_size, lay.zero1_size)
     return [attention, f"allowance: {n} NCCL communicator(s) x {NCCL_COMMUNICATOR_BYTES / GIB:g} GiB and cuBLAS "
             f"workspaces ({MATMUL_STREAMS} stream x {MATMUL_WORKSPACE_BYTES / 2**20:g} MiB); see "
-            "tessera.train.memory_extras"]
+            "tessera.memory.extras"]
 
 
 def closed_form_plan(cfg: Config, lay: Layout, shape: StepShape, counts: tuple[int, int] | None = None,
@@ -309,29 +282,6 @@ def closed_form_plan(cfg: Config, lay: Layout, shape: StepShape, counts: tuple[i
     """(memory closed forms, communication closed forms, model-dtype params, fp32 params) of TP rank 0;
     ``counts``: the parameter counts when known (they depend on the model and the TP size only);
     ``flash_installed``: whether flash_attn runs on the planned GPU (else SDPA's extras count)."""
-    low, fp32 = counts or _param_counts(cfg, lay.tp_size, shape.precision)
-    n = low + fp32
-    per = closed_form_bytes(shape.precision, lay.zero1_size, low, fp32)
-    mem = {role: per[role] * n for role in ROLES}
-    mem["persistent"] = per["total"] * n
-    extras = gpu_extras(cfg, lay, shape, flash_installed)
-    mem.update(extras)
-    tp = lay.tp_size
-    if shape.checkpoint in (False, True, "selective") and not shape.precision.gemms.enabled:
-        chunk = cfg.loss.chunk_tokens
-        act = activation_bytes(cfg.model, shape.micro_bsz, shape.seq_len, tp, shape.mode, shape.checkpoint,
-                               shape.precision.dtype, chunk, head_wgrad_fused(cfg, "cuda", shape.precision))
-        v_t = ModelArgs.from_config(cfg.model).vocab_size // tp
-        a_h = ModelArgs.from_config(cfg.model).hidden_size
-        act_e = shape.precision.dtype.itemsize
-        mem["backward_extra"] = act["peak"]
-        tokens = shape.micro_bsz * shape.seq_len  # the fp32 logits alive at once: all, or one fused chunk's
-        mem["loss"] = 4.0 * min(tokens, chunk or tokens) * v_t
-        # TP collectives work on the [micro_bsz x seq, hidden] activations in the model dtype: mtp's
-        # all-reduce in place, msp's gather / reduce-scatter on the full tensor in chunks plus this rank's
-        # chunk; the gradient reductions and ZeRO's weight gathers work in place in the persistent buffers
-        full = float(shape.micro_bsz * shape.seq_len * a_h * act_e)
-        mem["comm_buffer"] = 0.0 if tp == 1 else full * (1 + 1 / tp) if shape.mode == "msp" else full
-        mem["save_extra"] = 0.0  # views of the live buffers; copies go to host memory
-        mem["total_peak"] = mem["persistent"] + act["peak"] + sum(extras.values())
+    mem, low, fp32 = closed_form_memory(cfg, lay, shape.micro_bsz, shape.seq_len, shape.checkpoint, shape.mode,
+                                        shape.precision, counts, flash_installed)
     return mem, comm_closed_form(cfg, lay, shape, low, fp32), low, fp32

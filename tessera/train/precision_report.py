@@ -1,8 +1,8 @@
 """Precision report: per-module storage/compute dtype, and training memory per parameter, measured.
 
-Why measured: the closed form (``2 + 4 + (4 + 8)/d`` bytes per bf16 parameter) is what the design
-promises; the report builds the real NaiveAMPModel + HybridZeroOptimizer, runs one step and sums the
-bytes of the tensors that are actually allocated, so a regression (an extra fp32 copy, unsharded
+Why measured: the closed form (``2 + 4 + (4 + 8)/d`` bytes per bf16 parameter, ``tessera.memory.persistent``)
+is what the design promises; the report builds the real NaiveAMPModel + HybridZeroOptimizer, runs one step and
+sums the bytes of the tensors that are actually allocated, so a regression (an extra fp32 copy, unsharded
 states, a leaked ``.grad``) shows up as a gap between the two columns.
 """
 
@@ -18,13 +18,13 @@ import torch.distributed as dist
 from torch import nn
 
 from tessera.core.naive_amp import NaiveAMPModel, fp32_module_names, unwrap_model
+from tessera.memory.persistent import ROLES, closed_form_bytes
 from tessera.optim.hybrid_zero import HybridZeroOptimizer
 from tessera.optim.params import build_param_groups
 from tessera.precision.plan import PrecisionPlan
 
-__all__ = ["ModuleRow", "PrecisionReport", "closed_form_bytes", "precision_report", "POLICIES", "policy_table"]
+__all__ = ["ModuleRow", "PrecisionReport", "precision_report", "POLICIES", "policy_table"]
 
-ROLES = ("weights", "main_grads", "masters", "compensation", "optimizer_states")
 # the optimizer precision policies (hybrid_zero_optimizer keys), as the report names them
 POLICIES: dict[str, dict[str, str]] = {
     "fp32 masters (default)": {},
@@ -82,30 +82,6 @@ class PrecisionReport:
         lines.append("uniform = every parameter in the model dtype: 2 + 4 + (4 + 8)/d for bf16/fp16 "
                      "(18 without ZeRO), 4 + 4 + 8/d for fp32/tf32")
         return "\n".join(lines)
-
-
-def closed_form_bytes(precision: PrecisionPlan, zero1_size: int, low_params: int, fp32_params: int) -> dict[str, float]:
-    """Bytes per parameter by role for ``low_params`` model-dtype and ``fp32_params`` fp32 parameters, under
-    the run's optimizer dtypes (masters, moments, gradient reduction, compensation)."""
-    p, opt, d = precision.model, precision.optimizer, zero1_size
-    low_w = p.dtype.itemsize if p.is_low_precision else 4
-    low_g = opt.reduce.itemsize if p.is_low_precision else 4
-    bf16_masters = opt.master == torch.bfloat16
-    # fp32 parameters are their own masters; bf16 masters share the bf16 weights' storage
-    low_m = 4 / d if p.is_low_precision and not bf16_masters else 0.0
-    comp = 2 / d if bf16_masters and opt.compensation == "kahan" else 0.0
-    moments = 2 * opt.state.itemsize  # Adam's two moments
-    per = {
-        "weights": low_w * low_params + 4 * fp32_params,
-        "main_grads": low_g * low_params + 4 * fp32_params,
-        "masters": low_m * low_params,
-        "compensation": comp * low_params,
-        "optimizer_states": moments / d * (low_params + fp32_params),
-    }
-    n = max(1, low_params + fp32_params)
-    out = {k: v / n for k, v in per.items()}
-    out["total"] = sum(out.values())
-    return out
 
 
 def _default_loss(output: Any) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """What a GPU run holds beyond the closed forms of the training state and the activations, from the config.
 
-The memory check (``tessera.train.memory_check``) and the planner (``tools/plan.py``) both add these:
+The run's memory check and the plan both add the first two (``tessera.memory.estimate``):
 
 1. **SDPA's extra tensors.** Without flash_attn (not installed, ``model.use_flash_attn=False``, or q/k/v
    in fp32) and, for packed rows, without torch's own varlen kernel (``tessera.model.torch_varlen``: torch
@@ -17,6 +17,8 @@ The memory check (``tessera.train.memory_check``) and the planner (``tools/plan.
 2. **An allowance for the runtime's own buffers** (``runtime_allowance``): NCCL's buffers for every
    communicator this rank joins, and the cuBLAS/cuBLASLt workspaces of the stream the matmuls run on.
    These are stated figures, not counted tensors: see the constants below for where they come from.
+3. **The low-precision GEMMs' operand copies** (``low_precision_gemm_bytes``), on any device: the memory
+   check adds them to the activations' peak.
 
 The dry run (``tessera.plan.dry_run``) cannot trace either: its meta attention goes through a flash
 kernel's shape function and it opens no communicator. The plan shows both beside the traced figures.
@@ -35,7 +37,7 @@ from tessera.precision.plan import LowPrecisionGemms
 from tessera.precision.routes import gemm_copy_bytes
 
 __all__ = ["NCCL_COMMUNICATOR_BYTES", "MATMUL_WORKSPACE_BYTES", "MATMUL_STREAMS", "communicators",
-           "runtime_allowance", "sdpa_extra_bytes"]
+           "runtime_allowance", "sdpa_extra_bytes", "low_precision_gemm_bytes"]
 
 MIB, GIB = 2**20, 2**30
 
@@ -90,7 +92,7 @@ def sdpa_extra_bytes(cfg: Mapping[str, Any], tp: int, checkpoint: Any, flash_ins
     """Bytes SDPA adds on CUDA at one micro-batch's activation peak (see the module doc): ``mask`` (the
     boolean mask once, plus the additive copies kept) and ``gqa`` (the expanded K/V kept); zero where
     every layer runs flash_attn. ``cfg`` holds the ``model`` and ``data`` sections; ``attention_dtypes``
-    the dtype of q/k/v in each layer (``memory_check.meta_census``: fp32 where a mark covers the attention)."""
+    the dtype of q/k/v in each layer (``tessera.memory.census.meta_census``: fp32 where a mark covers the attention)."""
     model_cfg, data = cfg["model"], cfg["data"]
     a = ModelArgs.from_config(model_cfg)
     b, s = int(data["micro_bsz"]), int(data["seq_len"])
