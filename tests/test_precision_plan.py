@@ -18,10 +18,10 @@ import torch
 from harness.failure import explain
 from tessera.checkpoint.tree import read_tree
 from tessera.config import Config
+from tessera.memory.extras import low_precision_gemm_bytes
 from tessera.model.args import ModelArgs
 from tessera.parallel import gemm
 from tessera.precision.plan import LowPrecisionGemms, PrecisionPlan
-from tessera.memory.extras import low_precision_gemm_bytes
 from tests import toy_stochastic_recipe as toy
 
 ROOT = Path(__file__).resolve().parents[1]
