@@ -10,13 +10,19 @@ along one dim (a GEMM's reduction dim, so every product of the sum shares its op
   elements are clamped to the element format's largest finite value and rounded to nearest, ties to
   even. Because the scale rounds down, a block's amax can scale to at most ``2**(emax_elem + 1)``
   (E4M3: 512 > 448): the few elements above the element maximum saturate.
+  ``scale_rounding="rceil"`` is NVIDIA's rule instead (cuBLAS's and Transformer Engine's MXFP8, torchao's
+  ``ScaleCalculationMode.RCEIL``; NVIDIA's MXFP8 paper, arXiv 2506.08027, reports that FLOOR's saturation can
+  make training diverge): the scale is ``amax / max_elem`` rounded up to a power of two, so the amax never
+  scales past the element maximum, at the cost of up to one binade of resolution for the small elements.
+  FLOOR stays the default (OCP's rule, and today's results); see ``_mx_blocks_rceil`` for its edges.
 - **NVFP4** (NVIDIA): E2M1 elements (0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives) packed two per
   byte, one E4M3 scale per 16 elements and one fp32 scale per tensor. The per-tensor scale is
   ``amax / (448 * 6)``, so the largest block scale lands on E4M3's largest value; each block's scale
   is ``block_amax / 6`` divided by it, clamped to [E4M3's smallest normal, 448] and rounded to E4M3.
 
 The arithmetic (operation order included) is the one torchao's reference quantizers use, so the two
-agree bit for bit (tests/test_block_formats.py), with two deliberate, spec-following differences:
+agree bit for bit (tests/test_block_formats.py; RCEIL in tests/test_block_recipes.py, torchao's eager
+arithmetic and its edges included), with two deliberate, spec-following differences for FLOOR and NVFP4:
 an MX block whose scale clamps to 2**-127 is divided by 2**-127 (torchao divides by 2**-126 there, a
 workaround for Triton's subnormals, and then dequantizes with 2**-127: a factor-2 round-trip error),
 and an all-zero tensor gets the NVFP4 per-tensor scale 1.0 (amax / (448 * 6) = 0 would make every
@@ -31,8 +37,8 @@ from typing import NamedTuple
 import torch
 
 __all__ = ["BLOCK_RECIPES", "E2M1", "E4M3", "E5M2", "MX_ELEMENTS", "BlockStats", "ElementFormat", "MXQuantized",
-           "NVFP4Quantized", "block_stats", "dequantize", "fake_quantize", "fake_quantize_with_stats",
-           "nvfp4_per_tensor_scale", "quantize_mx", "quantize_nvfp4", "round_to_grid"]
+           "NVFP4Quantized", "SCALE_ROUNDINGS", "block_stats", "dequantize", "fake_quantize",
+           "fake_quantize_with_stats", "nvfp4_per_tensor_scale", "quantize_mx", "quantize_nvfp4", "round_to_grid"]
 
 
 @dataclass(frozen=True)
@@ -94,7 +100,8 @@ class BlockStats(NamedTuple):
 
     ``scale_saturated``: blocks whose ideal scale is above the scale format's range or not finite (an inf or
     NaN in the block, or an NVFP4 per-tensor scale too small for the block). ``scale_underflow``: non-zero
-    blocks whose ideal scale is below the scale format's range (clamped up: small elements lose bits).
+    blocks whose ideal scale is below the scale format's range (clamped up: small elements lose bits; with RCEIL,
+    at or below 2**-127, where NVIDIA's encoding by 1 flushes the whole block).
     ``flushed_to_zero``: non-zero elements that quantize to zero.
     """
 
@@ -152,8 +159,18 @@ def _join_blocks(xb: torch.Tensor, dim: int) -> torch.Tensor:
     return xb.reshape(*xb.shape[:-2], -1).movedim(-1, dim)
 
 
-def _mx_blocks(xb: torch.Tensor, fmt: ElementFormat) -> tuple[_Blocks, torch.Tensor]:
+SCALE_ROUNDINGS = ("floor", "rceil")  # how an MX block's E8M0 scale is rounded (see the module docstring)
+
+
+def _check_scale_rounding(scale_rounding: str) -> None:
+    if scale_rounding not in SCALE_ROUNDINGS:
+        raise ValueError(f"MX scale rounding must be one of {list(SCALE_ROUNDINGS)}, got {scale_rounding!r}")
+
+
+def _mx_blocks(xb: torch.Tensor, fmt: ElementFormat, scale_rounding: str = "floor") -> tuple[_Blocks, torch.Tensor]:
     """MX quantization of fp32 blocks: the blocks' work and their E8M0 codes (uint8, ``(..., n_blocks)``)."""
+    if scale_rounding == "rceil":
+        return _mx_blocks_rceil(xb, fmt)
     amax = xb.abs().amax(dim=-1, keepdim=True)  # NaN when the block holds a NaN
     ideal = _exponent(amax) - fmt.emax  # floor(log2(amax)) - emax_elem
     exp = torch.clamp(ideal, -E8M0_BIAS, E8M0_BIAS)
@@ -166,6 +183,32 @@ def _mx_blocks(xb: torch.Tensor, fmt: ElementFormat) -> tuple[_Blocks, torch.Ten
     nonzero = amax > 0
     saturated = ((ideal > E8M0_BIAS) | ~torch.isfinite(amax)).squeeze(-1)
     underflow = (nonzero & (ideal < -E8M0_BIAS)).squeeze(-1)
+    return _Blocks(grid, decode, saturated, underflow), codes.squeeze(-1)
+
+
+def _mx_blocks_rceil(xb: torch.Tensor, fmt: ElementFormat) -> tuple[_Blocks, torch.Tensor]:
+    """``_mx_blocks`` with RCEIL scales: the E8M0 code rounds ``amax / max_elem`` up to a power of two.
+
+    The exponent is ``ceil(log2(amax / max_elem))`` computed in fp32 (torchao's arithmetic, so the codes
+    agree bit for bit): where the quotient lies a few fp32 ulps above a power of two, fp32 ``log2`` rounds to
+    the integer and the scale stays at that power (the hardware's exact round-up takes the next one); the
+    block's largest element then exceeds the element maximum by under 2**-17 of it and saturates to it, well
+    within half an element ulp. Special codes as NVIDIA's kernels set them: NaN -> 255, inf -> 254 (elements
+    multiplied by 2**-127), and code 0 multiplies by 1 (Transformer Engine's reciprocal of code 0), so a
+    non-zero block whose scale would be 2**-127 or less flushes to zero.
+    """
+    amax = xb.abs().amax(dim=-1, keepdim=True)
+    ideal = torch.ceil(torch.log2(amax / fmt.max))  # float: -inf for a zero block, NaN / inf pass through
+    nan, inf = torch.isnan(amax), torch.isinf(amax)
+    biased = torch.clamp(ideal, -E8M0_BIAS, E8M0_BIAS) + E8M0_BIAS
+    codes = torch.where(nan, E8M0_NAN, torch.where(inf, E8M0_NAN - 1, biased)).to(torch.uint8)
+    icodes = codes.to(torch.int32)
+    encode = torch.where(icodes == 0, 1.0, _pow2(E8M0_BIAS - icodes))  # code 254 (inf) gives 2**-127
+    encode = torch.where(nan, torch.nan, encode)  # a NaN block reads NaN everywhere
+    grid = round_to_grid(xb * encode, fmt)
+    decode = torch.where(nan, torch.nan, _pow2(icodes - E8M0_BIAS))
+    saturated = (~torch.isfinite(amax)).squeeze(-1)  # a finite amax / max_elem never needs more than 2**127
+    underflow = ((amax > 0) & (ideal <= -E8M0_BIAS)).squeeze(-1)  # code 0: encoded by 1, flushed
     return _Blocks(grid, decode, saturated, underflow), codes.squeeze(-1)
 
 
@@ -214,13 +257,16 @@ def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(*packed.shape[:-1], -1)
 
 
-def quantize_mx(t: torch.Tensor, fmt: str = "e4m3", block: int = MX_BLOCK, dim: int = -1) -> MXQuantized:
-    """``t`` in an MX format along ``dim``: ``fmt`` is ``"e4m3"`` or ``"e5m2"``, one E8M0 scale per ``block``."""
+def quantize_mx(t: torch.Tensor, fmt: str = "e4m3", block: int = MX_BLOCK, dim: int = -1,
+                scale_rounding: str = "floor") -> MXQuantized:
+    """``t`` in an MX format along ``dim``: ``fmt`` is ``"e4m3"`` or ``"e5m2"``, one E8M0 scale per ``block``,
+    rounded as ``scale_rounding`` says (``"floor"``: OCP's rule; ``"rceil"``: NVIDIA's round-up)."""
     if fmt not in MX_ELEMENTS:
         raise ValueError(f"MX element format must be one of {list(MX_ELEMENTS)}, got {fmt!r}")
+    _check_scale_rounding(scale_rounding)
     element = MX_ELEMENTS[fmt]
     dim = dim % t.dim()
-    blocks, codes = _mx_blocks(_split_blocks(t, block, dim), element)
+    blocks, codes = _mx_blocks(_split_blocks(t, block, dim), element, scale_rounding)
     assert element.dtype is not None
     return MXQuantized(_join_blocks(blocks.grid, dim).to(element.dtype),
                        codes.movedim(-1, dim).view(torch.float8_e8m0fnu), element, block, dim)
@@ -255,35 +301,38 @@ def dequantize(q: MXQuantized | NVFP4Quantized) -> torch.Tensor:
     return _join_blocks(elements * decode, q.dim)
 
 
-def _recipe_blocks(t: torch.Tensor, recipe: str, dim: int,
-                   amax: torch.Tensor | None = None) -> tuple[_Blocks, torch.Tensor]:
+def _recipe_blocks(t: torch.Tensor, recipe: str, dim: int, amax: torch.Tensor | None = None,
+                   scale_rounding: str = "floor") -> tuple[_Blocks, torch.Tensor]:
     if recipe not in BLOCK_RECIPES:
         raise ValueError(f"block recipe must be one of {list(BLOCK_RECIPES)}, got {recipe!r}")
+    _check_scale_rounding(scale_rounding)
     element, block = BLOCK_RECIPES[recipe]
     xb = _split_blocks(t, block, dim)
     if element is E2M1:
         amax = xb.abs().amax() if amax is None else amax.to(device=xb.device, dtype=torch.float32).reshape(())
         return _nvfp4_blocks(xb, nvfp4_per_tensor_scale(amax))[0], xb
-    return _mx_blocks(xb, element)[0], xb
+    return _mx_blocks(xb, element, scale_rounding)[0], xb
 
 
-def fake_quantize_with_stats(t: torch.Tensor, recipe: str, dim: int = -1,
-                             amax: torch.Tensor | None = None) -> tuple[torch.Tensor, BlockStats]:
+def fake_quantize_with_stats(t: torch.Tensor, recipe: str, dim: int = -1, amax: torch.Tensor | None = None,
+                             scale_rounding: str = "floor") -> tuple[torch.Tensor, BlockStats]:
     """``fake_quantize``'s values and the quantization's ``BlockStats``, from one pass."""
-    blocks, xb = _recipe_blocks(t, recipe, dim, amax)
+    blocks, xb = _recipe_blocks(t, recipe, dim, amax, scale_rounding)
     flushed = (blocks.grid == 0) & (xb != 0) & ~torch.isnan(xb)
     stats = BlockStats(blocks.saturated.float().mean(), blocks.underflow.float().mean(), flushed.float().mean())
     return _join_blocks(blocks.grid * blocks.decode, dim), stats
 
 
-def fake_quantize(t: torch.Tensor, recipe: str, dim: int = -1, amax: torch.Tensor | None = None) -> torch.Tensor:
+def fake_quantize(t: torch.Tensor, recipe: str, dim: int = -1, amax: torch.Tensor | None = None,
+                  scale_rounding: str = "floor") -> torch.Tensor:
     """``t`` rounded to a block recipe of ``BLOCK_RECIPES`` along ``dim`` and back, in fp32: the operand an
     emulated block-scaled GEMM multiplies (equal to ``dequantize`` of the stored form). ``amax``: NVFP4's
-    per-tensor scale from this amax instead of ``t``'s own (the whole tensor's, when ``t`` is a TP shard)."""
-    blocks, _ = _recipe_blocks(t, recipe, dim, amax)
+    per-tensor scale from this amax instead of ``t``'s own (the whole tensor's, when ``t`` is a TP shard).
+    ``scale_rounding``: the MX recipes' E8M0 scale rounding, ``"floor"`` or ``"rceil"`` (NVFP4 ignores it)."""
+    blocks, _ = _recipe_blocks(t, recipe, dim, amax, scale_rounding)
     return _join_blocks(blocks.grid * blocks.decode, dim)
 
 
-def block_stats(t: torch.Tensor, recipe: str, dim: int = -1) -> BlockStats:
+def block_stats(t: torch.Tensor, recipe: str, dim: int = -1, scale_rounding: str = "floor") -> BlockStats:
     """The telemetry of quantizing ``t`` with ``recipe`` along ``dim`` (see ``BlockStats``)."""
-    return fake_quantize_with_stats(t, recipe, dim)[1]
+    return fake_quantize_with_stats(t, recipe, dim, scale_rounding=scale_rounding)[1]

@@ -1,0 +1,218 @@
+"""The low-precision recipes on top of the block formats (issue 60): MXFP8's RCEIL scale rounding (bit for bit
+against torchao's ``ScaleCalculationMode.RCEIL``), NVFP4's 16x16 weight blocks, stochastic rounding of the
+elements, and the random Hadamard transform of the weight-gradient GEMM's operands.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+
+from tessera.parallel import block_formats as bf
+
+F32_MAX = torch.finfo(torch.float32).max
+
+
+# ------------------------------------------------------------------------------------------ helpers
+@pytest.fixture(scope="module")
+def ao_mx():
+    """torchao's MX reference quantizer and its scale modes, or a clean skip without torchao."""
+    pytest.importorskip("torchao")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from torchao.prototype.mx_formats import mx_tensor
+        from torchao.prototype.mx_formats.config import ScaleCalculationMode
+    return mx_tensor, ScaleCalculationMode
+
+
+def assert_bits_equal(ours: torch.Tensor, ref: torch.Tensor) -> None:
+    """Same dtype and shape, NaN at the same places, the same bit pattern everywhere else (signed zeros too)."""
+    assert ours.dtype == ref.dtype and ours.shape == ref.shape, (ours.dtype, ref.dtype, ours.shape, ref.shape)
+    nan = torch.isnan(ours.float()) if ours.is_floating_point() else torch.zeros_like(ours, dtype=torch.bool)
+    assert torch.equal(nan, torch.isnan(ref.float()) if ref.is_floating_point() else nan)
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[ours.element_size()]
+    a, b = ours.view(bits)[~nan], ref.view(bits)[~nan]
+    assert torch.equal(a, b), f"{int((a != b).sum())} of {a.numel()} differ: {ours[~nan][a != b][:4]} vs {ref[~nan][a != b][:4]}"
+
+
+def blocks_of(rows: list[list[float]], block: int) -> torch.Tensor:
+    """One block per row, each row padded to ``block`` by repeating its values."""
+    return torch.tensor([(r * block)[:block] for r in rows], dtype=torch.float32)
+
+
+def above(x: float, steps: int = 1) -> float:
+    """``x`` moved ``steps`` fp32 ulps up."""
+    t = torch.tensor(x, dtype=torch.float32)
+    for _ in range(steps):
+        t = torch.nextafter(t, torch.tensor(math.inf))
+    return t.item()
+
+
+# ------------------------------------------------------------------------------------------ 1. MXFP8 RCEIL
+def check_rceil_against_torchao(ao_mx, x: torch.Tensor, fmt: str) -> None:
+    mx_tensor, mode = ao_mx
+    dtype = bf.MX_ELEMENTS[fmt].dtype
+    scales, elements = mx_tensor.to_mx(x, dtype, 32, scaling_mode=mode.RCEIL)
+    dq = mx_tensor.MXTensor.to_mx(x, dtype, 32, scaling_mode=mode.RCEIL).dequantize(torch.float32)
+    ours = bf.quantize_mx(x, fmt, scale_rounding="rceil")
+    assert_bits_equal(ours.scales, scales)
+    assert_bits_equal(ours.elements, elements)
+    assert_bits_equal(bf.dequantize(ours), dq)
+    assert_bits_equal(bf.fake_quantize(x, "mxfp8" if fmt == "e4m3" else "mxfp8_e5m2", scale_rounding="rceil"), dq)
+
+
+def rceil_edge_blocks(fmt: str) -> torch.Tensor:
+    """One 32-element block per edge of RCEIL's arithmetic, ``ceil(log2(amax / max_elem))`` in fp32."""
+    e = bf.MX_ELEMENTS[fmt]
+    top = e.max
+    rows = [
+        [0.0],                                             # all zeros: log2(0) = -inf, code 0
+        [0.0, -0.0, 1.0, -1.0],                            # signed zeros beside normals
+        [top, 1.0, -3.0],                                  # amax / max = 1 exactly: code 127, nothing saturates
+        [top * 2.0 ** 4, 5.0], [-top * 2.0 ** -60, 2.0 ** -70], [top * 2.0 ** 100, 1.0],  # exact powers of two
+        [above(top * 2.0 ** 4), 1.0],                      # one ulp above: fp32 log2 rounds to 4, the scale stays 2**4
+        [above(top * 2.0 ** 100, 3), 1.0],                 # a few ulps above a large power
+        [above(top * 2.0 ** -60, 1 << 13), 1.0e-20],       # clearly above: the next power
+        [above(top), 1.0],                                 # one ulp above 2**0: log2 is exact near 1, rounds up
+        [torch.nextafter(torch.tensor(top * 2.0 ** 4), torch.tensor(0.0)).item(), 2.0],  # one ulp below
+        [2.0 ** 5, -1.0, 0.5],                             # amax a power of two, not of the element max
+        [2.0 ** (e.emax + 1) - 1, top, -(2.0 ** e.emax) * 1.9],  # FLOOR would saturate these, RCEIL does not
+        [1.0, 1e-40, -1e-42, 2.0 ** -130],                 # fp32 subnormals beside a normal amax: flushed
+        [1e-40, -3e-39, 1e-45],                            # only fp32 subnormals: amax / max underflows, code 0
+        [top * 2.0 ** -127, 2.0 ** -140],                  # amax / max = 2**-127 exactly: code 0, encoded by 1
+        [above(top * 2.0 ** -127, 1 << 10)],               # amax / max just above 2**-127: code 1
+        [top * 2.0 ** -126, -(2.0 ** -130)],               # code 1, the elements multiplied by 2**126
+        [F32_MAX, -F32_MAX / 3, 1.0],                      # the largest finite fp32
+        [2.0 ** 127, 1.0], [1.5 * 2.0 ** 127, -(2.0 ** 126)],  # near the top of E8M0's range
+        [float("inf"), 1.0, -2.0], [float("-inf"), 0.5],   # inf: code 254, elements times 2**-127
+        [float("nan"), 1.0, -2.0],                         # NaN: code 255, the whole block NaN
+        [1 + 2.0 ** -(e.mbits + 1), 1 + 3 * 2.0 ** -(e.mbits + 1), top],   # element ties, to even
+        [-(1 + 2.0 ** -(e.mbits + 1)), 2.5 * 2.0 ** (e.emin - e.mbits), top],  # ties below the normals
+    ]
+    return blocks_of(rows, 32)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("shape", [(4, 32), (3, 5, 64), (64, 256)])
+def test_rceil_random_tensors_equal_torchao_bit_for_bit(ao_mx, fmt, shape):
+    g = torch.Generator().manual_seed(sum(shape) + len(fmt) + 60)
+    for magnitude in [1e-38, 1e-30, 1e-3, 1.0, 1e3, 1e30, 1e36]:
+        x = torch.randn(shape, generator=g) * magnitude
+        x = x * torch.exp2(torch.randint(-8, 9, shape, generator=g).float())
+        check_rceil_against_torchao(ao_mx, x, fmt)
+        check_rceil_against_torchao(ao_mx, x.bfloat16(), fmt)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_rceil_edges_equal_torchao_bit_for_bit(ao_mx, fmt):
+    x = rceil_edge_blocks(fmt)
+    check_rceil_against_torchao(ao_mx, x, fmt)
+    check_rceil_against_torchao(ao_mx, -x, fmt)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_rceil_codes_follow_the_arithmetic(fmt):
+    """The edges read against RCEIL's rule, not only against torchao."""
+    e = bf.MX_ELEMENTS[fmt]
+    x = rceil_edge_blocks(fmt)
+    q = bf.quantize_mx(x, fmt, scale_rounding="rceil")
+    codes, dq = q.scales.view(torch.uint8).long().squeeze(1), bf.dequantize(q)
+    assert codes[0] == 0 and (dq[0] == 0).all()
+    assert torch.equal(torch.signbit(dq[1]), torch.signbit(x[1]))
+    assert codes[2] == 127 and dq[2, 0] == e.max  # amax / max = 1: scale 1, the largest element exact
+    assert codes[3:6].tolist() == [127 + 4, 127 - 60, 127 + 100]
+    assert codes[6] == 127 + 4 and dq[6, 0] == e.max * 2.0 ** 4  # the fp32-log2 sliver: saturates by < 2**-17
+    assert codes[7] == 127 + 100 and codes[8] == 127 - 59 and codes[9] == 128
+    assert codes[10] == 127 + 4
+    assert codes[12] == 128  # FLOOR: 127, and the block's amax would saturate
+    assert codes[14] == 0 and (dq[14] == 0).all()  # subnormals only: code 0, encoded by 1, flushed
+    assert codes[15] == 0 and (dq[15] == 0).all()  # scale exactly 2**-127: still code 0 (NVIDIA's rule)
+    assert codes[16] == 1 and codes[17] == 1 and dq[17, 0] == e.max * 2.0 ** -126
+    # fp32's max: the scale rounds up, the element rounds up to 2**(emax + 1), and element * scale = 2**128
+    # overflows fp32 (as torchao's dequantize does); FLOOR would have saturated it to a finite max * 2**(127 - emax)
+    assert codes[18] == 127 + math.ceil(128 - math.log2(e.max)) and dq[18, 0] == math.inf
+    assert codes[19] == 127 + 127 - e.emax and dq[19, 0] == 2.0 ** 127
+    assert codes[21] == 254 and dq[21, 0] == math.inf and (dq[21][x[21].isfinite()] == 0).all()
+    assert codes[22] == 254 and dq[22, 0] == -math.inf
+    assert codes[23] == 255 and torch.isnan(q.elements[23].float()).all() and torch.isnan(dq[23]).all()
+    assert dq[24, 0] == 1.0 and dq[24, 1] == 1 + 2 * 2.0 ** -e.mbits
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_rceil_scale_is_the_ceiling_up_to_fp32_log2(fmt):
+    """RCEIL's exact code is ``127 + ceil(log2(amax / max))``. torchao takes log2 in fp32, which (faithfully
+    rounded: error < 1 ulp, and an ulp of |k| < 128 is at most 2**-17) returns the integer k for quotients
+    up to 2**k * (1 + 2**-17), so the code is the exact one or one less, and then ``amax / scale <= max *
+    (1 + 2**-16)`` (the quotient's own rounding included): the largest element is never cut by more than
+    a hair, far under half an element ulp (E4M3: 16 at 448)."""
+    e = bf.MX_ELEMENTS[fmt]
+    g = torch.Generator().manual_seed(5)
+    k = torch.randint(-100, 100, (4096, 1), generator=g).float()
+    amax = e.max * torch.exp2(k) * (1 + torch.randint(0, 1 << 12, (4096, 1), generator=g).float() * 2.0 ** -23)
+    x = torch.cat([amax, torch.rand(4096, 31, generator=g) * amax], dim=1)
+    code = bf.quantize_mx(x, fmt, scale_rounding="rceil").scales.view(torch.uint8).long().squeeze(1)
+    exact = 127 + torch.ceil(torch.log2(amax.double().squeeze(1) / e.max)).long()
+    assert ((code == exact) | (code == exact - 1)).all()
+    assert (code == exact - 1).any()  # the sliver exists (else this test would not need its bound)
+    ratio = amax.double().squeeze(1) / torch.exp2(code.double() - 127)
+    assert (ratio <= e.max * (1 + 2.0 ** -16)).all()
+
+
+def test_floor_saturates_on_gaussian_data_and_rceil_does_not():
+    """FLOOR's scale is ``2**(floor(log2 amax) - emax)``, so a block's amax scales to ``m * 2**emax`` with m the
+    binary mantissa of amax in [1, 2): it saturates (exceeds 448 = 1.75 * 2**8) exactly when m > 1.75. For a
+    block of 32 N(0,1) values amax has CDF erf(a / sqrt 2)**32, so the saturating share is
+    p = sum_k P(1.75 * 2**k < amax < 2**(k+1)) (about 0.169); the count over n blocks is asserted within 5
+    binomial standard deviations of n p. RCEIL's scale is at least amax / 448 (up to the fp32-log2 hair of
+    ``test_rceil_scale_is_the_ceiling_up_to_fp32_log2``): no block's largest element loses anything."""
+    n = 4096
+    x = torch.randn(n, 32, generator=torch.Generator().manual_seed(17))
+    amax = x.abs().amax(dim=1)
+
+    def share(lo: float, hi: float) -> float:
+        return math.erf(hi / math.sqrt(2)) ** 32 - math.erf(lo / math.sqrt(2)) ** 32
+
+    p = sum(share(1.75 * 2.0 ** k, 2.0 ** (k + 1)) for k in range(-40, 8))
+    assert 0.1 < p < 0.25
+    for rounding, expect_some in (("floor", True), ("rceil", False)):
+        q = bf.quantize_mx(x, "e4m3", scale_rounding=rounding)
+        scale = torch.exp2(q.scales.view(torch.uint8).double().squeeze(1) - 127)
+        saturated = amax.double() / scale > bf.E4M3.max
+        if expect_some:
+            mantissa, _ = torch.frexp(amax)  # in [0.5, 1): m = 2 * mantissa
+            assert torch.equal(saturated, 2 * mantissa > 1.75)
+            assert abs(int(saturated.sum()) - n * p) <= 5 * math.sqrt(n * p * (1 - p)) and saturated.any()
+            assert bf.fake_quantize(x, "mxfp8").abs().amax(dim=1).eq(bf.E4M3.max * scale.float()).any()
+        else:
+            assert not saturated.any()
+            top = bf.fake_quantize(x, "mxfp8", scale_rounding="rceil").abs().amax(dim=1).double()
+            v = amax.double() / scale  # in (224, 448]: E4M3's ulp there is 2**(7 - 3) = 16 or 32
+            half_ulp = 0.5 * torch.exp2(torch.floor(torch.log2(v)) - bf.E4M3.mbits)
+            assert ((top - amax.double()).abs() <= half_ulp * scale).all()
+
+
+def test_rceil_block_stats():
+    x = blocks_of([[1.0], [float("inf"), 1.0], [float("nan")], [1e-40], [448 * 2.0 ** -127], [0.0]], 32)
+    stats = bf.block_stats(x, "mxfp8", scale_rounding="rceil")
+    assert stats.scale_saturated == pytest.approx(2 / 6)  # the inf and the NaN block
+    assert stats.scale_underflow == pytest.approx(2 / 6)  # the two non-zero code-0 blocks (the zero block not)
+    # flushed: the 1.0s of the inf block (times 2**-127), the two code-0 blocks
+    assert stats.flushed_to_zero == pytest.approx((16 + 32 + 32) / x.numel())
+    fq, same = bf.fake_quantize_with_stats(x, "mxfp8", scale_rounding="rceil")
+    assert same == stats and torch.isnan(fq[2]).all()
+
+
+def test_scale_rounding_default_is_floor_and_a_bad_value_is_a_value_error():
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(2)) * 30
+    for recipe in ("mxfp8", "mxfp8_e5m2", "nvfp4"):
+        assert_bits_equal(bf.fake_quantize(x, recipe), bf.fake_quantize(x, recipe, scale_rounding="floor"))
+    assert_bits_equal(bf.fake_quantize(x, "nvfp4"), bf.fake_quantize(x, "nvfp4", scale_rounding="rceil"))
+    assert not torch.equal(bf.fake_quantize(x, "mxfp8"), bf.fake_quantize(x, "mxfp8", scale_rounding="rceil"))
+    for call in (lambda: bf.quantize_mx(x, scale_rounding="ceil"),
+                 lambda: bf.fake_quantize(x, "mxfp8", scale_rounding="RCEIL"),
+                 lambda: bf.fake_quantize_with_stats(x, "nvfp4", scale_rounding="even")):
+        with pytest.raises(ValueError, match="MX scale rounding must be one of"):
+            call()
