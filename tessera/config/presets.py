@@ -39,7 +39,9 @@ def apply_low_precision_preset(raw: Mapping[str, Any], source: str | None = None
     """``raw`` with ``model.low_precision.preset``'s switches filled in where the config does not set them (and
     ``enabled`` on unless set); unchanged without a preset."""
     model = raw.get("model")
-    section = model.get("low_precision") if isinstance(model, Mapping) else None
+    if not isinstance(model, Mapping):
+        return dict(raw)
+    section = model.get("low_precision")
     if not isinstance(section, Mapping) or section.get("preset") is None:
         return dict(raw)
     name = section["preset"]

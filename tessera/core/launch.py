@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tessera.config import Config, check_world_size
+from tessera.config import Config, RunConfig, check_world_size
 from tessera.core.config import as_config
 from tessera.core.determinism import apply_determinism
 from tessera.core.job import Job, JobGroups
@@ -71,30 +71,31 @@ def join_job(config: ConfigLike, peer: Peer, backend: str | None = None, seed: i
     rendezvous. ``seed=None`` takes the config's ``seed`` key.
     """
     cfg = as_config(config)
+    run = cfg.typed  # the launch reads the typed view only (mypy checks every field)
     tp, _, zero1 = check_world_size(cfg, peer.world_size)
     if backend is None:
-        backend = cfg.dist.backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        backend = run.dist.backend or ("nccl" if torch.cuda.is_available() else "gloo")
     check_backend(backend)
-    apply_determinism(cfg.typed, backend, peer.world_size)  # before the group and CUDA: env vars read at their start
+    apply_determinism(run, backend, peer.world_size)  # before the group and CUDA: env vars read at their start
     init_method = peer.init_method
     if isinstance(init_method, Rendezvous):  # every rank has joined the store once this returns
-        init_method = init_method.connect(cfg.dist.timeout_s)
+        init_method = init_method.connect(run.dist.timeout_s)
         logger.debug("launch: rank %d joined the rendezvous at %s", peer.rank, peer.init_method.where)
     try:
         device = join_default_group(peer.rank, peer.world_size, backend, init_method, peer.local_rank,
-                                    cfg.dist.timeout_s)
+                                    run.dist.timeout_s)
     except RuntimeError as e:  # torch's DistError and backend failures: one line, the traceback chained
         raise LaunchError(f"joining the {backend} process group of {peer.world_size} ranks failed: "
                           f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}") from e
     logger.debug("launch: rank %d joined the %s process group of %d ranks", peer.rank, backend, peer.world_size)
-    groups = new_groups(tp, zero1, cfg.dist.timeout_s)
+    groups = new_groups(tp, zero1, run.dist.timeout_s)
     logger.debug("launch: rank %d built its tensor, data and zero1 groups", peer.rank)
-    job = Job.of(cfg, groups, layout=Layout.of(peer.world_size, tp, zero1, peer.rank), device=device, seed=seed)
+    job = Job.of(run, groups, layout=Layout.of(peer.world_size, tp, zero1, peer.rank), device=device, seed=seed)
     nodes = _tensor_group_nodes(job)
-    shm = _shm_collectives(cfg, job, nodes)
+    shm = _shm_collectives(run, job, nodes)
     job.precision.apply()
-    torch.backends.cudnn.deterministic = cfg.cudnn_deterministic or cfg.deterministic
-    torch.backends.cudnn.benchmark = cfg.cudnn_benchmark  # refused with deterministic=True (apply_determinism)
+    torch.backends.cudnn.deterministic = run.cudnn_deterministic or run.deterministic
+    torch.backends.cudnn.benchmark = run.cudnn_benchmark  # refused with deterministic=True (apply_determinism)
     return Launched(cfg, job, peer.local_rank, nodes, shm)
 
 
@@ -154,13 +155,13 @@ def _tensor_group_nodes(job: Job) -> list[str]:
     return found
 
 
-def _shm_collectives(cfg: Config, job: Job, nodes: list[str]) -> ShmCollectives | None:
+def _shm_collectives(run: RunConfig, job: Job, nodes: list[str]) -> ShmCollectives | None:
     """Route the TP group's all-reduces and all-gathers through shared memory when it is on one machine (CPU only).
 
     Every input to the decision is the same on all ranks of a TP group (config, the gathered node
     list, the machine), so they all take the same route; the choice is logged once.
     """
-    mode = cfg.dist.cpu_shm_allreduce
+    mode = run.dist.cpu_shm_allreduce
     size = job.layout.size(ParallelMode.TENSOR)
     if mode == "off" or size <= 1 or job.device.type != "cpu":
         return None
@@ -175,7 +176,7 @@ def _shm_collectives(cfg: Config, job: Job, nodes: list[str]) -> ShmCollectives 
         why = (f"{local} processes share {cores} cores and waiting ranks would spin on them "
                "(dist.cpu_shm_allreduce='on' forces it)")
     if why is None:
-        impl, why = ShmCollectives.create(group, timeout_s=cfg.dist.timeout_s)
+        impl, why = ShmCollectives.create(group, timeout_s=run.dist.timeout_s)
         if impl is not None:
             use_fast_collectives(group, impl)
             if job.is_rank0:
