@@ -58,7 +58,7 @@ class CompileConfig(_Section):
 @dataclass(frozen=True)
 class LowPrecisionConfig(_Section):
     enabled: bool
-    recipe: Literal["tensorwise", "rowwise", "mxfp8", "nvfp4"]
+    recipe: Literal["tensorwise", "rowwise", "mxfp8", "nvfp4", "rowwise_with_gw_hp", "blockwise"]
     backend: Literal["auto", "scaled_mm", "emulated"]
     exclude: Sequence[str]
     rules: Sequence[tuple[str, str]]

@@ -42,15 +42,15 @@ fp32 GEMMs, the bias added in fp32, each output rounded once to the operands' dt
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from tessera.parallel.fp8 import E4M3
 
-if TYPE_CHECKING:  # gemm imports this module for its table: the types only, no import cycle
-    from tessera.parallel.gemm import GemmPolicy, TpSplit
+# the route functions take gemm's GemmPolicy and TpSplit, typed ``Any`` here: gemm imports this module for its
+# table, and the layering allows no import back, not even for types
 
 __all__ = ["ACT_BLOCK", "TILE", "TOKEN_BLOCK", "WEIGHT_BLOCK", "blockwise_forward", "blockwise_grad_input",
            "blockwise_grad_weight", "blockwise_scales", "forward_operands", "grad_input_operands",
@@ -145,7 +145,7 @@ def grad_weight_operands(g2: torch.Tensor, x2: torch.Tensor) -> tuple[torch.Tens
     return quantize_blockwise(g2, E4M3, TOKEN_BLOCK), quantize_blockwise(x2, E4M3, TOKEN_BLOCK)
 
 
-def _check_shards(w: torch.Tensor, s: TpSplit) -> None:
+def _check_shards(w: torch.Tensor, s: Any) -> None:
     """Refuse a TP shard that is not whole blocks: its blocks would not be the unsharded tensor's."""
     for split, dim, what in ((s.w_split_out, 0, "output rows (column-parallel)"),
                              (s.w_split_in or s.x_split_in, 1, "input features (row-parallel)")):
@@ -155,8 +155,8 @@ def _check_shards(w: torch.Tensor, s: TpSplit) -> None:
 
 
 # ------------------------------------------------------------------ the route functions (gemm.py's signatures)
-def blockwise_forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, p: GemmPolicy,
-                      s: TpSplit) -> torch.Tensor:
+def blockwise_forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, p: Any,
+                      s: Any) -> torch.Tensor:
     """``y = Q(x, 1x128) Q(W, 128x128)^T + b``: fp32 GEMM and bias, rounded once to ``x``'s dtype."""
     _check_shards(w, s)
     xq, wq = forward_operands(x.reshape(-1, x.shape[-1]), w)
@@ -166,23 +166,23 @@ def blockwise_forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, 
     return y.to(x.dtype).reshape(*x.shape[:-1], w.shape[0])
 
 
-def blockwise_grad_input(g: torch.Tensor, x: torch.Tensor, w: torch.Tensor, p: GemmPolicy,
-                         s: TpSplit) -> torch.Tensor:
+def blockwise_grad_input(g: torch.Tensor, x: torch.Tensor, w: torch.Tensor, p: Any,
+                         s: Any) -> torch.Tensor:
     """``dx = Q(g, 1x128) Q(W, 128x128)``: the forward's quantized weight; fp32 GEMM rounded once."""
     _check_shards(w, s)
     gq, wq = grad_input_operands(g.reshape(-1, g.shape[-1]), w)
     return (gq @ wq).to(x.dtype).reshape(x.shape)
 
 
-def blockwise_grad_weight(g2: torch.Tensor, x2: torch.Tensor, w: torch.Tensor, p: GemmPolicy,
-                          s: TpSplit) -> torch.Tensor:
+def blockwise_grad_weight(g2: torch.Tensor, x2: torch.Tensor, w: torch.Tensor, p: Any,
+                          s: Any) -> torch.Tensor:
     """``dW = Q(g^T, 1x128 along tokens) Q(x, 128 tokens x 1)``: fp32 GEMM rounded once to W's dtype."""
     gq, xq = grad_weight_operands(g2, x2)
     return (gq.t() @ xq).to(w.dtype)
 
 
-def high_precision_grad_weight(g2: torch.Tensor, x2: torch.Tensor, w: torch.Tensor, p: GemmPolicy,
-                               s: TpSplit) -> torch.Tensor:
+def high_precision_grad_weight(g2: torch.Tensor, x2: torch.Tensor, w: torch.Tensor, p: Any,
+                               s: Any) -> torch.Tensor:
     """``rowwise_with_gw_hp``'s ``dW = g^T x``: the operands as given (no fp8), fp32 sums, rounded once to W's
     dtype: what a bf16 GEMM with fp32 accumulation computes. Needs no TP agreement: nothing is scaled."""
     return (g2.float().t() @ x2.float()).to(w.dtype)

@@ -58,7 +58,7 @@ import torch.nn.functional as F
 
 from tessera import hardware
 from tessera.logs import log_once
-from tessera.parallel import wgrad
+from tessera.parallel import blockwise_fp8, wgrad
 from tessera.parallel.block_formats import BLOCK_RECIPES, BlockStats, fake_quantize, fake_quantize_with_stats
 from tessera.parallel.cpu_kernels import upcast_on_cpu
 from tessera.parallel.fp8 import E4M3, E5M2, RECIPES, Observe, quantize, scaled
@@ -76,7 +76,9 @@ __all__ = ["BACKENDS", "BLOCK_FORMATS", "BlockObserve", "FORMATS", "GEMM_RECIPES
 # format (recipe mxfp8 or nvfp4), or a recipe that an added row of the table serves (``add_route``)
 FORMATS = ("model", "fp8", "block", "custom")
 BLOCK_FORMATS = ("mxfp8", "nvfp4")  # the block format's recipes
-GEMM_RECIPES = (*RECIPES, *BLOCK_FORMATS)  # the built-in recipes model.low_precision.recipe (and its rules) may name
+FP8_ROW_RECIPES = ("rowwise_with_gw_hp", "blockwise")  # fp8 recipes with rows of their own (emulated)
+ROWWISE_RECIPES = ("rowwise", "rowwise_with_gw_hp")  # fp8 with per-row/column scales in the forward and dgrad
+GEMM_RECIPES = (*RECIPES, *BLOCK_FORMATS, *FP8_ROW_RECIPES)  # the built-in recipes model.low_precision.recipe may name
 KEEP_HIGH = ("bf16", "none")  # a model.low_precision.rules recipe that keeps the module in the model's dtype
 BACKENDS = ("auto", "scaled_mm", "emulated")  # how the fp8 format's GEMMs run (model.low_precision.backend)
 BlockObserve = Callable[[torch.Tensor, BlockStats], None]  # (fp32 operand, its quantization's BlockStats)
@@ -193,8 +195,11 @@ def gemm_recipes() -> tuple[str, ...]:
 
 
 def block_size(policy: GemmPolicy) -> int | None:
-    """Elements per scale block along each GEMM's reduction dim (None: not a block format)."""
-    return BLOCK_RECIPES[policy.recipe][1] if policy.format == "block" and policy.recipe else None
+    """Elements per scale block along each GEMM's reduction dim, which a TP shard's features must be a multiple of
+    (None: scales that need no such tiling)."""
+    if policy.format == "block" and policy.recipe:
+        return BLOCK_RECIPES[policy.recipe][1]
+    return blockwise_fp8.TILE if policy.recipe == "blockwise" else None
 
 
 MODEL_DTYPE = GemmPolicy()
@@ -284,7 +289,7 @@ def _upcast_grad_weight(g2: torch.Tensor, x2: torch.Tensor, w: torch.Tensor, p: 
 # dims an amax runs over include one split over TP, the amax is agreed over the group (TP=N computes TP=1).
 def _fp8_forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, p: GemmPolicy,
                  s: TpSplit) -> torch.Tensor:
-    rowwise = p.recipe == "rowwise"
+    rowwise = p.recipe in ROWWISE_RECIPES
     k = 0 if rowwise else None
     # x @ W^T: x per token (amax over in), W per output channel (amax over in)
     xq = quantize(x.reshape(-1, x.shape[-1]), E4M3, k, s.group, reduce_sharded=s.x_split_in, observe=p.observe)
@@ -296,7 +301,7 @@ def _fp8_forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, p: Ge
 
 
 def _fp8_grad_input(g: torch.Tensor, x: torch.Tensor, w: torch.Tensor, p: GemmPolicy, s: TpSplit) -> torch.Tensor:
-    rowwise = p.recipe == "rowwise"
+    rowwise = p.recipe in ROWWISE_RECIPES
     # g @ W: g per token (amax over out; the column-parallel output gradient is split like W's rows),
     # W per input channel (amax over out)
     gq = quantize(g.reshape(-1, g.shape[-1]), E5M2, 0 if rowwise else None, s.group, reduce_sharded=s.w_split_out)
@@ -306,7 +311,7 @@ def _fp8_grad_input(g: torch.Tensor, x: torch.Tensor, w: torch.Tensor, p: GemmPo
 
 
 def _fp8_grad_weight(g2: torch.Tensor, x2: torch.Tensor, w: torch.Tensor, p: GemmPolicy, s: TpSplit) -> torch.Tensor:
-    rowwise = p.recipe == "rowwise"
+    rowwise = p.recipe in ROWWISE_RECIPES
     # g^T @ x: g^T per output channel (amax over tokens), x per input channel (amax over tokens)
     gtq = quantize(g2, E5M2, 1 if rowwise else None, s.group, reduce_sharded=False if rowwise else s.w_split_out)
     x_cols = quantize(x2, E4M3, 1 if rowwise else None, s.group, reduce_sharded=False if rowwise else s.x_split_in)
@@ -356,7 +361,7 @@ def _scaled_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale:
 
 def _scaled_forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, p: GemmPolicy,
                     s: TpSplit) -> torch.Tensor:
-    rowwise = p.recipe == "rowwise"
+    rowwise = p.recipe in ROWWISE_RECIPES
     k = 0 if rowwise else None
     xq, xs = scaled(x.reshape(-1, x.shape[-1]), E4M3, k, s.group, reduce_sharded=s.x_split_in, observe=p.observe)
     wq, ws = scaled(w, E4M3, k, s.group, reduce_sharded=s.w_split_in if rowwise else (s.w_split_in or s.w_split_out))
@@ -366,7 +371,7 @@ def _scaled_forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, p:
 
 def _scaled_grad_input(g: torch.Tensor, x: torch.Tensor, w: torch.Tensor, p: GemmPolicy,
                        s: TpSplit) -> torch.Tensor:
-    rowwise = p.recipe == "rowwise"
+    rowwise = p.recipe in ROWWISE_RECIPES
     gq, gs = scaled(g.reshape(-1, g.shape[-1]), E5M2, 0 if rowwise else None, s.group, reduce_sharded=s.w_split_out)
     wq, ws = scaled(w, E4M3, 1 if rowwise else None, s.group,
                     reduce_sharded=s.w_split_out if rowwise else (s.w_split_in or s.w_split_out))
@@ -375,7 +380,7 @@ def _scaled_grad_input(g: torch.Tensor, x: torch.Tensor, w: torch.Tensor, p: Gem
 
 def _scaled_grad_weight(g2: torch.Tensor, x2: torch.Tensor, w: torch.Tensor, p: GemmPolicy,
                         s: TpSplit) -> torch.Tensor:
-    rowwise = p.recipe == "rowwise"
+    rowwise = p.recipe in ROWWISE_RECIPES
     gq, gs = scaled(g2, E5M2, 1 if rowwise else None, s.group, reduce_sharded=False if rowwise else s.w_split_out)
     xq, xs = scaled(x2, E4M3, 1 if rowwise else None, s.group, reduce_sharded=False if rowwise else s.x_split_in)
     return _scaled_mm(gq.t().contiguous(), gs.t() if rowwise else gs, _col_major(xq), xs, w.dtype)
@@ -404,10 +409,10 @@ def _block(t: torch.Tensor, p: GemmPolicy, dim: int, s: TpSplit, split: bool,
         if split and s.group is not None and dist.get_world_size(s.group) > 1:
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=s.group)
     if observe is not None:
-        q, stats = fake_quantize_with_stats(t, p.recipe, dim, amax)
+        q, stats = fake_quantize_with_stats(t, p.recipe, dim, amax, scale_rounding=p.scale_rounding)
         observe(t, stats)
     else:
-        q = fake_quantize(t, p.recipe, dim, amax)
+        q = fake_quantize(t, p.recipe, dim, amax, scale_rounding=p.scale_rounding)
     return q.narrow(dim, 0, n)
 
 
@@ -464,8 +469,22 @@ NVFP4_EMULATED = GemmRoute(
     _block_grad_weight, adds_into_main_grad=False, fp32_gemms=True, sequence_chunked=False,
     doc="operands rounded to NVFP4 (E2M1, one E4M3 scale per 16 along each GEMM's reduction dim, an fp32 "
         "per-tensor scale agreed over TP), dequantized, multiplied by fp32 GEMMs", copy_bytes=12, recipe="nvfp4")
+FP8_ROWWISE_GW_HP = GemmRoute(
+    "fp8-rowwise-gw-hp-emulated", "recipe 'rowwise_with_gw_hp', any device", _fp8_forward, _fp8_grad_input,
+    blockwise_fp8.high_precision_grad_weight, adds_into_main_grad=False, fp32_gemms=True, sequence_chunked=False,
+    doc="the forward and data-gradient GEMMs as fp8 rowwise (emulated); the weight-gradient GEMM on the unquantized "
+        "operands, fp32 sums, rounded once (torchao's rowwise_with_gw_hp, TE's fp8_wgrad=False)",
+    copy_bytes=4, recipe="rowwise_with_gw_hp")
+FP8_BLOCKWISE = GemmRoute(
+    "fp8-blockwise-emulated", "recipe 'blockwise', any device", blockwise_fp8.blockwise_forward,
+    blockwise_fp8.blockwise_grad_input, blockwise_fp8.blockwise_grad_weight, adds_into_main_grad=False,
+    fp32_gemms=True, sequence_chunked=False,
+    doc="DeepSeek-V3's blockwise fp8: e4m3 operands with power-of-two scales per 1x128 (activations, gradients; "
+        "128 tokens for the weight gradient) and per 128x128 (weights, one quantized weight for forward and dgrad), "
+        "dequantized, fp32 GEMMs", copy_bytes=4, recipe="blockwise")
 ROUTES: dict[str, GemmRoute] = {r.name: r for r in (NATIVE, CPU_UPCAST, FP8_EMULATED, FP8_SCALED_MM,
-                                                     MXFP8_EMULATED, NVFP4_EMULATED)}
+                                                     MXFP8_EMULATED, NVFP4_EMULATED, FP8_ROWWISE_GW_HP,
+                                                     FP8_BLOCKWISE)}
 _ROW_RECIPES: dict[str, str] = {r.recipe: r.name for r in ROUTES.values() if r.recipe}  # recipe -> route name
 _FP8_CORES: dict[str, bool] = {}  # device type -> whether its (current) device has fp8 tensor cores
 
@@ -659,9 +678,12 @@ def wgrad_into_main(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: str, *, group: Any = None,
                x_split_in: bool = False, w_split_out: bool = False, w_split_in: bool = False,
                observe: Observe | None = None, backend: str = "auto",
-               observe_blocks: BlockObserve | None = None) -> torch.Tensor:
-    """``linear`` under the low-precision ``recipe`` (``GEMM_RECIPES``; fp8 ones on ``backend``) with the given TP
-    split (``TpSplit``); ``observe`` / ``observe_blocks`` see the forward input's quantization."""
+               observe_blocks: BlockObserve | None = None, switches: RecipeSwitches | None = None,
+               state: RecipeState | None = None) -> torch.Tensor:
+    """``linear`` under the low-precision ``recipe`` (``gemm_recipes()``; fp8 ones on ``backend``; ``switches`` and
+    the recipe's ``state`` as a layer would hold them) with the given TP split (``TpSplit``); ``observe`` /
+    ``observe_blocks`` see the forward input's quantization."""
     split = TpSplit(group, x_split_in, w_split_out, w_split_in)
-    policy = dataclasses.replace(policy_for(recipe, backend), observe=observe, observe_blocks=observe_blocks)
+    policy = dataclasses.replace(policy_for(recipe, backend, switches), observe=observe,
+                                 observe_blocks=observe_blocks, state=state)
     return linear(x, weight, bias, policy, split)

@@ -63,6 +63,10 @@ def gradient_format(recipe: str) -> str:
         return f"{element} forward and gradients"
     if recipe in ("tensorwise", "rowwise"):
         return "e4m3 forward / e5m2 gradients"
+    if recipe == "rowwise_with_gw_hp":
+        return "e4m3 forward / e5m2 data gradients, weight gradients in the model dtype"
+    if recipe == "blockwise":
+        return "e4m3 forward and gradients, power-of-two scales per 1x128 and 128x128"
     return f"route {_row_of(recipe).name}"
 
 
@@ -76,6 +80,8 @@ def _check_blocks(name: str, module: ParallelLinear, recipe: str) -> None:
     reduction dim): a block never straddles a TP shard. ConfigError naming the layer otherwise."""
     block = block_size(policy_for(recipe))
     assert block is not None
+    if recipe == "blockwise" and module.tp_size == 1:
+        return  # a ragged 128-tile is padded with zeros; only a TP shard's edge must fall on a tile's
     out_rank, in_rank = module.weight.shape
     for what, size, full in (("in", in_rank, module.in_features), ("out", out_rank, module.out_features)):
         if size % block:
@@ -138,7 +144,7 @@ def enable_low_precision_linears(model: nn.Module, model_dtype: ModelDtype, gemm
         chosen = gemm_recipe_of(name, gemms.recipe, gemms.exclude, gemms.rules)
         if chosen is None or _block_index(name) in kept:
             continue
-        if chosen in BLOCK_FORMATS:
+        if block_size(policy_for(chosen)) is not None:
             _check_blocks(name, module, chosen)
         policy = policy_for(chosen, gemms.backend, gemms.switches)
         module.use_policy(dataclasses.replace(policy, state=_state_for(policy, seed, name)))

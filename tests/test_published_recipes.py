@@ -1,0 +1,120 @@
+"""The published low-precision recipes on top of the bare formats (issue 60): MXFP8 with round-up scales, fp8 with
+the weight gradient in high precision, DeepSeek-V3's blockwise fp8, and NVFP4's switches (2D weight blocks, the
+Hadamard-transformed weight gradient, stochastic rounding of gradients, blocks kept in bf16, presets). Each runs
+through the GEMM route table; TP=2 computes TP=1 (blocks never cross a shard, streams are drawn for the whole
+operand); the quantizers themselves are tested in tests/test_block_recipes.py and tests/test_blockwise_fp8.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness.distributed import run_distributed
+from tessera.config import Config, ConfigError
+from tessera.parallel import block_formats as bf
+from tessera.parallel import gemm
+from tessera.parallel.gemm import RecipeSwitches, fp8_linear
+from tessera.parallel.recipe_state import RecipeStream
+from tests.tolerances import order_rtol
+
+BF16 = torch.bfloat16
+# (recipe, switches): each technique alone, and NVIDIA's full NVFP4 recipe
+CASES = {
+    "mxfp8 rceil": ("mxfp8", RecipeSwitches(scale_rounding="rceil")),
+    "rowwise_with_gw_hp": ("rowwise_with_gw_hp", None),
+    "blockwise": ("blockwise", None),
+}
+SIZE = 256  # features: two TP shards of 128, whole blocks of every recipe (blockwise tiles are 128)
+
+
+def _data(seed: int = 0, t: int = 48):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(t, SIZE, generator=g) * torch.linspace(0.1, 3, SIZE)).to(BF16)
+    w = (torch.randn(SIZE, SIZE, generator=g) * 0.2).to(BF16)
+    dy = (torch.randn(t, SIZE, generator=g) * 1e-3).to(BF16)
+    return x, w, dy
+
+
+def _run(case: str, x, w, dy, **split):
+    recipe, switches = CASES[case]
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y = fp8_linear(xr, wr, None, recipe, switches=switches, state=RecipeStream(7, "lin"), **split)
+    y.backward(dy)
+    return y.detach(), xr.grad, wr.grad
+
+
+def _tp_worker(rank: int, world: int) -> dict:
+    x, w, dy = _data(seed=1)
+    group = dist.group.WORLD
+    out = {}
+    for case in CASES:
+        # column-parallel: W rows split, x replicated, the output and its gradient split along features
+        y, gx, gw = _run(case, x, w.chunk(world, 0)[rank], dy.chunk(world, 1)[rank], group=group, w_split_out=True)
+        gx = gx.float()
+        dist.all_reduce(gx, group=group)
+        # row-parallel: W columns and x features split; partial outputs summed over the group
+        yp, gxr, gwr = _run(case, x.chunk(world, 1)[rank], w.chunk(world, 1)[rank], dy, group=group,
+                            x_split_in=True, w_split_in=True)
+        ys = yp.float()
+        dist.all_reduce(ys, group=group)
+        out[case] = {"col": (y, gx, gw), "row": (ys.to(BF16), gxr, gwr)}
+    return out
+
+
+@pytest.fixture(scope="module")
+def tp2_runs():
+    return run_distributed(_tp_worker, 2)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_each_recipe_at_tp2_equals_tp1(case, tp2_runs):
+    """Every shard is quantized as TP=1 quantizes that part: slices bitwise TP=1's; sums of two bf16 partials
+    (the column input grad, the row output) within ``order_rtol(bf16, 2)``."""
+    x, w, dy = _data(seed=1)
+    y, gx, gw = _run(case, x, w, dy)
+    res = [r[case] for r in tp2_runs]
+    assert torch.equal(torch.cat([r["col"][0] for r in res], 1), y)
+    assert torch.equal(torch.cat([r["col"][2] for r in res], 0), gw)
+    assert torch.equal(torch.cat([r["row"][1] for r in res], 1), gx)
+    assert torch.equal(torch.cat([r["row"][2] for r in res], 1), gw)
+    tol = order_rtol(BF16, 2)
+
+    def rel(a, ref):
+        return float((a.float() - ref.float()).norm() / ref.float().norm())
+
+    assert rel(res[0]["col"][1], gx) < tol and rel(res[0]["row"][0], y) < tol
+
+
+def test_rceil_scales_round_up_in_the_route():
+    """The mxfp8 route quantizes with the policy's scale rounding: RCEIL's forward equals the quantizer's RCEIL
+    operands multiplied, and differs from FLOOR's where some block clips under FLOOR."""
+    x, w, _ = _data(seed=2)
+    y = fp8_linear(x, w, None, "mxfp8", switches=RecipeSwitches(scale_rounding="rceil"))
+    ref = (bf.fake_quantize(x.float(), "mxfp8", 1, scale_rounding="rceil")
+           @ bf.fake_quantize(w.float(), "mxfp8", 1, scale_rounding="rceil").t()).to(BF16)
+    assert torch.equal(y, ref)
+    assert not torch.equal(y, fp8_linear(x, w, None, "mxfp8"))
+
+
+def test_rowwise_with_gw_hp_keeps_the_weight_gradient_unquantized():
+    """Forward and data gradient are the rowwise fp8 route's; the weight gradient is the unquantized GEMM."""
+    x, w, dy = _data(seed=3)
+    y, gx, gw = _run("rowwise_with_gw_hp", x, w, dy)
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y_row = fp8_linear(xr, wr, None, "rowwise")
+    y_row.backward(dy)
+    assert torch.equal(y, y_row.detach()) and torch.equal(gx, xr.grad)
+    assert torch.equal(gw, (dy.float().t() @ x.float()).to(BF16))
+    assert not torch.equal(gw, wr.grad)
+
+
+def test_the_recipes_are_config_choices_and_their_rows_are_in_the_table():
+    for recipe, route in (("rowwise_with_gw_hp", "fp8-rowwise-gw-hp-emulated"), ("blockwise", "fp8-blockwise-emulated")):
+        cfg = Config.from_file("configs/tiny.py", ["model.dtype='bf16'", "model.low_precision.enabled=True",
+                                                   f"model.low_precision.recipe='{recipe}'"])
+        assert cfg.typed.model.low_precision.recipe == recipe
+        assert gemm.choose_route("cpu", BF16, gemm.policy_for(recipe)).name == route
+    with pytest.raises(ConfigError, match="hadamard_wgrad=True is an nvfp4 switch"):
+        Config.from_file("configs/tiny.py", ["model.dtype='bf16'", "model.low_precision.enabled=True",
+                                             "model.low_precision.recipe='mxfp8'", "model.low_precision.hadamard_wgrad=True"])
