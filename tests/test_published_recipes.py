@@ -118,3 +118,47 @@ def test_the_recipes_are_config_choices_and_their_rows_are_in_the_table():
     with pytest.raises(ConfigError, match="hadamard_wgrad=True is an nvfp4 switch"):
         Config.from_file("configs/tiny.py", ["model.dtype='bf16'", "model.low_precision.enabled=True",
                                              "model.low_precision.recipe='mxfp8'", "model.low_precision.hadamard_wgrad=True"])
+
+
+def _stack(*overrides: str):
+    from tessera.core.job import Job
+    from tessera.train.builder import build_training_stack
+
+    cfg = Config.from_file("configs/tiny.py", ["model.dtype='bf16'", "model.num_layers=4", *overrides])
+    return cfg, build_training_stack(cfg, Job.of(cfg, seed=5), sync_buffer=False)
+
+
+def _policies(model) -> dict[str, gemm.GemmPolicy]:
+    return {n: m.gemm_policy for n, m in model.named_modules() if hasattr(m, "gemm_policy")}
+
+
+@pytest.mark.parametrize("preset,kept", [("nvidia", {0, 3}), ("torchtitan", {3})])
+def test_presets_keep_their_blocks_in_bf16_and_switch_the_rest(preset, kept):
+    cfg, stack = _stack(f'model.low_precision={{"preset": "{preset}"}}')
+    for name, p in _policies(stack.inner_model).items():
+        block = int(name.split(".")[1]) if name.startswith("layers.") else None
+        route = gemm.choose_route("cpu", BF16, p).name
+        if block is None or block in kept:  # the head (exclude) and the kept blocks: the model dtype's route
+            assert p == gemm.MODEL_DTYPE and route in ("native", "cpu-upcast"), name
+            continue
+        assert p.recipe == "nvfp4" and route == "nvfp4-emulated", name
+        full = preset == "nvidia"
+        assert (p.weight_2d, p.hadamard, p.stochastic) == (full, full, full), name
+        assert isinstance(p.state, RecipeStream) is full, name
+
+
+def test_the_forward_switches_to_the_model_dtype_at_the_configured_step():
+    from tessera.precision.linears import ForwardSchedule
+
+    cfg, stack = _stack("model.low_precision.enabled=True", "model.low_precision.recipe='nvfp4'",
+                        "model.low_precision.high_precision_forward_from_step=3")
+    schedule = ForwardSchedule(stack.inner_model, stack.job.precision.gemms)
+    layer = stack.inner_model.layers[1].feed_forward.w2
+    x = torch.randn(8, layer.in_features, generator=torch.Generator().manual_seed(0)).to(BF16)
+    low = layer(x)
+    assert not schedule.before_step(2) and not layer.gemm_policy.forward_high
+    assert schedule.before_step(3) and layer.gemm_policy.forward_high and layer.gemm_policy.recipe == "nvfp4"
+    high = layer(x)
+    native = gemm.linear(x, layer.weight, layer.bias)  # the model dtype's route
+    assert torch.equal(high, native) and not torch.equal(low, native)
+    assert not schedule.before_step(4)  # once

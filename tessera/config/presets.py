@@ -4,7 +4,8 @@ a recipe in the field sets them, before validation; a key the config gives besid
 - ``nvidia``: "Pretraining Large Language Models with NVFP4" (NVIDIA, arXiv 2509.25149; Transformer Engine's
   ``NVFP4BlockScaling``): NVFP4 with 16x16 weight blocks, a random Hadamard transform of the weight-gradient
   GEMM's operands, stochastic rounding of gradients, and the first and last blocks kept in BF16 (the paper keeps
-  its first 2 and last 8 of 62 blocks: here the same shares, at least one block each).
+  its first 2 and last 8 of 62 blocks: here the same shares, at least one block each, and at least one block
+  left in NVFP4).
 - ``torchtitan``: torchtitan's NVFP4 converter: NVFP4 with the last 15% of blocks and the head in BF16.
 """
 
@@ -22,14 +23,21 @@ _NVIDIA_FIRST, _NVIDIA_LAST = 2 / 62, 8 / 62  # the paper's 12B model: 2 first a
 _TORCHTITAN_LAST = 0.15
 
 
+def _kept(num_layers: int, first_share: float, last_share: float) -> dict[str, int]:
+    """Blocks kept in BF16 at each end: the shares rounded up (at least one where a share is given), leaving at
+    least one block in low precision (a 2-block model keeps its first only)."""
+    first = min(max(1, math.ceil(num_layers * first_share)) if first_share else 0, num_layers - 1)
+    last = min(max(1, math.ceil(num_layers * last_share)) if last_share else 0, num_layers - 1 - first)
+    return {"keep_first_blocks": first, "keep_last_blocks": last}
+
+
 def _nvidia(num_layers: int) -> dict[str, Any]:
     return {"recipe": "nvfp4", "nvfp4_2d_weights": True, "hadamard_wgrad": True, "stochastic_gradients": True,
-            "keep_first_blocks": max(1, math.ceil(num_layers * _NVIDIA_FIRST)),
-            "keep_last_blocks": max(1, math.ceil(num_layers * _NVIDIA_LAST))}
+            **_kept(num_layers, _NVIDIA_FIRST, _NVIDIA_LAST)}
 
 
 def _torchtitan(num_layers: int) -> dict[str, Any]:
-    return {"recipe": "nvfp4", "keep_last_blocks": max(1, math.ceil(num_layers * _TORCHTITAN_LAST))}
+    return {"recipe": "nvfp4", **_kept(num_layers, 0.0, _TORCHTITAN_LAST)}
 
 
 PRESETS = {"nvidia": _nvidia, "torchtitan": _torchtitan}
