@@ -371,7 +371,7 @@ def open_metrics(run: Run) -> None:
     peak, source = run.peak
     run.log.log_event(f"peak {peak:.3f} TFLOP/s per device ({source}); {run.flops_per_token / 1e6:.2f} MFLOP per "
                       "token", peak_tflops=peak, flops_per_token=run.flops_per_token, resumed_from=run.last_ckpt,
-                      start_step=run.progress.step)
+                      start_step=run.progress.step, seed=run.job.seed)  # the seed: compare_runs pairs runs by it
 
 
 def train_loop(run: Run, stop_file: str | None) -> None:

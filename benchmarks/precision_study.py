@@ -16,7 +16,9 @@ per device (the first 10% of the steps left out as warm-up); per policy the pers
 one invocation at a time (``--only``). ``--jobs N`` trains N runs at a time (a machine with many cores: the
 whole 3-seed study is 30 demo runs, hours on 2 cores). The section's statistics are ``tools/compare_runs.py``'s
 (``tessera.analysis.run_compare.summarize``): per policy the mean and standard deviation of the final bits per
-byte over its seeds, and the difference from the default policy with Welch's 95% interval and the verdict;
+byte over its seeds, and the difference from the default policy with Welch's 95% interval and the verdict, and
+paired by seed (each policy's run against the default's run of the same seed) the per-seed differences with the
+paired t interval and its verdict;
 its picture (the training-loss curves, a seed band per policy, the differences) goes to
 ``<pictures>/study_curves.png``.
 
@@ -39,7 +41,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Any
 
 from benchmarks import harness
-from tessera.analysis.run_compare import Group, read_series, summarize, verdict
+from tessera.analysis.run_compare import Group, SeedPairs, read_series, summarize, verdict, with_seed
 from tessera.cli_args import nonnegative_int, positive_int
 from tessera.config import ConfigError
 
@@ -219,7 +221,8 @@ def statistics_of(rows: dict[str, Any], kind: str = "valid", metric: str | None 
     interval and the verdict."""
     metric = metric or figure_metric(rows)
     names = [n for n in STUDY if n in rows]
-    groups = [Group(n, tuple(read_series(s["run"], kind, metric) for s in rows[n]["seeds"].values())) for n in names]
+    groups = [Group(n, tuple(with_seed(read_series(s["run"], kind, metric), int(seed), "study.json")
+                             for seed, s in rows[n]["seeds"].items())) for n in names]
     baseline = BASELINE if BASELINE in names else names[0]
     out = []
     for g in summarize(groups, baseline):
@@ -227,8 +230,20 @@ def statistics_of(rows: dict[str, Any], kind: str = "valid", metric: str | None 
         out.append({"name": g.name, "n": len(g.values), "mean": g.mean, "std": g.std, "baseline": baseline,
                     "welch": None if w is None else {"difference": w.difference, "low": w.low, "high": w.high,
                                                      "df": w.df},
-                    "verdict": "baseline" if g.name == baseline else verdict(w)})
+                    "verdict": "baseline" if g.name == baseline else verdict(w), "paired": _paired(g.paired)})
     return out
+
+
+def _paired(pairs: SeedPairs | None) -> dict[str, Any] | None:
+    """A policy against the baseline by seed, for study.json: the seeds paired, their differences, the paired
+    interval and verdict, or why there is none; None for the baseline."""
+    if pairs is None:
+        return None
+    p = pairs.interval
+    if p is None:
+        return {"seeds": list(pairs.seeds), "why_not": pairs.why_not}
+    return {"seeds": list(pairs.seeds), "differences": list(p.differences), "difference": p.difference,
+            "low": p.low, "high": p.high, "df": p.df, "verdict": verdict(p)}
 
 
 def curves(rows: dict[str, Any], out: str) -> str:
@@ -263,6 +278,31 @@ def measure(args: Any) -> dict[str, Any]:
     metric = figure_metric(rows)
     return {"config": args.config, "jobs": args.jobs, "rows": rows, "metric": metric,
             "stats": statistics_of(rows, metric=metric), "curves": curves(rows, os.path.join(args.pictures, CURVES))}
+
+
+def paired_table(stats: Sequence[dict[str, Any]]) -> list[str]:
+    """The section's paired statistics: which seeds each policy was paired on, each seed's difference, and the
+    paired interval against the baseline policy (none in results saved before they were computed)."""
+    paired = [st for st in stats if st.get("paired")]
+    if not paired:
+        return []
+    if all("why_not" in st["paired"] for st in paired):  # e.g. one seed per policy: one line, not a table of dashes
+        return ["", f"**Paired by seed**: {paired[0]['name']}: {paired[0]['paired']['why_not']}."]
+    lines = ["", f"**Paired by seed**: each policy's run against the {paired[0]['baseline']} run of the same seed "
+             "(the same initial weights and data order), so the seeds' own spread cancels; the mean of the per-seed "
+             "differences with the paired t 95% interval (pairs - 1 degrees of freedom) and its verdict.", "",
+             "| policy | seeds paired | per-seed difference | mean [95% paired interval] | verdict |",
+             "|---|---|---|---:|---|"]
+    for st in paired:
+        p = st["paired"]
+        seeds = ", ".join(map(str, p["seeds"])) or "-"
+        if "why_not" in p:
+            lines.append(f"| {st['name']} | {seeds} | - | - | {p['why_not']} |")
+            continue
+        each = ", ".join(f"{d:+.4f}" for d in p["differences"])
+        lines.append(f"| {st['name']} | {seeds} | {each} | {p['difference']:+.4f} [{p['low']:+.4f}, "
+                     f"{p['high']:+.4f}] | {p['verdict']} |")
+    return lines
 
 
 def _interval(st: dict[str, Any]) -> str:
@@ -307,6 +347,7 @@ def markdown(res: dict[str, Any]) -> list[str]:
         lines.append(f"| {r['name']} | `{' '.join(r['overrides']) or '-'}` | {st['n']} | {st['mean']:.4f} ± "
                      f"{st['std']:.4f} | {_interval(st)} | {st['verdict']} | {tgs:.0f} | {r['bytes_per_param']:.1f} "
                      f"| {skipped} |")
+    lines += paired_table(res["stats"])
     lines += ["", f"![training loss per policy: mean over seeds with the seed band, smoothed, and the difference from "
               f"{BASELINE} with its 95% band]({res['curves']})", "",
               ("The runs were trained " + (f"{jobs} at a time, sharing the machine's cores, so tokens/s are those of "

@@ -22,10 +22,17 @@ from tessera.analysis.run_compare import (
     first_difference,
     moving_average,
     read_series,
+    seed_in_path,
     short_labels,
     summarize,
 )
-from tessera.analysis.seed_stats import sample_std, student_t_cdf, student_t_quantile, welch_interval
+from tessera.analysis.seed_stats import (
+    paired_interval,
+    sample_std,
+    student_t_cdf,
+    student_t_quantile,
+    welch_interval,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "tiny.py")
@@ -53,10 +60,13 @@ def run_tool(capsys, *argv: str) -> tuple[int, str, str]:
     return code, out, err
 
 
-def write_run(folder, losses: dict[int, float], valid: dict[int, float] | None = None, tail: str = ""):
-    """A metrics.jsonl as train.py writes it: an event, train records (and valid ones), in a run folder."""
+def write_run(folder, losses: dict[int, float], valid: dict[int, float] | None = None, tail: str = "",
+              seed: int | None = None):
+    """A metrics.jsonl as train.py writes it: an event (with the run's seed, if given), train records (and valid
+    ones), in a run folder."""
     os.makedirs(folder, exist_ok=True)
-    lines = [json.dumps({"kind": "event", "time": 0.0, "message": "start", "start_step": 0})]
+    event = {"kind": "event", "time": 0.0, "message": "start", "start_step": 0}
+    lines = [json.dumps(event if seed is None else {**event, "seed": seed})]
     lines += [json.dumps({"kind": "train", "step": s, "time": 1.0, "loss": v, "lr": 1e-3}) for s, v in losses.items()]
     lines += [json.dumps({"kind": "valid", "step": s, "time": 2.0, "loss": v, "bits_per_byte": v / math.log(2)})
               for s, v in (valid or {}).items()]
@@ -128,6 +138,125 @@ def test_welch_without_spread_is_the_exact_difference_and_one_run_has_no_interva
     assert (w.low, w.high, w.df) == (0.5, 0.5, math.inf) and not w.contains_zero()
     with pytest.raises(ValueError, match="at least 2 values"):
         welch_interval([1.0], [1.0, 2.0])
+
+
+# ------------------------------------------------------------------------------------ the paired interval
+A = [3.10, 3.25, 3.02, 3.18, 3.07]  # one setting's figure per seed
+B = [3.06, 3.19, 3.00, 3.11, 3.05]  # another's, the same seeds in the same order: differences .04 .06 .02 .07 .02
+
+
+def test_paired_interval_matches_scipy_on_fixed_numbers():
+    stats = pytest.importorskip("scipy.stats")
+    p = paired_interval(A, B)
+    ref = stats.ttest_rel(A, B).confidence_interval(0.95)
+    assert p.differences == pytest.approx((0.04, 0.06, 0.02, 0.07, 0.02), abs=1e-12)
+    assert p.difference == pytest.approx(0.042, rel=1e-12) and p.df == 4
+    assert (p.low, p.high) == pytest.approx((ref.low, ref.high), rel=1e-9)
+    assert not p.contains_zero()  # every seed moved the same way, by about the same amount
+    assert welch_interval(A, B).contains_zero()  # while the seeds' own spread (0.09) hides it from Welch
+    ref90 = stats.ttest_rel(A, B).confidence_interval(0.90)
+    assert (paired_interval(A, B, 0.90).low, paired_interval(A, B, 0.90).high) == pytest.approx(
+        (ref90.low, ref90.high), rel=1e-9)
+
+
+def test_paired_interval_by_hand_with_the_t_table():
+    # differences 1, 2, 3: mean 2, sample std 1, se 1/sqrt(3); t(0.975, 2) = 4.303 (table), so 2 +- 2.484
+    p = paired_interval([11.0, 12.0, 13.0], [10.0, 10.0, 10.0])
+    se = 1 / math.sqrt(3)
+    assert p.difference == 2.0 and p.df == 2.0 and p.standard_error == pytest.approx(se, rel=1e-12)
+    assert abs(p.high - 2.0 - 4.303 * se) <= 5e-4 * se and abs(2.0 - p.low - 4.303 * se) <= 5e-4 * se
+    assert p.contains_zero()  # [-0.48, +4.48]
+    same = paired_interval([2.5, 3.5], [2.0, 3.0])  # no spread in the differences: the interval is the point
+    assert (same.low, same.high, same.standard_error) == (0.5, 0.5, 0.0)
+    with pytest.raises(ValueError, match="at least 2 pairs"):
+        paired_interval([1.0], [2.0])
+    with pytest.raises(ValueError, match="as many values"):
+        paired_interval([1.0, 2.0], [2.0])
+
+
+def _flat_runs(root, name: str, figures: dict[int, float], in_path: bool = False) -> str:
+    """One run per seed whose loss is the figure at every step; the seed in the start event, or (``in_path``) in
+    the folder name alone. The folders' order is not the seeds' order."""
+    for i, (seed, figure) in enumerate(figures.items()):
+        folder = root / name / (f"seed{seed}" if in_path else f"run{i}")
+        write_run(folder, dict.fromkeys(range(1, 6), figure), seed=None if in_path else seed)
+    return f"{name}={root / name}/*"
+
+
+def test_compare_runs_prints_the_paired_interval_where_groups_share_seeds(tmp_path, capsys):
+    base = _flat_runs(tmp_path, "fp32", dict(zip((1, 2, 3, 4, 5), B)))
+    # the same seeds listed in another order: each run must meet the baseline run of its own seed
+    mixed = _flat_runs(tmp_path, "fp8", {5: A[4], 3: A[2], 1: A[0], 4: A[3], 2: A[1]})
+    code, out, err = run_tool(capsys, "--group", base, "--group", mixed)
+    assert code == 0, err
+    stats = pytest.importorskip("scipy.stats")
+    ref = stats.ttest_rel(A, B).confidence_interval(0.95)
+    welch = next(line for line in out.splitlines() if line.startswith("  fp8 "))
+    assert "within seed noise (df" in welch  # Welch's, beside it
+    paired = out[out.index("paired by seed:"):].splitlines()
+    assert "the mean of the per-seed differences with the paired t 95% interval" in paired[0]
+    assert "(seeds read from: metrics.jsonl)" in paired[0]
+    row = paired[2].split()
+    assert row[:3] == ["fp8", "5", "+0.042"] and " ".join(row[3:5]) == f"[{ref.low:+.4g}, {ref.high:+.4g}]"
+    assert paired[2].endswith("differs (df 4)")
+    assert paired[3] == ("    per seed, fp8 - fp32: 1: +0.04, 2: +0.06, 3: +0.02, 4: +0.07, 5: +0.02 "
+                         "(signs + + + + +: 5 of 5 above 0)")
+
+
+def test_groups_without_shared_seeds_say_why_there_is_no_paired_interval(tmp_path, capsys):
+    base = _flat_runs(tmp_path, "fp32", {1: 3.0, 2: 3.1, 3: 3.2})
+    other = _flat_runs(tmp_path, "other", {4: 3.0, 5: 3.1, 6: 3.2})
+    one = _flat_runs(tmp_path, "one", {2: 3.0, 7: 3.1, 8: 3.2}, in_path=True)  # seeds from the folder names
+    code, out, err = run_tool(capsys, "--group", base, "--group", other, "--group", one)
+    assert code == 0, err
+    lines = out[out.index("paired by seed:"):].splitlines()
+    assert "(seeds read from: folder name, metrics.jsonl)" in lines[0]
+    assert lines[2] == ("  other: paired interval not available: other and fp32 share no seed (seeds 4, 5, 6 "
+                        "against 1, 2, 3); a paired interval needs 2")
+    assert lines[3] == ("  one: paired interval not available: one and fp32 share one seed only (2) (seeds 2, 7, 8 "
+                        "against 1, 2, 3); a paired interval needs 2")
+    assert len(lines) == 4
+    # runs whose seed nothing tells (two positional runs, no seed logged, none in the folder names)
+    a, b = write_run(tmp_path / "a", curve(1)), write_run(tmp_path / "b", curve(2))
+    code, out, _ = run_tool(capsys, a, b)
+    assert code == 0 and out.splitlines()[-1] == (
+        "  b: paired interval not available: the seeds of b's runs are not known (no seed in their metrics.jsonl "
+        "records, no seed<N> in their folder names)")
+    # two runs of one seed in a group: which pairs with which is not known
+    twice = _flat_runs(tmp_path, "twice", {1: 3.0, 2: 3.1})
+    write_run(tmp_path / "twice" / "again", dict.fromkeys(range(1, 6), 3.3), seed=1)
+    code, out, _ = run_tool(capsys, "--group", base, "--group", twice)
+    assert code == 0 and "twice: paired interval not available: seed 1 names 2 runs of twice" in out
+
+
+def test_a_subset_of_shared_seeds_is_paired_and_the_rest_named(tmp_path):
+    figures = {"fp32": {1: 3.0, 2: 3.1, 3: 3.2, 4: 3.3}, "bf16": {3: 3.25, 1: 3.01, 9: 3.5}}
+    groups = []
+    for name, by_seed in figures.items():
+        _flat_runs(tmp_path, name, by_seed)
+        groups.append(Group(name, tuple(read_series(str(tmp_path / name / f"run{i}")) for i in range(len(by_seed)))))
+    (_, bf16) = summarize(groups, "fp32")
+    assert bf16.seeds == (3, 1, 9)
+    pairs = bf16.paired
+    assert pairs is not None and pairs.interval is not None
+    assert pairs.seeds == (1, 3) and pairs.unpaired == 3  # seeds 2 and 4 of fp32, 9 of bf16
+    assert pairs.interval.differences == pytest.approx((0.01, 0.05), abs=1e-12)
+
+
+def test_the_seed_is_read_from_the_records_else_from_a_seed_folder(tmp_path):
+    assert seed_in_path("/r/bf16_seed7/tessera/metrics.jsonl") == 7
+    assert seed_in_path("/study/nvfp4/seed3/run/metrics.jsonl") == 3
+    assert seed_in_path("/r/Seed=12/metrics.jsonl") == 12 and seed_in_path("/r/x-seed-5/metrics.jsonl") == 5
+    assert seed_in_path("/r/seeds3/metrics.jsonl") is None and seed_in_path("/r/myseed3/metrics.jsonl") is None
+    logged = read_series(write_run(tmp_path / "bf16_seed7", curve(1), seed=11))
+    assert (logged.seed, logged.seed_from) == (11, "metrics.jsonl")  # the run's own record wins over its folder
+    named = read_series(write_run(tmp_path / "bf16_seed7b" / "seed8", curve(1)))
+    assert (named.seed, named.seed_from) == (8, "folder name")
+    resumed = write_run(tmp_path / "resumed", curve(1), seed=1)
+    with open(os.path.join(resumed, "metrics.jsonl"), "a") as f:  # resumed under another seed
+        f.write(json.dumps({"kind": "event", "time": 3.0, "message": "start", "seed": 2}) + "\n")
+    s = read_series(resumed)
+    assert s.seed is None and any("several seeds (1, 2): not paired" in n for n in s.notes)
 
 
 # ------------------------------------------------------------------------------------ reading what train.py writes
@@ -344,6 +473,8 @@ def _train(tmp_path, name: str, seed: int) -> str:
 
 def test_two_train_py_runs_of_one_config_are_bitwise_equal_and_one_ulp_in_a_copy_is_found(tmp_path, capsys):
     first, again = _train(tmp_path, "first", 1024), _train(tmp_path, "again", 1024)
+    logged = read_series(first)
+    assert (logged.seed, logged.seed_from) == (1024, "metrics.jsonl")  # train.py logs the seed compare_runs pairs by
     code, out, err = run_tool(capsys, first, again, "--assert-equal")
     assert code == 0, err
     assert "again/tessera: identical at all 6 steps" in out

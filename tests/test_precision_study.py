@@ -33,8 +33,11 @@ def test_runs_trained_at_once_equal_runs_trained_alone_and_every_policy_has_its_
     assert rows[POLICIES[0]]["seeds"]["7"]["bits_per_byte"] != rows[POLICIES[0]]["seeds"]["1024"]["bits_per_byte"]
     out = capsys.readouterr().out
     assert "--seeds 2 --jobs 2" in out and "2 at a time" in out
-    table = [line for line in out.splitlines() if line.startswith(("| fp32 masters", "| bf16 masters |"))]
+    main, paired = out.split("**Paired by seed**")
+    table = [line for line in main.splitlines() if line.startswith(("| fp32 masters", "| bf16 masters |"))]
     assert len(table) == 2 and all("| 2 |" in line for line in table)
+    (pair,) = [line for line in paired.splitlines() if line.startswith("| bf16 masters |")]
+    assert pair.startswith("| bf16 masters | 1024, 7 | ") and ("within seed noise" in pair or "differs" in pair)
     assert "[" in table[1] and ("within seed noise" in table[1] or "differs" in table[1])
     assert os.path.exists(tmp_path / "study" / "pictures" / precision_study.CURVES)
 
@@ -112,3 +115,42 @@ def test_the_section_points_to_the_page_that_defines_each_measure_it_draws():
               encoding="utf-8") as f:
         page = f.read()
     assert all(f"`{measure}`" in page for measure in set(precision_study.PICTURES.values()))
+
+
+def _study_run(folder, bits_per_byte: float) -> str:
+    """A run folder as the study leaves it: its metrics.jsonl with one final validation (no seed logged: the study
+    knows each run's seed from its own records)."""
+    os.makedirs(folder)
+    with open(os.path.join(folder, "metrics.jsonl"), "w", encoding="utf-8") as f:
+        f.write(json.dumps({"kind": "valid", "step": 10, "loss": 1.0, "bits_per_byte": bits_per_byte}) + "\n")
+    return str(folder)
+
+
+def test_the_section_names_the_seeds_paired_and_the_paired_interval_against_the_baseline(tmp_path):
+    """Each policy's run meets the default's run of its seed (the study's own record of the seed, not the run
+    order); the section lists the seeds paired, each difference and the paired interval (scipy's), and says why a
+    policy that shares too few seeds has none."""
+    stats_ref = pytest.importorskip("scipy.stats")
+    base = {"1024": 2.10, "7": 2.25, "3": 2.02}
+    bf16 = {"3": 2.05, "1024": 2.16, "7": 2.27}  # the seeds in another order: +0.06, +0.02, +0.03 by seed
+    kahan = {"1024": 2.11, "11": 2.30}  # one seed shared
+    seed = {"skipped": 0, "tgs": 100.0, "steps": 10}
+    rows = {name: {"name": name, "overrides": [], "bytes_per_param": 12.0,
+                   "seeds": {s: {**seed, "bits_per_byte": v, "run": _study_run(tmp_path / f"{i}_{s}", v)}
+                             for s, v in figures.items()}}
+            for i, (name, figures) in enumerate((("fp32 masters (default)", base), ("bf16 masters", bf16),
+                                                 ("bf16 masters + Kahan", kahan)))}
+    stats = precision_study.statistics_of(rows)
+    p = stats[1]["paired"]
+    ref = stats_ref.ttest_rel([2.16, 2.27, 2.05], [2.10, 2.25, 2.02]).confidence_interval(0.95)
+    assert p["seeds"] == [1024, 7, 3] and p["differences"] == pytest.approx([0.06, 0.02, 0.03], abs=1e-12)
+    assert (p["low"], p["high"], p["df"]) == pytest.approx((ref.low, ref.high, 2.0), rel=1e-9)
+    assert stats[0]["paired"] is None and stats[2]["paired"]["seeds"] == [1024]
+    res = {"config": "configs/demo.py", "machine": {"cpu": "x", "cores": 2, "flags": {}, "torch": "2"},
+           "date": "d", "curves": "c.png", "stats": stats, "rows": rows}
+    text = "\n".join(precision_study.markdown(res))
+    assert "**Paired by seed**: each policy's run against the fp32 masters (default) run of the same seed" in text
+    assert (f"| bf16 masters | 1024, 7, 3 | +0.0600, +0.0200, +0.0300 | +0.0367 [{ref.low:+.4f}, {ref.high:+.4f}] "
+            f"| {p['verdict']} |") in text
+    assert ("| bf16 masters + Kahan | 1024 | - | - | not available: bf16 masters + Kahan and fp32 masters (default) "
+            "share one seed only (1024)") in text

@@ -11,7 +11,10 @@ It prints the runs, a per-step table (each run's value, or each group's mean and
 the largest gap between any two runs), the first step where each run leaves the reference run (the
 baseline's first) bitwise and its largest gap, and per group the last value (``--window N``: the mean of
 the last N logged values) over its seeds, with its difference from the baseline, Welch's 95% interval and
-a verdict: "within seed noise" when the interval holds 0, else "differs".
+a verdict: "within seed noise" when the interval holds 0, else "differs". Where a group and the baseline ran
+the same seeds (a run's seed: its metrics.jsonl's, else a ``seed<N>`` folder in its path), each run is also
+set against the baseline's run of its seed: the per-seed differences and their signs, their mean with the
+paired t 95% interval (pairs - 1 degrees of freedom) and its verdict; else one line says why there is none.
 
 Exit status: 0; 1 when ``--assert-equal`` (bitwise: same steps, same bits) or ``--rtol/--atol`` find a
 difference, with one line naming the run and the first step; 2 for bad input (a missing, empty or corrupt
@@ -26,6 +29,7 @@ import math
 import os
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from tessera.analysis.run_compare import (
@@ -33,6 +37,7 @@ from tessera.analysis.run_compare import (
     Difference,
     Group,
     GroupSummary,
+    SeedPairs,
     Series,
     WindowMismatch,
     first_difference,
@@ -86,7 +91,7 @@ def load_groups(args: argparse.Namespace) -> list[Group]:
     labels = iter(short_labels(paths))
     groups = []
     for (name, _), runs in zip(named, series):
-        labelled = tuple(Series(s.path, s.steps, s.values, s.notes, next(labels)) for s in runs)
+        labelled = tuple(replace(s, label=next(labels)) for s in runs)
         groups.append(Group(name or labelled[0].label, labelled))
     names = [g.name for g in groups]
     for name in names:
@@ -172,6 +177,44 @@ def summary_lines(summaries: Sequence[GroupSummary], baseline: str, window: int,
     return lines
 
 
+def _per_seed(name: str, baseline: str, pairs: SeedPairs) -> str:
+    """Each paired seed's difference and the signs: a setting that moves every seed the same way shows here."""
+    assert pairs.interval is not None
+    diffs = pairs.interval.differences
+    signs = " ".join("+" if d > 0 else "-" if d < 0 else "0" for d in diffs)
+    above = sum(d > 0 for d in diffs)
+    left = f"; {pairs.unpaired} run(s) without a partner left out" if pairs.unpaired else ""
+    return (f"    per seed, {name} - {baseline}: " + ", ".join(f"{s}: {d:+.4g}" for s, d in zip(pairs.seeds, diffs))
+            + f" (signs {signs}: {above} of {len(diffs)} above 0{left})")
+
+
+def _seed_sources(groups: Sequence[Group]) -> str:
+    sources = sorted({r.seed_from for g in groups for r in g.runs if r.seed_from})
+    return f" (seeds read from: {', '.join(sources)})" if sources else ""
+
+
+def paired_lines(summaries: Sequence[GroupSummary], groups: Sequence[Group], baseline: str) -> list[str]:
+    """Each group against the baseline run by run of the same seed: the paired interval, or why there is none."""
+    others = [s for s in summaries if s.paired is not None]
+    if not others:
+        return []
+    lines = [f"paired by seed: each run against the {baseline} run of its seed (the same initial weights and data "
+             f"order); the mean of the per-seed differences with the paired t 95% interval, pairs - 1 degrees of "
+             f"freedom{_seed_sources(groups)}:",
+             f"  {'group':<20} {'pairs':>5} {'mean diff':>11} {'95% interval':>24}  verdict"]
+    for s in others:
+        pairs = s.paired
+        assert pairs is not None
+        p = pairs.interval
+        if p is None:
+            lines.append(f"  {s.name}: paired interval {pairs.why_not}")
+            continue
+        lines.append(f"  {s.name:<20} {len(pairs.seeds):>5} {p.difference:>+11.4g} "
+                     f"{f'[{p.low:+.4g}, {p.high:+.4g}]':>24}  {verdict(p)} (df {p.df:.0f})")
+        lines.append(_per_seed(s.name, baseline, pairs))
+    return lines
+
+
 def check(groups: Sequence[Group], reference: Series, rtol: float, atol: float) -> str | None:
     """The one line naming the run and step of the first difference beyond the tolerance, or None."""
     found = [(d, r) for g in groups for r in g.runs if r is not reference
@@ -225,7 +268,7 @@ def _draw_difference(ax: Any, g: Group, base: Group, smooth: int, color: Any, ma
 
 def _restrict(run: Series, steps: Sequence[int]) -> Series:
     at = run.by_step()
-    return Series(run.path, tuple(steps), tuple(at[s] for s in steps), run.notes, run.label)
+    return replace(run, steps=tuple(steps), values=tuple(at[s] for s in steps))
 
 
 def plot(out: str, groups: Sequence[Group], baseline: str, smooth: int, what: str) -> None:
@@ -286,7 +329,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         groups = load_groups(args)
         baseline = args.baseline or groups[0].name
         try:
-            summary = summary_lines(summarize(groups, baseline, args.window), baseline, args.window, what)
+            summaries = summarize(groups, baseline, args.window)
+            summary = summary_lines(summaries, baseline, args.window, what) + paired_lines(summaries, groups, baseline)
         except WindowMismatch as e:
             if not checking:
                 raise

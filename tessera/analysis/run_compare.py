@@ -6,7 +6,10 @@ are compared step by step, bitwise or within ``atol + rtol * |reference|`` (nump
 equals only a NaN), and report the first step where they part and their largest gap. Runs of one setting with
 different seeds form a group; a group's figure is each run's last logged value, or the mean of its last
 ``window`` logged values, and groups are set against a baseline group with Welch's interval over the seeds
-(``seed_stats``).
+(``seed_stats``) and, where both ran the same seeds, with the paired interval of the per-seed differences.
+A run's seed is the ``seed`` of its metrics.jsonl's ``event`` records (train.py writes it at start), else
+the number in a ``seed<N>`` part of its path (``runs/bf16_seed7``, ``study/nvfp4/seed7/run``): runs written
+before the seed was logged pair by their folder names.
 
 What a run may leave behind is read as train.py means it: a step logged twice (a run resumed from an
 earlier checkpoint repeats the steps after it) counts with its last record, and a line cut short (a run
@@ -20,17 +23,18 @@ import glob
 import json
 import math
 import os
+import re
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
-from tessera.analysis.seed_stats import Welch, mean, sample_std, welch_interval
+from tessera.analysis.seed_stats import Paired, Welch, mean, paired_interval, sample_std, welch_interval
 
 __all__ = ["CompareError", "Series", "Group", "Difference", "GroupSummary", "metrics_path", "read_series",
            "expand_paths", "parse_group", "short_labels", "same_bits", "first_difference", "largest_difference",
            "shared_steps", "window_value", "summarize", "verdict", "moving_average", "METRICS_FILE",
-           "WindowMismatch"]
+           "WindowMismatch", "SeedPairs", "pair_by_seed", "seed_in_path", "with_seed"]
 
 METRICS_FILE = "metrics.jsonl"
 WITHIN_NOISE, DIFFERS = "within seed noise", "differs"
@@ -53,6 +57,8 @@ class Series:
     values: tuple[float, ...]
     notes: tuple[str, ...] = ()  # what was read leniently (torn lines), for the tool to print
     label: str = ""
+    seed: int | None = None  # the run's seed, None where neither its records nor its path tell it
+    seed_from: str = ""  # where the seed was read: "metrics.jsonl", "folder name", or a caller's source
 
     def by_step(self) -> dict[int, float]:
         return dict(zip(self.steps, self.values))
@@ -123,12 +129,50 @@ def _value(path: str, number: int, record: dict[str, Any], metric: str) -> tuple
     return step, float(value)
 
 
+_SEED_PART = re.compile(r"(?:.*[^a-z0-9])?seed[-_=]?(\d+)", re.IGNORECASE)  # seed7, bf16_seed7, seed=7
+
+
+def seed_in_path(path: str) -> int | None:
+    """The N of the deepest folder of ``path`` named ``seed<N>`` or ``<anything>_seed<N>`` (also ``-``, ``=``)."""
+    for part in reversed(os.path.normpath(os.path.dirname(os.path.abspath(path))).split(os.sep)):
+        found = _SEED_PART.fullmatch(part)
+        if found:
+            return int(found.group(1))
+    return None
+
+
+def _record_seed(record: dict[str, Any]) -> int | None:
+    """The seed an ``event`` record of train.py carries, if any."""
+    seed = record.get("seed")
+    if record.get("kind") != "event" or not isinstance(seed, int) or isinstance(seed, bool):
+        return None
+    return seed
+
+
+def _run_seed(path: str, logged: set[int], notes: list[str]) -> tuple[int | None, str]:
+    """The run's seed and where it was read: its records' (one seed), else its path's; a run whose records
+    name several seeds (resumed under another seed) has none, with a note."""
+    if len(logged) == 1:
+        return next(iter(logged)), "metrics.jsonl"
+    if logged:
+        notes.append(f"{path}: its records name several seeds ({', '.join(map(str, sorted(logged)))}): not paired")
+        return None, ""
+    seed = seed_in_path(path)
+    return (seed, "folder name") if seed is not None else (None, "")
+
+
+def with_seed(run: Series, seed: int, source: str) -> Series:
+    """The run with a seed its caller knows (a study's own record of what it launched)."""
+    return replace(run, seed=seed, seed_from=source)
+
+
 def read_series(location: str, kind: str = "train", metric: str = "loss") -> Series:
-    """``metric`` by step from the ``kind`` records of a run's metrics.jsonl."""
+    """``metric`` by step from the ``kind`` records of a run's metrics.jsonl, and the run's seed."""
     path = metrics_path(location)
     notes: list[str] = []
     by_step: dict[int, float] = {}
     kinds: set[str] = set()
+    seeds: set[int] = set()
     try:
         with open(path, encoding="utf-8") as f:
             for number, line in enumerate(f, 1):
@@ -136,6 +180,9 @@ def read_series(location: str, kind: str = "train", metric: str = "loss") -> Ser
                 if record is None:
                     continue
                 kinds.add(str(record.get("kind")))
+                seed = _record_seed(record)
+                if seed is not None:
+                    seeds.add(seed)
                 if record.get("kind") == kind:
                     step, value = _value(path, number, record, metric)
                     by_step[step] = value  # a repeated step (a resumed run): the last record counts
@@ -148,7 +195,8 @@ def read_series(location: str, kind: str = "train", metric: str = "loss") -> Ser
     if not by_step:
         raise CompareError(f"{path}: no kind='{kind}' records (its kinds: {', '.join(sorted(kinds))})")
     steps = tuple(sorted(by_step))
-    return Series(path, steps, tuple(by_step[s] for s in steps), tuple(notes))
+    seed, seed_from = _run_seed(path, seeds, notes)
+    return Series(path, steps, tuple(by_step[s] for s in steps), tuple(notes), seed=seed, seed_from=seed_from)
 
 
 def expand_paths(spec: str) -> list[str]:
@@ -244,6 +292,16 @@ def window_value(run: Series, window: int) -> float:
     return mean(run.values[-window:])
 
 
+class SeedPairs(NamedTuple):
+    """A group against the baseline run by run of the same seed: the seeds paired (in the baseline's run
+    order), the paired interval of their differences, or why there is none."""
+
+    seeds: tuple[int, ...]
+    interval: Paired | None
+    why_not: str = ""  # one line, where there is no interval
+    unpaired: int = 0  # runs of either group with no run of their seed in the other, left out
+
+
 class GroupSummary(NamedTuple):
     """A group's figure per seed and over its seeds, and against the baseline (None: no interval possible)."""
 
@@ -253,6 +311,44 @@ class GroupSummary(NamedTuple):
     std: float  # over seeds, n - 1 in the denominator
     steps: tuple[int, int]  # the first and last step of the window
     vs_baseline: Welch | None
+    seeds: tuple[int | None, ...] = ()  # each run's seed (None: not known)
+    paired: SeedPairs | None = None  # against the baseline by seed; None for the baseline itself
+
+
+def _seed_problem(name: str, seeds: Sequence[int | None]) -> str:
+    """Why the runs of a group cannot be paired by seed ('' when they can)."""
+    if all(s is None for s in seeds):
+        return (f"the seeds of {name}'s runs are not known (no seed in their metrics.jsonl records, no seed<N> in "
+                "their folder names)")
+    twice = sorted({s for s in seeds if s is not None and seeds.count(s) > 1})
+    if twice:
+        return f"seed {twice[0]} names {seeds.count(twice[0])} runs of {name}: which pairs with which is not known"
+    return ""
+
+
+def _seed_list(seeds: Sequence[int | None]) -> str:
+    return ", ".join("?" if s is None else str(s) for s in seeds)
+
+
+def pair_by_seed(name: str, values: Sequence[float], seeds: Sequence[int | None], baseline: str,
+                 base_values: Sequence[float], base_seeds: Sequence[int | None],
+                 confidence: float = 0.95) -> SeedPairs:
+    """The group's runs against the baseline's runs of the same seed (same initial weights, same data order):
+    the paired interval of the per-seed differences where 2 seeds or more are shared."""
+    problem = _seed_problem(name, seeds) or _seed_problem(baseline, base_seeds)
+    if problem:
+        return SeedPairs((), None, f"not available: {problem}")
+    mine = {s: v for s, v in zip(seeds, values) if s is not None}
+    shared = tuple(s for s in base_seeds if s is not None and s in mine)
+    unpaired = len(values) + len(base_values) - 2 * len(shared)
+    if len(shared) < 2:
+        which = "no seed" if not shared else f"one seed only ({shared[0]})"
+        return SeedPairs(shared, None, f"not available: {name} and {baseline} share {which} (seeds "
+                         f"{_seed_list(seeds)} against {_seed_list(base_seeds)}); a paired interval needs 2",
+                         unpaired)
+    theirs = {s: v for s, v in zip(base_seeds, base_values)}
+    interval = paired_interval([mine[s] for s in shared], [theirs[s] for s in shared], confidence)
+    return SeedPairs(shared, interval, "", unpaired)
 
 
 def _window_steps(groups: Sequence[Group], window: int) -> tuple[int, int]:
@@ -276,21 +372,24 @@ def summarize(groups: Sequence[Group], baseline: str, window: int = 1, confidenc
         raise CompareError(f"--baseline {baseline}: no such group (the groups: {', '.join(names)})")
     span = _window_steps(groups, window)
     per_group = {g.name: tuple(window_value(r, window) for r in g.runs) for g in groups}
+    seeds = {g.name: tuple(r.seed for r in g.runs) for g in groups}
     base = per_group[baseline]
     out = []
     for g in groups:
         values = per_group[g.name]
         welch = (welch_interval(values, base, confidence)
                  if g.name != baseline and len(values) >= 2 and len(base) >= 2 else None)
-        out.append(GroupSummary(g.name, values, mean(values), sample_std(values), span, welch))
+        pairs = (None if g.name == baseline else
+                 pair_by_seed(g.name, values, seeds[g.name], baseline, base, seeds[baseline], confidence))
+        out.append(GroupSummary(g.name, values, mean(values), sample_std(values), span, welch, seeds[g.name], pairs))
     return out
 
 
-def verdict(welch: Welch | None) -> str:
+def verdict(interval: Welch | Paired | None) -> str:
     """'within seed noise' when the interval holds 0, else 'differs'; why not, when there is no interval."""
-    if welch is None:
+    if interval is None:
         return "no interval: needs 2 runs (seeds) or more in the group and the baseline"
-    return WITHIN_NOISE if welch.contains_zero() else DIFFERS
+    return WITHIN_NOISE if interval.contains_zero() else DIFFERS
 
 
 def moving_average(values: Sequence[float], n: int) -> list[float]:
