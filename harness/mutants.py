@@ -38,6 +38,8 @@ SCALER = "tests/test_grad_scaler.py"
 AMP = "tests/test_naive_amp.py"
 LAYERS = "tests/test_parallel_layers.py"
 CHUNKED_FP64 = "tests/test_chunked_loss.py::test_equals_cross_entropy_on_the_full_logits_in_fp64"
+PLAN_TESTS = "tests/test_precision_plan.py"
+RECIPES_TESTS = "tests/test_published_recipes.py"
 CHUNKED_TP2 = "tests/test_chunked_loss.py::test_vocab_parallel_matches_one_rank[2]"
 MSP_TP2 = "tests/test_sequence_parallel.py::test_msp_matches_mtp_tp2"
 WGRAD = "tests/test_wgrad_fusion.py"
@@ -366,6 +368,37 @@ MUTANTS: tuple[Mutant, ...] = (
            "    if False:",
            "torch 2.11, compiled msp over NCCL/gloo: the gradients below every row-parallel layer are zero",
            (TRACED + "::test_tensor_parallel[torch.distributed-msp]",)),
+    # the precision plan and the published recipes (tests/test_precision_plan.py, tests/test_published_recipes.py)
+    Mutant("planned-route-ignores-capability", "tessera/precision/routes.py",
+           'cores = device_type == "cuda" and hardware.fp8_tensor_cores(capability)', 'cores = device_type == "cuda"',
+           "the memory plan of an A100 counts the 3-byte scaled_mm route while the run takes the 4-byte emulated one",
+           (PLAN_TESTS + "::test_planned_gemm_bytes_are_those_of_the_route_the_run_takes",)),
+    Mutant("legacy-fp8-section-not-read", "tessera/config/loading.py",
+           '    ("model", "fp8"): ("model", "low_precision"),', "",
+           "a published config with model.fp8 is refused (unknown key) instead of read as model.low_precision",
+           (PLAN_TESTS + "::test_a_config_written_with_model_fp8_still_loads_and_says_the_new_name",)),
+    Mutant("recipe-state-not-restored", "tessera/precision/linears.py",
+           "            s.load_state_dict(dict(state[name]))", "            pass",
+           "a resumed run restarts every recipe's RNG stream: its losses leave the uninterrupted run's",
+           (PLAN_TESTS + "::test_a_stateful_recipe_trains_and_resumes_bitwise",)),
+    Mutant("mxfp8-rceil-ignored", "tessera/parallel/gemm.py",
+           "q = fake_quantize(t, p.recipe, dim, amax, scale_rounding=p.scale_rounding)",
+           'q = fake_quantize(t, p.recipe, dim, amax, scale_rounding="floor")',
+           "mx_scale_rounding='rceil' (the default) still rounds scales down: blocks clip their largest element",
+           (RECIPES_TESTS + "::test_rceil_scales_round_up_in_the_route",)),
+    Mutant("gw-hp-weight-gradient-quantized", "tessera/parallel/gemm.py",
+           "    blockwise_fp8.high_precision_grad_weight, adds_into_main_grad=False,",
+           "    _fp8_grad_weight, adds_into_main_grad=False,",
+           "rowwise_with_gw_hp quantizes the weight gradient's operands like plain rowwise",
+           (RECIPES_TESTS + "::test_rowwise_with_gw_hp_keeps_the_weight_gradient_unquantized",)),
+    Mutant("kept-blocks-ignored", "tessera/precision/linears.py",
+           "        if chosen is None or _block_index(name) in kept:", "        if chosen is None:",
+           "keep_first_blocks / keep_last_blocks (and the presets) leave the end blocks in NVFP4",
+           (RECIPES_TESTS + "::test_presets_keep_their_blocks_in_bf16_and_switch_the_rest",)),
+    Mutant("forward-schedule-never-switches", "tessera/precision/linears.py",
+           "        if self.switched or self.from_step is None or step < self.from_step:", "        if True:",
+           "high_precision_forward_from_step does nothing: the forward stays in the recipe to the end",
+           (RECIPES_TESTS + "::test_the_forward_switches_to_the_model_dtype_at_the_configured_step",)),
 )
 
 EQUIVALENT: tuple[Mutant, ...] = (
