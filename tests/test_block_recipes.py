@@ -216,3 +216,94 @@ def test_scale_rounding_default_is_floor_and_a_bad_value_is_a_value_error():
                  lambda: bf.fake_quantize_with_stats(x, "nvfp4", scale_rounding="even")):
         with pytest.raises(ValueError, match="MX scale rounding must be one of"):
             call()
+
+
+# ------------------------------------------------------------------------------------------ 2. NVFP4 16x16 weights
+def spread_weight(seed: int, shape: tuple[int, int]) -> torch.Tensor:
+    """Random values spanning ~2**16 within a block and ~2**24 across blocks: saturated, flushed and clamped scales."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * torch.exp2(torch.randint(-8, 9, shape, generator=g).float())
+    return x * torch.exp2(torch.randint(-12, 13, (shape[0] // 16, 1), generator=g).float()).repeat_interleave(16, 0)
+
+
+E2M1_VALUES = torch.tensor([s * v for v in (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0) for s in (1, -1)])
+
+
+@pytest.mark.parametrize("shape", [(16, 16), (32, 48), (64, 128)])
+def test_nvfp4_2d_of_the_transpose_is_the_transpose(shape):
+    """The forward GEMM reduces over the weight's columns, the data-gradient GEMM over its rows: both see one
+    quantized weight, whichever dim is called the reduction dim."""
+    w = spread_weight(len(shape) + shape[1], shape)
+    fq = bf.fake_quantize_nvfp4_2d(w)
+    assert fq.dtype == torch.float32 and fq.shape == w.shape
+    assert_bits_equal(bf.fake_quantize_nvfp4_2d(w.t()), fq.t())
+    assert_bits_equal(bf.fake_quantize_nvfp4_2d(w.t().contiguous()), fq.t())
+    assert_bits_equal(bf.fake_quantize_nvfp4_2d(w.bfloat16()), bf.fake_quantize_nvfp4_2d(w.bfloat16().float()))
+    amax = torch.tensor(3.0 * w.abs().max().item())
+    assert_bits_equal(bf.fake_quantize_nvfp4_2d(w.t(), amax), bf.fake_quantize_nvfp4_2d(w, amax).t())
+    if shape[0] > 16:  # the 1x16 blocks along either dim do not give one weight: what 2D blocks are for
+        assert not torch.equal(bf.fake_quantize(w, "nvfp4", dim=1), bf.fake_quantize(w, "nvfp4", dim=0))
+
+
+def test_nvfp4_2d_has_one_e4m3_scale_per_16x16_block():
+    """Each 16x16 block's values are E2M1 values times one decode scale, ``pts * s``, where ``s`` is the block's
+    amax / 6 / pts, clamped to [2**-6, 448] and rounded to E4M3 (here by torch's float8 cast, not our code),
+    and every element is its E2M1 round-to-nearest at that scale (within half an E2M1 ulp, or saturated)."""
+    w = spread_weight(3, (64, 96))
+    fq = bf.fake_quantize_nvfp4_2d(w)
+    tiles = w.reshape(4, 16, 6, 16).transpose(1, 2).reshape(4, 6, 256)
+    pts = w.abs().max() / (448 * 6)
+    s = torch.clamp(tiles.abs().amax(-1) / 6 / pts, 2.0 ** -6, 448).to(torch.float8_e4m3fn).float()
+    decode = (pts * s)[:, :, None, None].expand(4, 6, 16, 16).transpose(1, 2).reshape(64, 96)
+    grid = torch.copysign(E2M1_VALUES[(fq[..., None] / decode[..., None] - E2M1_VALUES).abs().argmin(-1)], fq)
+    assert_bits_equal(fq, grid * decode)  # one scale per block: every value is an E2M1 value times it
+    v = w.abs() / decode
+    half_ulp = torch.where(v < 2, 0.25, torch.where(v < 4, 0.5, 1.0))
+    rounding = 4 * 2.0 ** -24 * (w.abs() + 6 * decode)  # the reciprocal encode, as tests/test_block_formats.py
+    inside = v <= 6
+    assert ((w - fq).abs()[inside] <= (half_ulp * decode + rounding)[inside]).all()
+    assert ((fq.abs() - 6 * decode).abs()[~inside] <= rounding[~inside]).all()
+    assert (s.unique().numel() > 10) and inside.float().mean() > 0.99
+
+
+def test_nvfp4_2d_equals_1d_when_the_rows_of_each_block_are_equal():
+    """A reference built from the 1-D quantizer: where all 16 rows of a block are equal, the 16x16 block's amax is
+    each row's 1x16 block amax, so both give the same scales and elements, bit for bit."""
+    base = spread_weight(8, (16, 128))[::4]  # 4 distinct rows
+    w = base.repeat_interleave(16, dim=0)  # (64, 128): rows 16i..16i+15 equal
+    assert_bits_equal(bf.fake_quantize_nvfp4_2d(w), bf.fake_quantize(w, "nvfp4", dim=1))
+    amax = torch.tensor(7.0 * w.abs().max().item())
+    assert_bits_equal(bf.fake_quantize_nvfp4_2d(w, amax), bf.fake_quantize(w, "nvfp4", dim=1, amax=amax))
+    assert_bits_equal(bf.fake_quantize_nvfp4_2d(w.t()), bf.fake_quantize(w.t(), "nvfp4", dim=0))
+    w[5, 3] = 4 * w[:16, :16].abs().max()  # one row differs: the block's shared scale follows it, the 1-D rows' do not
+    assert not torch.equal(bf.fake_quantize_nvfp4_2d(w), bf.fake_quantize(w, "nvfp4", dim=1))
+
+
+def test_nvfp4_2d_tp_shards_with_the_whole_amax_equal_the_whole_weight():
+    """A column- or row-parallel shard whose dims are multiples of 16 holds whole blocks: with the whole weight's
+    amax its quantization is its slice of the whole one (TP=2 equals TP=1)."""
+    w = spread_weight(11, (64, 96))
+    whole, amax = bf.fake_quantize_nvfp4_2d(w), w.abs().amax()
+    assert_bits_equal(torch.cat([bf.fake_quantize_nvfp4_2d(w[:32], amax), bf.fake_quantize_nvfp4_2d(w[32:], amax)]),
+                      whole)
+    assert_bits_equal(torch.cat([bf.fake_quantize_nvfp4_2d(w[:, :48], amax),
+                                 bf.fake_quantize_nvfp4_2d(w[:, 48:], amax)], dim=1), whole)
+
+
+def test_nvfp4_2d_stats():
+    w = torch.zeros(32, 32)
+    w[:16, :16] = 6.0  # the tensor's amax: block scale 448
+    w[16:, :16] = 1e-9  # a tiny block: its scale clamps up to 2**-6, every element flushes
+    w[:16, 16:] = torch.tensor([6.0, 0.1] * 8)  # 0.1 flushes at decode scale 1
+    fq, stats = bf.fake_quantize_nvfp4_2d_with_stats(w)
+    assert_bits_equal(fq, bf.fake_quantize_nvfp4_2d(w))
+    assert stats.scale_saturated == 0 and stats.scale_underflow == 1 / 4
+    assert stats.flushed_to_zero == (256 + 128) / 1024
+    w[0, 0] = float("nan")
+    assert bf.fake_quantize_nvfp4_2d_with_stats(w)[1].scale_saturated == 1  # the per-tensor scale is NaN
+
+
+@pytest.mark.parametrize("shape", [(24, 32), (32, 8), (32,), (2, 16, 16)])
+def test_nvfp4_2d_needs_a_2d_tensor_of_multiples_of_16(shape):
+    with pytest.raises(ValueError, match=f"multiples of 16, got shape {tuple(shape)}".replace("(", r"\(").replace(")", r"\)")):
+        bf.fake_quantize_nvfp4_2d(torch.zeros(shape))

@@ -19,6 +19,10 @@ along one dim (a GEMM's reduction dim, so every product of the sum shares its op
   byte, one E4M3 scale per 16 elements and one fp32 scale per tensor. The per-tensor scale is
   ``amax / (448 * 6)``, so the largest block scale lands on E4M3's largest value; each block's scale
   is ``block_amax / 6`` divided by it, clamped to [E4M3's smallest normal, 448] and rounded to E4M3.
+  NVIDIA's training recipe (arXiv 2509.25149; Transformer Engine's ``NVFP4BlockScaling``) quantizes weights in
+  16x16 blocks instead (``fake_quantize_nvfp4_2d``): the forward GEMM reduces over a weight's inputs and the
+  data-gradient GEMM over its outputs, and 1x16 blocks along each would give the two GEMMs different
+  quantized weights; a 16x16 block serves both, so they multiply one weight (the chain rule holds for it).
 
 The arithmetic (operation order included) is the one torchao's reference quantizers use, so the two
 agree bit for bit (tests/test_block_formats.py; RCEIL in tests/test_block_recipes.py, torchao's eager
@@ -38,7 +42,8 @@ import torch
 
 __all__ = ["BLOCK_RECIPES", "E2M1", "E4M3", "E5M2", "MX_ELEMENTS", "BlockStats", "ElementFormat", "MXQuantized",
            "NVFP4Quantized", "SCALE_ROUNDINGS", "block_stats", "dequantize", "fake_quantize",
-           "fake_quantize_with_stats", "nvfp4_per_tensor_scale", "quantize_mx", "quantize_nvfp4", "round_to_grid"]
+           "fake_quantize_nvfp4_2d", "fake_quantize_nvfp4_2d_with_stats", "fake_quantize_with_stats",
+           "nvfp4_per_tensor_scale", "quantize_mx", "quantize_nvfp4", "round_to_grid"]
 
 
 @dataclass(frozen=True)
@@ -318,9 +323,7 @@ def fake_quantize_with_stats(t: torch.Tensor, recipe: str, dim: int = -1, amax: 
                              scale_rounding: str = "floor") -> tuple[torch.Tensor, BlockStats]:
     """``fake_quantize``'s values and the quantization's ``BlockStats``, from one pass."""
     blocks, xb = _recipe_blocks(t, recipe, dim, amax, scale_rounding)
-    flushed = (blocks.grid == 0) & (xb != 0) & ~torch.isnan(xb)
-    stats = BlockStats(blocks.saturated.float().mean(), blocks.underflow.float().mean(), flushed.float().mean())
-    return _join_blocks(blocks.grid * blocks.decode, dim), stats
+    return _join_blocks(blocks.grid * blocks.decode, dim), _stats(blocks, xb)
 
 
 def fake_quantize(t: torch.Tensor, recipe: str, dim: int = -1, amax: torch.Tensor | None = None,
@@ -331,6 +334,53 @@ def fake_quantize(t: torch.Tensor, recipe: str, dim: int = -1, amax: torch.Tenso
     ``scale_rounding``: the MX recipes' E8M0 scale rounding, ``"floor"`` or ``"rceil"`` (NVFP4 ignores it)."""
     blocks, _ = _recipe_blocks(t, recipe, dim, amax, scale_rounding)
     return _join_blocks(blocks.grid * blocks.decode, dim)
+
+
+def _tiles_2d(w: torch.Tensor, tile: int) -> torch.Tensor:
+    """2-D ``w`` in fp32 cut into ``tile`` x ``tile`` blocks, each flattened: ``(rows / tile, cols / tile, tile**2)``;
+    a ValueError naming the shape unless both dims are multiples of ``tile``."""
+    if w.dim() != 2 or w.shape[0] % tile or w.shape[1] % tile:
+        raise ValueError(f"2D block quantization needs a 2-D tensor with both dims multiples of {tile}, "
+                         f"got shape {tuple(w.shape)}")
+    if not w.is_floating_point():
+        raise ValueError(f"block formats quantize floating-point tensors, got {w.dtype}")
+    r, c = w.shape[0] // tile, w.shape[1] // tile
+    return w.float().reshape(r, tile, c, tile).transpose(1, 2).reshape(r, c, tile * tile)
+
+
+def _untile_2d(xb: torch.Tensor, tile: int) -> torch.Tensor:
+    """Inverse of ``_tiles_2d``."""
+    r, c = xb.shape[:2]
+    return xb.reshape(r, c, tile, tile).transpose(1, 2).reshape(r * tile, c * tile)
+
+
+def _nvfp4_2d(w: torch.Tensor, amax: torch.Tensor | None) -> tuple[_Blocks, torch.Tensor]:
+    xb = _tiles_2d(w, NVFP4_BLOCK)
+    amax = xb.abs().amax() if amax is None else amax.to(device=xb.device, dtype=torch.float32).reshape(())
+    return _nvfp4_blocks(xb, nvfp4_per_tensor_scale(amax))[0], xb
+
+
+def fake_quantize_nvfp4_2d(w: torch.Tensor, amax: torch.Tensor | None = None) -> torch.Tensor:
+    """2-D weight ``w`` in NVFP4 with one E4M3 scale per 16x16 block (and the fp32 per-tensor scale) and back,
+    in fp32: NVIDIA's weight recipe, so the forward GEMM (reducing over ``w``'s columns) and the data-gradient
+    GEMM (over its rows) multiply the same quantized weight, which 1x16 blocks along each reduction dim do
+    not give. ``fake_quantize_nvfp4_2d(w.T) == fake_quantize_nvfp4_2d(w).T`` bitwise. ``amax``: the per-tensor
+    scale from this amax (the whole weight's, when ``w`` is a TP shard; the blocks never cross a shard whose
+    dims are multiples of 16). Both dims must be multiples of 16."""
+    blocks, _ = _nvfp4_2d(w, amax)
+    return _untile_2d(blocks.grid * blocks.decode, NVFP4_BLOCK)
+
+
+def fake_quantize_nvfp4_2d_with_stats(w: torch.Tensor,
+                                      amax: torch.Tensor | None = None) -> tuple[torch.Tensor, BlockStats]:
+    """``fake_quantize_nvfp4_2d``'s values and the quantization's ``BlockStats`` (blocks of 16x16), from one pass."""
+    blocks, xb = _nvfp4_2d(w, amax)
+    return _untile_2d(blocks.grid * blocks.decode, NVFP4_BLOCK), _stats(blocks, xb)
+
+
+def _stats(blocks: _Blocks, xb: torch.Tensor) -> BlockStats:
+    flushed = (blocks.grid == 0) & (xb != 0) & ~torch.isnan(xb)
+    return BlockStats(blocks.saturated.float().mean(), blocks.underflow.float().mean(), flushed.float().mean())
 
 
 def block_stats(t: torch.Tensor, recipe: str, dim: int = -1, scale_rounding: str = "floor") -> BlockStats:
