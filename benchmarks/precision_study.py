@@ -36,8 +36,9 @@ import math
 import os
 import statistics
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass
 from typing import Any
 
 from benchmarks import harness
@@ -61,8 +62,46 @@ STUDY: dict[str, list[str]] = {  # name -> config overrides (bf16 model, as the 
     "nvfp4": ["model.low_precision.enabled=True", "model.low_precision.recipe='nvfp4'"],
     # the published recipes' shape: the ends high, attention MXFP8, the MLP NVFP4
     "per module: ends bf16, attention mxfp8, MLP nvfp4": [
-        "model.low_precision.enabled=True", "model.low_precision.rules=[['layers.0.*', 'bf16'], ['layers.3.*', 'bf16'], "
+        "model.low_precision.enabled=True",
+        "model.low_precision.rules=[['layers.0.*', 'bf16'], ['layers.3.*', 'bf16'], "
         "['*.attention.*', 'mxfp8'], ['*.feed_forward.*', 'nvfp4']]"],
+}
+_ON = ["parallel.tensor.size=1", "model.low_precision.enabled=True"]
+_NVFP4 = ["model.low_precision.enabled=True", "model.low_precision.recipe='nvfp4'"]
+_FULL = ["parallel.tensor.size=1", "model.low_precision={'preset': 'nvidia'}"]
+# the published recipes (issue 60), on the demo at TP=1 (its 2 processes as DP=2): blockwise fp8's 128-tiles do not
+# fit the demo's 64-feature TP=2 shards, and one layout for every policy keeps the pairs comparable
+RECIPE_STUDY: dict[str, list[str]] = {
+    "bf16": ["parallel.tensor.size=1"],
+    "nvfp4 bare": ["parallel.tensor.size=1", *_NVFP4],
+    "nvfp4 NVIDIA recipe (preset nvidia)": _FULL,
+    "NVIDIA recipe without 2D weights": [*_FULL, "model.low_precision.nvfp4_2d_weights=False"],
+    "NVIDIA recipe without RHT": [*_FULL, "model.low_precision.hadamard_wgrad=False"],
+    "NVIDIA recipe without SR": [*_FULL, "model.low_precision.stochastic_gradients=False"],
+    "NVIDIA recipe without bf16 blocks": [*_FULL, "model.low_precision.keep_first_blocks=0",
+                                          "model.low_precision.keep_last_blocks=0"],
+    "nvfp4 torchtitan (preset torchtitan)": ["parallel.tensor.size=1", "model.low_precision={'preset': 'torchtitan'}"],
+    "mxfp8 floor": [*_ON, "model.low_precision.recipe='mxfp8'", "model.low_precision.mx_scale_rounding='floor'"],
+    "mxfp8 rceil": [*_ON, "model.low_precision.recipe='mxfp8'", "model.low_precision.mx_scale_rounding='rceil'"],
+    "fp8 rowwise": [*_ON, "model.low_precision.recipe='rowwise'"],
+    "fp8 rowwise_with_gw_hp": [*_ON, "model.low_precision.recipe='rowwise_with_gw_hp'"],
+    "fp8 blockwise": [*_ON, "model.low_precision.recipe='blockwise'"],
+}
+
+
+@dataclass(frozen=True)
+class Study:
+    """One set of policies and the BENCHMARKS.md section it writes."""
+
+    policies: dict[str, list[str]]
+    section: str
+    title: str
+
+
+STUDIES = {
+    "optimizer": Study(STUDY, "precision-study", TITLE),
+    "recipes": Study(RECIPE_STUDY, "recipe-study",
+                     "## 21. The published low-precision recipes: NVFP4's techniques, MXFP8's scales, fp8 variants"),
 }
 # the telemetry measure drawn for each policy: what it changes, or what it risks
 PICTURES: dict[str, str] = {
@@ -76,6 +115,14 @@ PICTURES: dict[str, str] = {
     "mxfp8": "block_flushed",  # the input elements a block's scale leaves below the element format
     "nvfp4": "block_flushed",
     "per module: ends bf16, attention mxfp8, MLP nvfp4": "block_flushed",
+    # the recipes study: the flushed inputs of the block formats, the fp8 underflow of the fp8 ones
+    **{name: "block_flushed" for name in ("nvfp4 bare", "nvfp4 NVIDIA recipe (preset nvidia)",
+                                          "NVIDIA recipe without 2D weights", "NVIDIA recipe without RHT",
+                                          "NVIDIA recipe without SR", "NVIDIA recipe without bf16 blocks",
+                                          "nvfp4 torchtitan (preset torchtitan)", "mxfp8 floor", "mxfp8 rceil")},
+    "fp8 rowwise_with_gw_hp": "fp8_underflow",
+    "bf16": "update_below_half_ulp",
+    "fp8 blockwise": "update_lost",  # the blockwise route reports no quantization measures of its own
 }
 BASELINE = "fp32 masters (default)"
 SEEDS = (1024, 7, 3, 11, 13, 17, 19, 23, 29, 31)  # the demo's own three first (configs/demo.py's docstring)
@@ -88,12 +135,13 @@ class StudyError(Exception):
     """A run of the study failed or gave no figure: one ``error:`` line naming the run and its log."""
 
 
-def check_policies(config: str, overrides: Sequence[str], names: Sequence[str]) -> None:
+def check_policies(config: str, overrides: Sequence[str], names: Sequence[str],
+                   policies: Mapping[str, list[str]] | None = None) -> None:
     """Refuse, before the first run, what would stop the study after hours of runs: a policy the config cannot
     take (fp8 or bf16 masters on an fp32 model), or runs that would end without a validation (the figure)."""
     for name in names:
         try:
-            cfg = harness.load_config(config, [*overrides, *STUDY[name]])
+            cfg = harness.load_config(config, [*overrides, *(policies or STUDY)[name]])
         except ConfigError as e:
             raise ConfigError(f"policy {name!r} on {config}: {e}") from None
         check_validation(config, cfg.data)
@@ -166,7 +214,7 @@ def run_seed(name: str, index: int, seed: int, args: Any) -> dict[str, Any]:
     run_dir = _run_dir(args, name, seed)
     harness.log(f"[study] {name}, seed {seed}: training (output in {os.path.join(run_dir, 'stdout.log')})")
     try:
-        records = harness.train_run(harness.ROOT, args.config, [*extra, *STUDY[name]], run_dir)
+        records = harness.train_run(harness.ROOT, args.config, [*extra, *args.policies[name]], run_dir)
     except RuntimeError as e:  # train.py's own error line is the last line of its log
         raise StudyError(f"{name}, seed {seed}: {e}") from None
     train = [r for r in records if r.get("kind") == "train"]
@@ -204,10 +252,11 @@ def run_policies(names: Sequence[str], args: Any, rows: dict[str, Any]) -> None:
             if pending[name]:
                 continue
             per_seed = [done[name][j] for j in range(len(seeds))]
-            row: dict[str, Any] = {"name": name, "overrides": STUDY[name],
+            row: dict[str, Any] = {"name": name, "overrides": args.policies[name],
                                    "seeds": {str(seed): {k: v for k, v in s.items() if k != "telemetry"}
                                              for seed, s in zip(seeds, per_seed, strict=True)},
-                                   "bytes_per_param": _bytes_per_param(args.config, [*args.overrides, *STUDY[name]])}
+                                   "bytes_per_param": _bytes_per_param(args.config,
+                                                                       [*args.overrides, *args.policies[name]])}
             if "telemetry" in per_seed[0]:
                 row["telemetry"] = per_seed[0]["telemetry"]
             rows[name] = row
@@ -215,12 +264,13 @@ def run_policies(names: Sequence[str], args: Any, rows: dict[str, Any]) -> None:
                 json.dump({"rows": rows}, f, indent=1)
 
 
-def statistics_of(rows: dict[str, Any], kind: str = "valid", metric: str | None = None) -> list[dict[str, Any]]:
+def statistics_of(rows: dict[str, Any], kind: str = "valid", metric: str | None = None,
+                  order: Sequence[str] | None = None) -> list[dict[str, Any]]:
     """compare_runs' statistics of the rows' runs: per policy the final ``metric`` (default: ``figure_metric``)
     over seeds, and against the baseline policy (the first policy when the default was not run) Welch's 95%
     interval and the verdict."""
     metric = metric or figure_metric(rows)
-    names = [n for n in STUDY if n in rows]
+    names = [n for n in (order or STUDY) if n in rows]
     groups = [Group(n, tuple(with_seed(read_series(s["run"], kind, metric), int(seed), "study.json")
                              for seed, s in rows[n]["seeds"].items())) for n in names]
     baseline = BASELINE if BASELINE in names else names[0]
@@ -246,7 +296,7 @@ def _paired(pairs: SeedPairs | None) -> dict[str, Any] | None:
             "low": p.low, "high": p.high, "df": p.df, "verdict": verdict(p)}
 
 
-def curves(rows: dict[str, Any], out: str) -> str:
+def curves(rows: dict[str, Any], out: str, order: Sequence[str] | None = None) -> str:
     """compare_runs' picture of the training curves, one group per policy: mean line and seed band, smoothed
     view, differences from the baseline; the path written (relative to the repository root)."""
     spec = importlib.util.spec_from_file_location("compare_runs_tool", os.path.join(harness.ROOT, "tools",
@@ -254,7 +304,7 @@ def curves(rows: dict[str, Any], out: str) -> str:
     assert spec is not None and spec.loader is not None
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
-    names = [n for n in STUDY if n in rows]
+    names = [n for n in (order or STUDY) if n in rows]
     runs = {n: ",".join(s["run"] for s in rows[n]["seeds"].values()) for n in names}
     argv = [a for n in names for a in ("--group", f"{_slug(n)}={runs[n]}")]
     baseline = BASELINE if BASELINE in names else names[0]
@@ -271,13 +321,15 @@ def measure(args: Any) -> dict[str, Any]:
         with open(args.json) as f:
             rows = json.load(f).get("rows", {})
     rows = {n: r for n, r in rows.items() if "seeds" in r}  # rows of the one-seed study have no runs to compare
-    names = args.only or list(STUDY)
-    check_policies(args.config, args.overrides, names)  # a ConfigError: publish's one error line, before any run
+    names = args.only or list(args.policies)
+    # a ConfigError: publish's one error line, before any run
+    check_policies(args.config, args.overrides, names, args.policies)
     harness.log(f"[study] {len(names)} policies x {args.seeds} seeds, {args.jobs} run(s) at a time")
     run_policies(names, args, rows)
     metric = figure_metric(rows)
     return {"config": args.config, "jobs": args.jobs, "rows": rows, "metric": metric,
-            "stats": statistics_of(rows, metric=metric), "curves": curves(rows, os.path.join(args.pictures, CURVES))}
+            "policies": list(args.policies), "stats": statistics_of(rows, metric=metric, order=list(args.policies)),
+            "curves": curves(rows, os.path.join(args.pictures, CURVES), order=list(args.policies))}
 
 
 def paired_table(stats: Sequence[dict[str, Any]]) -> list[str]:
@@ -313,7 +365,7 @@ def _interval(st: dict[str, Any]) -> str:
 
 
 def markdown(res: dict[str, Any]) -> list[str]:
-    rows = [res["rows"][n] for n in STUDY if n in res["rows"]]
+    rows = [res["rows"][n] for n in res.get("policies", STUDY) if n in res["rows"]]
     stats = {st["name"]: st for st in res["stats"]}
     seeds = sorted({len(r["seeds"]) for r in rows})
     config = "" if res["config"] == "configs/demo.py" else f" --config {res['config']}"
@@ -326,6 +378,7 @@ def markdown(res: dict[str, Any]) -> list[str]:
     metric = res.get("metric", "bits_per_byte")  # results saved before the metric was recorded: bits per byte
     figure = ("the final bits per byte over every held-out file" if metric == "bits_per_byte" else
               "the final validation's bits per token (the config's held-out data records no bytes)")
+    baseline = next((st["baseline"] for st in res["stats"] if "baseline" in st), BASELINE)
     lines = [f"Reproduce: `{reproduce}` ({harness.machine_line(res['machine'])}; {res['date']}{at_commit}). "
              f"Each run trains {'/'.join(map(str, steps))} steps. Each policy is trained {n_seeds} times, "
              f"seeds {', '.join(map(str, SEEDS[:seeds[-1]]))} (the same data otherwise), each run from scratch; the "
@@ -335,7 +388,7 @@ def markdown(res: dict[str, Any]) -> list[str]:
              "of equality). Tokens/s per device is the median over the runs' steps (first 10% left out); bytes per "
              "parameter are the persistent training state of this layout (closed form, `tools/precision_report.py "
              "--policies` measures it).", "",
-             f"| policy | overrides | seeds | final {METRICS[metric][1]} (mean ± std) | vs fp32 masters [95% interval] "
+             f"| policy | overrides | seeds | final {METRICS[metric][1]} (mean ± std) | vs {baseline} [95% interval] "
              "| verdict | "
              "tokens/s per device | bytes/param | skipped steps |",
              "|---|---|---:|---:|---:|---|---:|---:|---:|"]
@@ -349,7 +402,7 @@ def markdown(res: dict[str, Any]) -> list[str]:
                      f"| {skipped} |")
     lines += paired_table(res["stats"])
     lines += ["", f"![training loss per policy: mean over seeds with the seed band, smoothed, and the difference from "
-              f"{BASELINE} with its 95% band]({res['curves']})", "",
+              f"{baseline} with its 95% band]({res['curves']})", "",
               ("The runs were trained " + (f"{jobs} at a time, sharing the machine's cores, so tokens/s are those of "
                                            "a loaded machine" if jobs > 1 else "one at a time") +
                ". Runs of a study can share the cores with other jobs, so compare tokens/s only within one "
@@ -381,8 +434,14 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m benchmarks pr
     ap.add_argument("--jobs", type=positive_int, default=1,
                     help="runs trained at a time (each a torchrun of the config's TP size): on a machine with many "
                          "cores, about cores / TP size; tokens/s are then those of a shared machine")
-    ap.add_argument("--only", nargs="*", default=None, choices=list(STUDY), help="run only these policies")
-    ap.add_argument("--workdir", default="runs/precision_study")
+    ap.add_argument("--set", default="optimizer", choices=list(STUDIES),
+                    help="which policies: the optimizer and format policies (section 8) or the published "
+                         "low-precision recipes (section 21: NVFP4's techniques one by one, MXFP8's scale rounding, "
+                         "fp8 rowwise / rowwise_with_gw_hp / blockwise)")
+    ap.add_argument("--only", nargs="*", default=None, choices=[n for t in STUDIES.values() for n in t.policies],
+                    help="run only these policies")
+    ap.add_argument("--workdir", default=None, help="default: runs/precision_study (runs/recipe_study for --set "
+                                                     "recipes); a rerun trains only the runs missing there")
     ap.add_argument("--telemetry-every", type=nonnegative_int, default=50,
                     help="metrics.precision_every of every run (0: no telemetry, no pictures)")
     ap.add_argument("--pictures", default=None,
@@ -390,6 +449,12 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m benchmarks pr
                          "else WORKDIR/pictures)")
     ap.add_argument("overrides", nargs="*", help="key.sub=value applied to every run")
     args = ap.parse_args(argv)
+    study = STUDIES[args.set]
+    args.policies = study.policies
+    args.workdir = args.workdir or os.path.join("runs", study.section.replace("-", "_"))
+    unknown = [n for n in args.only or () if n not in study.policies]
+    if unknown:
+        ap.error(f"--only {unknown}: not policies of --set {args.set}")
     if args.seeds > len(SEEDS):
         ap.error(f"--seeds {args.seeds}: at most {len(SEEDS)} (the seeds of SEEDS)")
     args.json = args.json or os.path.join(args.workdir, "study.json")
@@ -398,7 +463,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m benchmarks pr
         args.pictures = PICTURES_PUBLISHED if publishing else os.path.join(args.workdir, "pictures")
     os.makedirs(args.workdir, exist_ok=True)
     try:
-        return harness.publish(args, argv, prog, "precision-study", TITLE, lambda: measure(args), markdown)
+        return harness.publish(args, argv, prog, study.section, study.title, lambda: measure(args), markdown)
     except StudyError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -162,3 +162,17 @@ def test_the_forward_switches_to_the_model_dtype_at_the_configured_step():
     native = gemm.linear(x, layer.weight, layer.bias)  # the model dtype's route
     assert torch.equal(high, native) and not torch.equal(low, native)
     assert not schedule.before_step(4)  # once
+
+
+def test_the_recipe_study_policies_load_on_the_demo_and_build_its_model():
+    """``python -m benchmarks precision-study --set recipes``: every policy is a valid demo config whose model
+    builds (the blockwise tiles and the NVFP4 blocks fit its shards), before hours of runs find out."""
+    from benchmarks import precision_study as study
+    from tessera.core.job import Job
+    from tessera.memory.census import meta_census
+
+    study.check_policies("configs/demo.py", [], list(study.RECIPE_STUDY), study.RECIPE_STUDY)
+    for name, overrides in study.RECIPE_STUDY.items():
+        cfg = Config.from_file("configs/demo.py", overrides)
+        meta_census(cfg["model"], cfg.typed.parallel.tensor.size, Job.of(cfg).precision)  # builds, on meta
+        assert cfg.typed.parallel.tensor.size == 1, name
