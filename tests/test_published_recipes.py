@@ -24,6 +24,7 @@ CASES = {
     "mxfp8 rceil": ("mxfp8", RecipeSwitches(scale_rounding="rceil")),
     "rowwise_with_gw_hp": ("rowwise_with_gw_hp", None),
     "blockwise": ("blockwise", None),
+    "nvfp4 2D weights": ("nvfp4", RecipeSwitches(weight_2d=True)),
 }
 SIZE = 256  # features: two TP shards of 128, whole blocks of every recipe (blockwise tiles are 128)
 
@@ -176,3 +177,15 @@ def test_the_recipe_study_policies_load_on_the_demo_and_build_its_model():
         cfg = Config.from_file("configs/demo.py", overrides)
         meta_census(cfg["model"], cfg.typed.parallel.tensor.size, Job.of(cfg).precision)  # builds, on meta
         assert cfg.typed.parallel.tensor.size == 1, name
+
+
+def test_2d_weight_blocks_give_the_forward_and_the_data_gradient_one_quantized_weight():
+    """With 2D blocks both GEMMs multiply ``fake_quantize_nvfp4_2d(W)`` (bitwise); with 1-D blocks the forward's and
+    the dgrad's quantized weights differ in most elements (the issue: 77%)."""
+    x, w, dy = _data(seed=4)
+    y, gx, _ = _run("nvfp4 2D weights", x, w, dy)
+    w2 = bf.fake_quantize_nvfp4_2d(w.float())
+    assert torch.equal(y, (bf.fake_quantize(x.float(), "nvfp4", 1) @ w2.t()).to(BF16))
+    assert torch.equal(gx, (bf.fake_quantize(dy.float(), "nvfp4", 1) @ w2).to(BF16))
+    along_in, along_out = bf.fake_quantize(w.float(), "nvfp4", 1), bf.fake_quantize(w.float(), "nvfp4", 0)
+    assert float((along_in != along_out).float().mean()) > 0.5

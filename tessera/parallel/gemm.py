@@ -59,7 +59,13 @@ import torch.nn.functional as F
 from tessera import hardware
 from tessera.logs import log_once
 from tessera.parallel import blockwise_fp8, wgrad
-from tessera.parallel.block_formats import BLOCK_RECIPES, BlockStats, fake_quantize, fake_quantize_with_stats
+from tessera.parallel.block_formats import (
+    BLOCK_RECIPES,
+    BlockStats,
+    fake_quantize,
+    fake_quantize_nvfp4_2d,
+    fake_quantize_with_stats,
+)
 from tessera.parallel.cpu_kernels import upcast_on_cpu
 from tessera.parallel.fp8 import E4M3, E5M2, RECIPES, Observe, quantize, scaled
 from tessera.parallel.recipe_state import RecipeState
@@ -416,10 +422,22 @@ def _block(t: torch.Tensor, p: GemmPolicy, dim: int, s: TpSplit, split: bool,
     return q.narrow(dim, 0, n)
 
 
+def _block_weight(w: torch.Tensor, p: GemmPolicy, dim: int, s: TpSplit) -> torch.Tensor:
+    """The weight as a block GEMM multiplies it: blocked along ``dim`` (the GEMM's reduction dim), or, with NVFP4's
+    2D weight blocks, in 16x16 blocks: then the forward and the data-gradient GEMM get the same tensor. Its
+    per-tensor amax is agreed over TP where the weight is split, as the 1-D blocks' is."""
+    if not p.weight_2d:
+        return _block(w, p, dim, s, s.w_split_in or s.w_split_out)
+    amax = w.float().abs().amax()
+    if (s.w_split_in or s.w_split_out) and s.group is not None and dist.get_world_size(s.group) > 1:
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=s.group)
+    return fake_quantize_nvfp4_2d(w.float(), amax)
+
+
 def _block_forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, p: GemmPolicy,
                    s: TpSplit) -> torch.Tensor:
     xq = _block(x.reshape(-1, x.shape[-1]), p, 1, s, s.x_split_in, p.observe_blocks)
-    y = xq @ _block(w, p, 1, s, s.w_split_in or s.w_split_out).t()
+    y = xq @ _block_weight(w, p, 1, s).t()
     if b is not None:
         y = y + b.float()
     return y.to(x.dtype).reshape(*x.shape[:-1], w.shape[0])
@@ -427,7 +445,7 @@ def _block_forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, p: 
 
 def _block_grad_input(g: torch.Tensor, x: torch.Tensor, w: torch.Tensor, p: GemmPolicy, s: TpSplit) -> torch.Tensor:
     gq = _block(g.reshape(-1, g.shape[-1]), p, 1, s, s.w_split_out)
-    return (gq @ _block(w, p, 0, s, s.w_split_in or s.w_split_out)).to(x.dtype).reshape(x.shape)
+    return (gq @ _block_weight(w, p, 0, s)).to(x.dtype).reshape(x.shape)
 
 
 def _block_grad_weight(g2: torch.Tensor, x2: torch.Tensor, w: torch.Tensor, p: GemmPolicy,
