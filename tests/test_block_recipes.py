@@ -5,6 +5,7 @@ elements, and the random Hadamard transform of the weight-gradient GEMM's operan
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 
@@ -307,3 +308,147 @@ def test_nvfp4_2d_stats():
 def test_nvfp4_2d_needs_a_2d_tensor_of_multiples_of_16(shape):
     with pytest.raises(ValueError, match=f"multiples of 16, got shape {tuple(shape)}".replace("(", r"\(").replace(")", r"\)")):
         bf.fake_quantize_nvfp4_2d(torch.zeros(shape))
+
+
+# ------------------------------------------------------------------------------------------ 3. stochastic rounding
+MX_RECIPE = {"e4m3": "mxfp8", "e5m2": "mxfp8_e5m2"}
+
+
+def grid_values(fmt: str) -> torch.Tensor:
+    """Every finite value of an element format, sorted (fp64), enumerated from torch's dtypes, not our code."""
+    if fmt == "e2m1":
+        return torch.tensor(sorted({s * v for v in (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0) for s in (1, -1)}),
+                            dtype=torch.float64)
+    dtype = bf.MX_ELEMENTS[fmt].dtype
+    assert dtype is not None
+    values = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).double()
+    return values[torch.isfinite(values)].unique()
+
+
+def neighbours(v: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The largest grid value <= v and the smallest >= v (v inside the grid's range, fp64)."""
+    grid = grid_values(fmt)
+    hi = torch.searchsorted(grid, v, right=False).clamp(max=len(grid) - 1)
+    lo = (torch.searchsorted(grid, v, right=True) - 1).clamp(min=0)
+    return grid[lo], grid[hi]
+
+
+def anchored(values: list[float], anchor: float, block: int, rows: int) -> torch.Tensor:
+    """``rows`` copies of blocks holding ``anchor`` (which fixes the block scale at 1) and then the test values."""
+    per_block = block - 1
+    assert len(values) <= per_block
+    row = [anchor] + (values * per_block)[:per_block]
+    return torch.tensor([row] * rows, dtype=torch.float32)
+
+
+SR_CASES = [
+    # (recipe, element format, anchor giving scale 1, values: between neighbours, subnormal steps, on the grid)
+    ("nvfp4", "e2m1", 6.0, [0.2, -0.3, 1.3, 1.75, -2.9, 4.5, 5.99, 3.0, -0.01, -6.0]),
+    ("mxfp8", "e4m3", 448.0, [1.03, -0.0123, 300.0, 447.0, 0.001, 2.0 ** -10, -5.3, 416.0]),
+    ("mxfp8_e5m2", "e5m2", 57344.0, [1.1, -50000.0, 3e-6, 0.3, -7.7, 2.0 ** -16]),
+]
+
+
+@pytest.mark.parametrize("scale_rounding", ["floor", "rceil"])
+@pytest.mark.parametrize("recipe,fmt,anchor,values", SR_CASES)
+def test_stochastic_rounding_is_unbiased(recipe, fmt, anchor, values, scale_rounding):
+    """With the block scale fixed at 1 (an anchor at the element maximum; NVFP4 with the amax 6 * 448, so the
+    per-tensor scale is 1), an element v between grid neighbours lo < hi rounds up with probability
+    p = (v - lo) / (hi - lo): each draw is lo + (hi - lo) * Bernoulli(p), so the mean of n draws has standard
+    deviation (hi - lo) * sqrt(p (1 - p) / n). The mean is asserted within 5 of them (and exactly v where p is
+    0, on the grid)."""
+    block = 16 if recipe == "nvfp4" else 32
+    x = anchored(values, anchor, block, rows=4000)
+    amax = torch.tensor(6.0 * 448) if recipe == "nvfp4" else None
+    g = torch.Generator().manual_seed(1234)
+    fq = bf.fake_quantize(x, recipe, amax=amax, scale_rounding=scale_rounding, generator=g).double()
+    assert (fq[:, 0] == anchor).all()
+    top = float(grid_values(fmt).max())
+    for j, v in enumerate(values):
+        draws = fq[:, 1:][:, [k for k in range(block - 1) if k % len(values) == j]].flatten()
+        v32 = torch.tensor(v, dtype=torch.float32).double().clamp(-top, top)
+        lo, hi = neighbours(v32, fmt)
+        n = draws.numel()
+        if lo == hi:
+            assert (draws == v32).all(), (v, draws.unique())
+            continue
+        p = float((v32 - lo) / (hi - lo))
+        sd = float(hi - lo) * math.sqrt(p * (1 - p) / n)
+        assert abs(float(draws.mean()) - float(v32)) <= 5 * sd, (v, float(draws.mean()), 5 * sd)
+        assert ((draws == lo) | (draws == hi)).all()
+
+
+@pytest.mark.parametrize("recipe,fmt", [("mxfp8", "e4m3"), ("mxfp8_e5m2", "e5m2")])
+@pytest.mark.parametrize("scale_rounding", ["floor", "rceil"])
+def test_stochastic_rounding_never_passes_a_neighbour(recipe, fmt, scale_rounding):
+    """On data spanning many binades (saturation, subnormals and flushes included) every element lands on one
+    of the two grid values around its scaled value (power-of-two MX scales make scaled values exact), with the
+    sign of round-to-nearest (zeros included); the scales are round-to-nearest's."""
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(64, 256, generator=g) * torch.exp2(torch.randint(-14, 15, (64, 256), generator=g).float())
+    rtn = bf.quantize_mx(x, fmt, scale_rounding=scale_rounding)
+    sr = bf.quantize_mx(x, fmt, scale_rounding=scale_rounding, generator=torch.Generator().manual_seed(3))
+    assert_bits_equal(sr.scales, rtn.scales)
+    scale = torch.exp2(rtn.scales.view(torch.uint8).double() - 127).repeat_interleave(32, dim=-1)
+    top = float(grid_values(fmt).max())
+    v = (x.double() / scale).clamp(-top, top)
+    lo, hi = neighbours(v, fmt)
+    got = sr.elements.double()
+    assert ((got == lo) | (got == hi)).all()
+    assert torch.equal(torch.signbit(got), torch.signbit(rtn.elements.double()))
+    assert (got != rtn.elements.double()).float().mean() > 0.05  # it is not round-to-nearest
+    assert_bits_equal(bf.dequantize(sr), bf.fake_quantize(x, recipe, scale_rounding=scale_rounding,
+                                                         generator=torch.Generator().manual_seed(3)))
+
+
+def e2m1_values(q: bf.NVFP4Quantized) -> torch.Tensor:
+    """The E2M1 element values of an NVFP4 tensor (its scales replaced by 1)."""
+    ones = torch.ones_like(q.scales, dtype=torch.float32).to(torch.float8_e4m3fn)
+    return bf.dequantize(dataclasses.replace(q, scales=ones, per_tensor_scale=torch.tensor(1.0)))
+
+
+def test_stochastic_rounding_nvfp4_neighbours_and_scales():
+    """The per-tensor scale 2**-8 and an anchor 6.3 in every block give every block the scale 6.3 / 6 * 256 =
+    268.8, rounded to E4M3's 256, so the element encode factor (1 / pts) / 256 is exactly 1: the scaled values
+    are the inputs, those past 6 saturated."""
+    g = torch.Generator().manual_seed(21)
+    x = torch.rand(512, 16, generator=g) * 12.6 - 6.3
+    x[:, 0] = 6.3
+    x[::7, 1:] *= 2.0 ** -6  # some blocks of small values beside the anchor
+    pts = torch.tensor(2.0 ** -8)
+    sr = bf.quantize_nvfp4(x, per_tensor_scale=pts, generator=g)
+    rtn = bf.quantize_nvfp4(x, per_tensor_scale=pts)
+    assert_bits_equal(sr.scales, rtn.scales)
+    assert (sr.scales.float() == 256).all()
+    got, nearest = e2m1_values(sr).double(), e2m1_values(rtn).double()
+    lo, hi = neighbours(x.double().clamp(-6, 6), "e2m1")
+    assert ((got == lo) | (got == hi)).all()
+    assert torch.equal(torch.signbit(got), torch.signbit(nearest))
+    assert (got != nearest).float().mean() > 0.05 and (x.abs() > 6).float().mean() > 0.03
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "mxfp8_e5m2", "nvfp4"])
+def test_stochastic_rounding_repeats_with_the_generator_state(recipe):
+    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(4)) * 5
+    a = bf.fake_quantize(x, recipe, dim=0, generator=torch.Generator().manual_seed(7))
+    b = bf.fake_quantize(x, recipe, dim=0, generator=torch.Generator().manual_seed(7))
+    assert_bits_equal(a, b)
+    g = torch.Generator().manual_seed(7)
+    state = g.get_state()
+    first, second = bf.fake_quantize(x, recipe, dim=0, generator=g), bf.fake_quantize(x, recipe, dim=0, generator=g)
+    assert_bits_equal(first, a) and not torch.equal(first, second)  # the generator advances
+    g.set_state(state)
+    assert_bits_equal(bf.fake_quantize_with_stats(x, recipe, dim=0, generator=g)[0], a)
+    assert not torch.equal(a, bf.fake_quantize(x, recipe, dim=0, generator=torch.Generator().manual_seed(8)))
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "mxfp8_e5m2", "nvfp4"])
+def test_without_a_generator_rounding_is_to_nearest_as_before(recipe):
+    """``generator=None`` is the round-to-nearest path that tests/test_block_formats.py holds to torchao bit for bit."""
+    x = spread_weight(6, (64, 96))
+    fmt = {"mxfp8": "e4m3", "mxfp8_e5m2": "e5m2"}.get(recipe)
+    stored = bf.quantize_nvfp4(x) if fmt is None else bf.quantize_mx(x, fmt)
+    assert_bits_equal(bf.fake_quantize(x, recipe, generator=None), bf.dequantize(stored))
+    stored_none = bf.quantize_nvfp4(x, generator=None) if fmt is None else bf.quantize_mx(x, fmt, generator=None)
+    assert_bits_equal(bf.dequantize(stored_none), bf.dequantize(stored))
+    assert_bits_equal(bf.round_to_grid(x, bf.E4M3, None), bf.round_to_grid(x, bf.E4M3))

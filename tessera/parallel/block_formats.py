@@ -24,6 +24,11 @@ along one dim (a GEMM's reduction dim, so every product of the sum shares its op
   data-gradient GEMM over its outputs, and 1x16 blocks along each would give the two GEMMs different
   quantized weights; a 16x16 block serves both, so they multiply one weight (the chain rule holds for it).
 
+Both formats can round their elements stochastically (``generator=``): up or down to a grid neighbour with
+probabilities that make the expected value exact, so gradients' rounding errors average out over many steps
+instead of biasing them (NVIDIA's NVFP4 recipe rounds gradients so, and activations and weights to nearest).
+The scales are computed as without it, and values past the element maximum still saturate.
+
 The arithmetic (operation order included) is the one torchao's reference quantizers use, so the two
 agree bit for bit (tests/test_block_formats.py; RCEIL in tests/test_block_recipes.py, torchao's eager
 arithmetic and its edges included), with two deliberate, spec-following differences for FLOOR and NVFP4:
@@ -135,15 +140,32 @@ def _pow2(e: torch.Tensor) -> torch.Tensor:
     return torch.ldexp(torch.ones_like(e, dtype=torch.float32), e.to(torch.float32))
 
 
-def round_to_grid(v: torch.Tensor, fmt: ElementFormat) -> torch.Tensor:
-    """fp32 ``v`` saturated to ``fmt``'s largest value and rounded to nearest (ties to even) on its grid.
+def round_to_grid(v: torch.Tensor, fmt: ElementFormat, generator: torch.Generator | None = None) -> torch.Tensor:
+    """fp32 ``v`` saturated to ``fmt``'s largest value and rounded to nearest (ties to even) on its grid, or,
+    with ``generator``, stochastically (see ``_round_stochastic``).
 
     The grid spacing in ``[2**e, 2**(e+1))`` is ``2**(e - mbits)``, and ``2**(emin - mbits)`` below the
     smallest normal (subnormals); dividing by a power of two is exact, so ``round`` decides alone. NaN stays NaN.
     """
     v = torch.clamp(v, -fmt.max, fmt.max)
     ulp = _pow2(torch.clamp(_exponent(v), min=fmt.emin) - fmt.mbits)
+    if generator is not None:
+        return _round_stochastic(v, ulp, generator)
     return torch.round(v / ulp) * ulp
+
+
+def _round_stochastic(v: torch.Tensor, ulp: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """``v`` rounded to one of its two grid neighbours ``floor(v / ulp) * ulp`` and the next, up with probability
+    equal to the distance from the lower one in ulps: unbiased, ``E[result] = v`` (what gradients need: the
+    rounding errors of many small updates average out instead of adding up). ``v / ulp`` and its fractional
+    part are exact (at most 2**(mbits + 1) in magnitude, fp32 has 24 bits); compared with ``torch.rand``'s
+    uniforms (multiples of 2**-24 on a CPU) the probability is exact wherever ``|v|`` is at least half the
+    grid's smallest step, and within 2**-24 below that. One uniform per element, drawn from ``generator`` (on
+    ``v``'s device); the sign of a zero result is ``v``'s, as round-to-nearest gives it."""
+    q = v / ulp
+    low = torch.floor(q)
+    up = torch.rand(v.shape, generator=generator, device=v.device, dtype=torch.float32) < (q - low)
+    return torch.copysign((low + up.to(torch.float32)) * ulp, v)
 
 
 def _split_blocks(t: torch.Tensor, block: int, dim: int) -> torch.Tensor:
@@ -172,10 +194,11 @@ def _check_scale_rounding(scale_rounding: str) -> None:
         raise ValueError(f"MX scale rounding must be one of {list(SCALE_ROUNDINGS)}, got {scale_rounding!r}")
 
 
-def _mx_blocks(xb: torch.Tensor, fmt: ElementFormat, scale_rounding: str = "floor") -> tuple[_Blocks, torch.Tensor]:
+def _mx_blocks(xb: torch.Tensor, fmt: ElementFormat, scale_rounding: str = "floor",
+               generator: torch.Generator | None = None) -> tuple[_Blocks, torch.Tensor]:
     """MX quantization of fp32 blocks: the blocks' work and their E8M0 codes (uint8, ``(..., n_blocks)``)."""
     if scale_rounding == "rceil":
-        return _mx_blocks_rceil(xb, fmt)
+        return _mx_blocks_rceil(xb, fmt, generator)
     amax = xb.abs().amax(dim=-1, keepdim=True)  # NaN when the block holds a NaN
     ideal = _exponent(amax) - fmt.emax  # floor(log2(amax)) - emax_elem
     exp = torch.clamp(ideal, -E8M0_BIAS, E8M0_BIAS)
@@ -183,7 +206,7 @@ def _mx_blocks(xb: torch.Tensor, fmt: ElementFormat, scale_rounding: str = "floo
     codes = torch.where(nan, E8M0_NAN, exp + E8M0_BIAS).to(torch.uint8)
     scale = _pow2(exp)
     # a NaN block divides by inf: the NaN stays where it was, the other elements read 0 (the scale is NaN anyway)
-    grid = round_to_grid(xb / torch.where(nan, torch.inf, scale), fmt)
+    grid = round_to_grid(xb / torch.where(nan, torch.inf, scale), fmt, generator)
     decode = torch.where(nan, torch.nan, scale)
     nonzero = amax > 0
     saturated = ((ideal > E8M0_BIAS) | ~torch.isfinite(amax)).squeeze(-1)
@@ -191,7 +214,8 @@ def _mx_blocks(xb: torch.Tensor, fmt: ElementFormat, scale_rounding: str = "floo
     return _Blocks(grid, decode, saturated, underflow), codes.squeeze(-1)
 
 
-def _mx_blocks_rceil(xb: torch.Tensor, fmt: ElementFormat) -> tuple[_Blocks, torch.Tensor]:
+def _mx_blocks_rceil(xb: torch.Tensor, fmt: ElementFormat,
+                     generator: torch.Generator | None = None) -> tuple[_Blocks, torch.Tensor]:
     """``_mx_blocks`` with RCEIL scales: the E8M0 code rounds ``amax / max_elem`` up to a power of two.
 
     The exponent is ``ceil(log2(amax / max_elem))`` computed in fp32 (torchao's arithmetic, so the codes
@@ -210,7 +234,7 @@ def _mx_blocks_rceil(xb: torch.Tensor, fmt: ElementFormat) -> tuple[_Blocks, tor
     icodes = codes.to(torch.int32)
     encode = torch.where(icodes == 0, 1.0, _pow2(E8M0_BIAS - icodes))  # code 254 (inf) gives 2**-127
     encode = torch.where(nan, torch.nan, encode)  # a NaN block reads NaN everywhere
-    grid = round_to_grid(xb * encode, fmt)
+    grid = round_to_grid(xb * encode, fmt, generator)
     decode = torch.where(nan, torch.nan, _pow2(icodes - E8M0_BIAS))
     saturated = (~torch.isfinite(amax)).squeeze(-1)  # a finite amax / max_elem never needs more than 2**127
     underflow = ((amax > 0) & (ideal <= -E8M0_BIAS)).squeeze(-1)  # code 0: encoded by 1, flushed
@@ -225,13 +249,15 @@ def nvfp4_per_tensor_scale(amax: torch.Tensor) -> torch.Tensor:
     return torch.where(amax == 0, 1.0, amax / (E4M3.max * E2M1.max))
 
 
-def _nvfp4_blocks(xb: torch.Tensor, per_tensor_scale: torch.Tensor) -> tuple[_Blocks, torch.Tensor]:
-    """NVFP4 quantization of fp32 blocks: the blocks' work and their E4M3 block scales (fp32 values)."""
+def _nvfp4_blocks(xb: torch.Tensor, per_tensor_scale: torch.Tensor,
+                  generator: torch.Generator | None = None) -> tuple[_Blocks, torch.Tensor]:
+    """NVFP4 quantization of fp32 blocks: the blocks' work and their E4M3 block scales (fp32 values). The
+    scales always round to nearest; ``generator`` rounds the elements stochastically."""
     amax = xb.abs().amax(dim=-1, keepdim=True)
     ideal = amax / E2M1.max / per_tensor_scale  # the block scale relative to the per-tensor one, before E4M3
     scales = round_to_grid(torch.clamp(ideal, min=E4M3_TINY, max=E4M3.max), E4M3)
     encode = (1.0 / per_tensor_scale) / scales  # one reciprocal per block, then one product per element
-    grid = round_to_grid(xb * encode, E2M1)
+    grid = round_to_grid(xb * encode, E2M1, generator)
     decode = per_tensor_scale * scales
     saturated = ((ideal >= _E4M3_SATURATES) | ~torch.isfinite(ideal)).squeeze(-1)
     underflow = ((amax > 0) & (ideal < _E4M3_UNDERFLOWS)).squeeze(-1)
@@ -263,24 +289,27 @@ def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_mx(t: torch.Tensor, fmt: str = "e4m3", block: int = MX_BLOCK, dim: int = -1,
-                scale_rounding: str = "floor") -> MXQuantized:
+                scale_rounding: str = "floor", generator: torch.Generator | None = None) -> MXQuantized:
     """``t`` in an MX format along ``dim``: ``fmt`` is ``"e4m3"`` or ``"e5m2"``, one E8M0 scale per ``block``,
-    rounded as ``scale_rounding`` says (``"floor"``: OCP's rule; ``"rceil"``: NVIDIA's round-up)."""
+    rounded as ``scale_rounding`` says (``"floor"``: OCP's rule; ``"rceil"``: NVIDIA's round-up). ``generator``:
+    the elements rounded stochastically with its random numbers (see ``fake_quantize``)."""
     if fmt not in MX_ELEMENTS:
         raise ValueError(f"MX element format must be one of {list(MX_ELEMENTS)}, got {fmt!r}")
     _check_scale_rounding(scale_rounding)
     element = MX_ELEMENTS[fmt]
     dim = dim % t.dim()
-    blocks, codes = _mx_blocks(_split_blocks(t, block, dim), element, scale_rounding)
+    blocks, codes = _mx_blocks(_split_blocks(t, block, dim), element, scale_rounding, generator)
     assert element.dtype is not None
     return MXQuantized(_join_blocks(blocks.grid, dim).to(element.dtype),
                        codes.movedim(-1, dim).view(torch.float8_e8m0fnu), element, block, dim)
 
 
 def quantize_nvfp4(t: torch.Tensor, block: int = NVFP4_BLOCK, dim: int = -1,
-                   per_tensor_scale: torch.Tensor | None = None) -> NVFP4Quantized:
+                   per_tensor_scale: torch.Tensor | None = None,
+                   generator: torch.Generator | None = None) -> NVFP4Quantized:
     """``t`` in NVFP4 along ``dim``. ``per_tensor_scale``: a calibrated fp32 scale; by default
-    ``nvfp4_per_tensor_scale`` of ``t``'s amax. ``block`` must be even (two codes a byte)."""
+    ``nvfp4_per_tensor_scale`` of ``t``'s amax. ``block`` must be even (two codes a byte). ``generator``: the
+    elements rounded stochastically with its random numbers (see ``fake_quantize``)."""
     if block % 2:
         raise ValueError(f"NVFP4 block size {block} must be even: two E2M1 codes share a byte")
     dim = dim % t.dim()
@@ -288,7 +317,7 @@ def quantize_nvfp4(t: torch.Tensor, block: int = NVFP4_BLOCK, dim: int = -1,
     if per_tensor_scale is None:
         per_tensor_scale = nvfp4_per_tensor_scale(xb.abs().amax())
     pts = per_tensor_scale.to(device=xb.device, dtype=torch.float32).reshape(())
-    blocks, scales = _nvfp4_blocks(xb, pts)
+    blocks, scales = _nvfp4_blocks(xb, pts, generator)
     codes = _pack_nibbles(_encode_e2m1(_join_blocks(blocks.grid, -1)))
     return NVFP4Quantized(codes.movedim(-1, dim), scales.to(torch.float8_e4m3fn).movedim(-1, dim), pts, block, dim)
 
@@ -307,7 +336,8 @@ def dequantize(q: MXQuantized | NVFP4Quantized) -> torch.Tensor:
 
 
 def _recipe_blocks(t: torch.Tensor, recipe: str, dim: int, amax: torch.Tensor | None = None,
-                   scale_rounding: str = "floor") -> tuple[_Blocks, torch.Tensor]:
+                   scale_rounding: str = "floor",
+                   generator: torch.Generator | None = None) -> tuple[_Blocks, torch.Tensor]:
     if recipe not in BLOCK_RECIPES:
         raise ValueError(f"block recipe must be one of {list(BLOCK_RECIPES)}, got {recipe!r}")
     _check_scale_rounding(scale_rounding)
@@ -315,24 +345,28 @@ def _recipe_blocks(t: torch.Tensor, recipe: str, dim: int, amax: torch.Tensor | 
     xb = _split_blocks(t, block, dim)
     if element is E2M1:
         amax = xb.abs().amax() if amax is None else amax.to(device=xb.device, dtype=torch.float32).reshape(())
-        return _nvfp4_blocks(xb, nvfp4_per_tensor_scale(amax))[0], xb
-    return _mx_blocks(xb, element, scale_rounding)[0], xb
+        return _nvfp4_blocks(xb, nvfp4_per_tensor_scale(amax), generator)[0], xb
+    return _mx_blocks(xb, element, scale_rounding, generator)[0], xb
 
 
 def fake_quantize_with_stats(t: torch.Tensor, recipe: str, dim: int = -1, amax: torch.Tensor | None = None,
-                             scale_rounding: str = "floor") -> tuple[torch.Tensor, BlockStats]:
+                             scale_rounding: str = "floor",
+                             generator: torch.Generator | None = None) -> tuple[torch.Tensor, BlockStats]:
     """``fake_quantize``'s values and the quantization's ``BlockStats``, from one pass."""
-    blocks, xb = _recipe_blocks(t, recipe, dim, amax, scale_rounding)
+    blocks, xb = _recipe_blocks(t, recipe, dim, amax, scale_rounding, generator)
     return _join_blocks(blocks.grid * blocks.decode, dim), _stats(blocks, xb)
 
 
 def fake_quantize(t: torch.Tensor, recipe: str, dim: int = -1, amax: torch.Tensor | None = None,
-                  scale_rounding: str = "floor") -> torch.Tensor:
+                  scale_rounding: str = "floor", generator: torch.Generator | None = None) -> torch.Tensor:
     """``t`` rounded to a block recipe of ``BLOCK_RECIPES`` along ``dim`` and back, in fp32: the operand an
     emulated block-scaled GEMM multiplies (equal to ``dequantize`` of the stored form). ``amax``: NVFP4's
     per-tensor scale from this amax instead of ``t``'s own (the whole tensor's, when ``t`` is a TP shard).
-    ``scale_rounding``: the MX recipes' E8M0 scale rounding, ``"floor"`` or ``"rceil"`` (NVFP4 ignores it)."""
-    blocks, _ = _recipe_blocks(t, recipe, dim, amax, scale_rounding)
+    ``scale_rounding``: the MX recipes' E8M0 scale rounding, ``"floor"`` or ``"rceil"`` (NVFP4 ignores it).
+    ``generator``: the scaled elements rounded stochastically (unbiased) instead of to nearest, one
+    ``torch.rand`` draw from it per element, in the order of ``t`` with ``dim`` moved last (a generator on
+    ``t``'s device); the scales are computed as without it, and saturation is unchanged."""
+    blocks, _ = _recipe_blocks(t, recipe, dim, amax, scale_rounding, generator)
     return _join_blocks(blocks.grid * blocks.decode, dim)
 
 
