@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tessera.parallel import block_formats as bf
+from tessera.parallel import hadamard
 
 F32_MAX = torch.finfo(torch.float32).max
 
@@ -452,3 +453,120 @@ def test_without_a_generator_rounding_is_to_nearest_as_before(recipe):
     stored_none = bf.quantize_nvfp4(x, generator=None) if fmt is None else bf.quantize_mx(x, fmt, generator=None)
     assert_bits_equal(bf.dequantize(stored_none), bf.dequantize(stored))
     assert_bits_equal(bf.round_to_grid(x, bf.E4M3, None), bf.round_to_grid(x, bf.E4M3))
+
+
+# ------------------------------------------------------------------------------------------ 4. random Hadamard transform
+U64 = 2.0 ** -53  # fp64's unit roundoff
+
+
+def gamma(k: int) -> float:
+    """Higham's gamma_k = k u / (1 - k u): the relative bound of k roundings in a row (a sum of k + 1 terms)."""
+    return k * U64 / (1 - k * U64)
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 8, 16, 32, 64])
+def test_hadamard_matrix_is_orthonormal_sylvester(n):
+    """Q^T Q = I for Q = H diag(s), in fp64. For n a power of 4 the entries are +-2**-k exactly and so is every
+    product and sum: Q^T Q is the identity exactly; otherwise 1/sqrt(n) carries one fp32 rounding (2**-24
+    relative), so Q^T Q is within n * 2 * 2**-24 of it."""
+    h = hadamard.hadamard_matrix(n)
+    assert h.dtype == torch.float32 and h.shape == (n, n) and torch.equal(h, h.t())
+    i = torch.arange(n)
+    popcount = torch.tensor([[bin(int(a) & int(b)).count("1") for b in i] for a in i])
+    assert torch.equal(torch.sign(h), (1 - 2 * (popcount % 2)).float())  # Sylvester's sign pattern
+    q = h.double() @ torch.diag(hadamard.random_signs(n, n).double())
+    if math.log(n, 4).is_integer():
+        assert torch.equal(q.t() @ q, torch.eye(n, dtype=torch.float64))
+    else:
+        assert ((q.t() @ q - torch.eye(n, dtype=torch.float64)).abs() <= n * 2 * 2.0 ** -24).all()
+
+
+def test_random_signs_are_plus_minus_one_and_follow_the_seed():
+    s = hadamard.random_signs(3)
+    assert s.dtype == torch.float32 and s.shape == (16,) and set(s.tolist()) == {1.0, -1.0}
+    assert torch.equal(s, hadamard.random_signs(3)) and not torch.equal(s, hadamard.random_signs(4))
+    assert hadamard.random_signs(3, 64).shape == (64,)
+
+
+def rht_bound(g: torch.Tensor, x: torch.Tensor, n: int) -> torch.Tensor:
+    """|fl(rht(g)^T rht(x)) - fl(g^T x)| elementwise, from the arithmetic in fp64 (n a power of 4: Q's entries
+    and the final 1/sqrt(n) exact). Each transformed element is a depth-log2(n) tree of +-sums of its block's n
+    elements, so it is within gamma_{log2 n} * a of exact, with a = (1/sqrt n) sum_block |.| (a >= |exact|).
+    The GEMM over T terms adds gamma_T |~g|^T |~x|, with |~.| <= (1 + gamma_{log2 n}) a. The exact transformed
+    product equals g^T x (Q^T Q = I exactly), whose fp64 GEMM is within gamma_T |g|^T |x|."""
+    k, t = int(math.log2(n)), g.shape[0]
+
+    def a(m: torch.Tensor) -> torch.Tensor:
+        return (m.abs().reshape(t // n, n, -1).sum(1, keepdim=True) / math.sqrt(n)).expand(-1, n, -1).reshape(t, -1)
+
+    ag, ax = a(g), a(x)
+    first = (gamma(t) * (1 + gamma(k)) ** 2 + 2 * gamma(k) + gamma(k) ** 2) * (ag.t() @ ax)
+    return (first + gamma(t) * (g.abs().t() @ x.abs())) * (1 + 1e-9)  # the bound's own fp64 evaluation
+
+
+@pytest.mark.parametrize("n,tokens", [(16, 16), (16, 256), (4, 64), (64, 128)])
+def test_rht_of_both_wgrad_operands_leaves_the_product_unchanged(n, tokens):
+    """g [T, out], x [T, in], transformed along the tokens: rht(g).T @ rht(x) equals g.T @ x to fp64 rounding
+    (``rht_bound``); with another sign vector for one operand it does not, by many orders of magnitude."""
+    gen = torch.Generator().manual_seed(n + tokens)
+    g = torch.randn(tokens, 24, generator=gen, dtype=torch.float64)
+    x = torch.randn(tokens, 40, generator=gen, dtype=torch.float64) * torch.exp2(
+        torch.randint(-6, 7, (tokens, 40), generator=gen).double())  # outliers
+    s, other = hadamard.random_signs(1, n), hadamard.random_signs(2, n)
+    assert not torch.equal(s, other)
+    plain, bound = g.t() @ x, rht_bound(g, x, n)
+    gq, xq = hadamard.rht(g, s, 0), hadamard.rht(x, s, 0)
+    assert gq.dtype == torch.float64 and gq.shape == g.shape
+    assert ((gq.t() @ xq - plain).abs() <= bound).all()
+    assert ((gq.t() @ hadamard.rht(x, other, 0) - plain).abs() > 1e6 * bound).any()
+    assert not torch.allclose(gq, g)  # the transform did something
+
+
+def test_rht_is_h_diag_s_on_each_block():
+    """The butterflies against the explicit matrix: block b of the output is Q applied to block b of the input."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(48, 5, generator=gen, dtype=torch.float64)
+    s = hadamard.random_signs(7)
+    q = hadamard.hadamard_matrix(16).double() @ torch.diag(s.double())
+    expected = torch.cat([q @ x[16 * b:16 * (b + 1)] for b in range(3)])
+    assert torch.allclose(hadamard.rht(x, s, 0), expected, rtol=0, atol=1e-14)
+    assert torch.equal(hadamard.rht(x.t(), s, 1), hadamard.rht(x, s, 0).t())
+    assert torch.equal(hadamard.rht(x.reshape(3, 16, 5), s, -2).reshape(48, 5), hadamard.rht(x, s, 0))
+
+
+def test_rht_dtype_and_shards():
+    """In the input's dtype promoted to fp32; a shard of the other dims (tensor parallelism shards the features,
+    the blocks lie along the tokens) transforms to the slice of the whole, bit for bit."""
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(64, 96, generator=gen)
+    s = hadamard.random_signs(0)
+    assert hadamard.rht(x.bfloat16(), s, 0).dtype == torch.float32
+    assert hadamard.rht(x.half(), s, 0).dtype == torch.float32
+    assert hadamard.rht(x, s, 0).dtype == torch.float32 and hadamard.rht(x.double(), s, 0).dtype == torch.float64
+    assert torch.equal(hadamard.rht(x.bfloat16(), s, 0), hadamard.rht(x.bfloat16().float(), s, 0))
+    whole = hadamard.rht(x, s, 0)
+    assert torch.equal(torch.cat([hadamard.rht(x[:, :48], s, 0), hadamard.rht(x[:, 48:], s, 0)], dim=1), whole)
+    assert torch.equal(hadamard.rht(x[:, 5:6], s, 0), whole[:, 5:6])
+
+
+def test_rht_spreads_a_block_outlier():
+    """Why the recipe uses it: a block of one outlier among small values has amax / rms = sqrt(16) = 4; after the
+    transform every element is +-outlier / 4 (give or take the small values), amax / rms = 1."""
+    x = torch.full((16, 1), 1e-3, dtype=torch.float64)
+    x[3] = 100.0
+    y = hadamard.rht(x, hadamard.random_signs(0), 0)
+    assert y.abs().max() < 100.0 / 4 + 1e-2 and y.abs().min() > 100.0 / 4 - 1e-2
+
+
+def test_rht_checks_its_arguments():
+    s = hadamard.random_signs(0)
+    with pytest.raises(ValueError, match="the Hadamard block 16 does not divide size 40 of dim 0"):
+        hadamard.rht(torch.zeros(40, 8), s, 0)
+    with pytest.raises(ValueError, match="does not divide size 24 of dim 1"):
+        hadamard.rht(torch.zeros(32, 24), s, -1)
+    with pytest.raises(ValueError, match="must be a power of two"):
+        hadamard.rht(torch.zeros(24, 8), torch.ones(12), 0)
+    with pytest.raises(ValueError, match="must be a power of two"):
+        hadamard.hadamard_matrix(12)
+    with pytest.raises(ValueError, match="signs must be a vector"):
+        hadamard.rht(torch.zeros(16, 16), torch.ones(4, 4), 0)
