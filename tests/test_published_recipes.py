@@ -25,6 +25,10 @@ CASES = {
     "rowwise_with_gw_hp": ("rowwise_with_gw_hp", None),
     "blockwise": ("blockwise", None),
     "nvfp4 2D weights": ("nvfp4", RecipeSwitches(weight_2d=True)),
+    "nvfp4 Hadamard wgrad": ("nvfp4", RecipeSwitches(hadamard=True)),
+    "nvfp4 stochastic gradients": ("nvfp4", RecipeSwitches(stochastic=True)),
+    "mxfp8 stochastic gradients": ("mxfp8", RecipeSwitches(scale_rounding="rceil", stochastic=True)),
+    "nvfp4 NVIDIA recipe": ("nvfp4", RecipeSwitches(weight_2d=True, hadamard=True, stochastic=True)),
 }
 SIZE = 256  # features: two TP shards of 128, whole blocks of every recipe (blockwise tiles are 128)
 
@@ -189,3 +193,52 @@ def test_2d_weight_blocks_give_the_forward_and_the_data_gradient_one_quantized_w
     assert torch.equal(gx, (bf.fake_quantize(dy.float(), "nvfp4", 1) @ w2).to(BF16))
     along_in, along_out = bf.fake_quantize(w.float(), "nvfp4", 1), bf.fake_quantize(w.float(), "nvfp4", 0)
     assert float((along_in != along_out).float().mean()) > 0.5
+
+
+def test_the_hadamard_transform_meets_both_weight_gradient_operands_and_cancels_in_their_product(monkeypatch):
+    """With the quantizer made exact, the transformed weight gradient equals the plain one to fp32 rounding (the
+    transform is orthogonal); the transform is applied along the tokens to exactly the two wgrad operands, with
+    the run's signs."""
+    x, w, dy = _data(seed=5, t=40)  # 40 tokens: padded to 48, three 16-token blocks
+    calls = []
+    real_rht = gemm.rht
+
+    def spy(t, signs, dim):
+        calls.append((tuple(t.shape), dim))
+        return real_rht(t, signs, dim)
+
+    monkeypatch.setattr(gemm, "rht", spy)
+    monkeypatch.setattr(gemm, "fake_quantize", lambda t, *a, **k: t.float())  # exact "quantization"
+    stream = RecipeStream(7, "lin")
+    _, _, gw = _run("nvfp4 Hadamard wgrad", x, w, dy)
+    assert calls == [((48, SIZE), 0), ((48, SIZE), 0)]  # g and x of the weight gradient only, along the tokens
+    exact = dy.double().t() @ x.double()
+    # two fp32 transforms (4 butterfly stages each) and a 48-term fp32 sum, then one bf16 rounding
+    bound = 2.0**-8 * exact.abs() + 48 * 2.0**-22 * (dy.double().abs().t() @ x.double().abs())
+    assert bool(((gw.double() - exact).abs() <= bound).all())
+    assert torch.equal(stream.signs, RecipeStream(7, "other").signs)  # one sign vector for the run
+
+
+def test_stochastic_gradients_draw_from_the_linears_stream_and_resume_it():
+    """Each backward draws twice from the stream (the input gradient's and the weight gradient's rounding); the
+    same stream state gives bitwise the same gradients, another draw other ones; round-to-nearest is untouched."""
+    x, w, dy = _data(seed=6)
+    recipe, switches = CASES["nvfp4 stochastic gradients"]
+
+    def grads(stream):
+        xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = fp8_linear(xr, wr, None, recipe, switches=switches, state=stream)
+        y.backward(dy)
+        return y.detach(), xr.grad, wr.grad
+
+    stream = RecipeStream(7, "lin")
+    first = grads(stream)
+    assert stream.draws == 2
+    second = grads(stream)
+    resumed = RecipeStream(7, "lin")
+    resumed.load_state_dict(RecipeStream(7, "lin").state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(grads(resumed), first))
+    assert torch.equal(first[0], second[0])  # the forward is round-to-nearest
+    assert not torch.equal(first[1], second[1]) and not torch.equal(first[2], second[2])
+    nearest = fp8_linear(x, w, None, "nvfp4")
+    assert torch.equal(first[0], nearest)

@@ -140,7 +140,10 @@ def _pow2(e: torch.Tensor) -> torch.Tensor:
     return torch.ldexp(torch.ones_like(e, dtype=torch.float32), e.to(torch.float32))
 
 
-def round_to_grid(v: torch.Tensor, fmt: ElementFormat, generator: torch.Generator | None = None) -> torch.Tensor:
+Randomness = torch.Generator | torch.Tensor | None  # stochastic rounding: a generator, or the uniforms themselves
+
+
+def round_to_grid(v: torch.Tensor, fmt: ElementFormat, generator: Randomness = None) -> torch.Tensor:
     """fp32 ``v`` saturated to ``fmt``'s largest value and rounded to nearest (ties to even) on its grid, or,
     with ``generator``, stochastically (see ``_round_stochastic``).
 
@@ -154,7 +157,7 @@ def round_to_grid(v: torch.Tensor, fmt: ElementFormat, generator: torch.Generato
     return torch.round(v / ulp) * ulp
 
 
-def _round_stochastic(v: torch.Tensor, ulp: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+def _round_stochastic(v: torch.Tensor, ulp: torch.Tensor, generator: torch.Generator | torch.Tensor) -> torch.Tensor:
     """``v`` rounded to one of its two grid neighbours ``floor(v / ulp) * ulp`` and the next, up with probability
     equal to the distance from the lower one in ulps: unbiased, ``E[result] = v`` (what gradients need: the
     rounding errors of many small updates average out instead of adding up). ``v / ulp`` and its fractional
@@ -164,7 +167,9 @@ def _round_stochastic(v: torch.Tensor, ulp: torch.Tensor, generator: torch.Gener
     ``v``'s device); the sign of a zero result is ``v``'s, as round-to-nearest gives it."""
     q = v / ulp
     low = torch.floor(q)
-    up = torch.rand(v.shape, generator=generator, device=v.device, dtype=torch.float32) < (q - low)
+    uniform = generator if isinstance(generator, torch.Tensor) else torch.rand(
+        v.shape, generator=generator, device=v.device, dtype=torch.float32)
+    up = uniform < (q - low)
     return torch.copysign((low + up.to(torch.float32)) * ulp, v)
 
 
@@ -195,7 +200,7 @@ def _check_scale_rounding(scale_rounding: str) -> None:
 
 
 def _mx_blocks(xb: torch.Tensor, fmt: ElementFormat, scale_rounding: str = "floor",
-               generator: torch.Generator | None = None) -> tuple[_Blocks, torch.Tensor]:
+               generator: Randomness = None) -> tuple[_Blocks, torch.Tensor]:
     """MX quantization of fp32 blocks: the blocks' work and their E8M0 codes (uint8, ``(..., n_blocks)``)."""
     if scale_rounding == "rceil":
         return _mx_blocks_rceil(xb, fmt, generator)
@@ -215,7 +220,7 @@ def _mx_blocks(xb: torch.Tensor, fmt: ElementFormat, scale_rounding: str = "floo
 
 
 def _mx_blocks_rceil(xb: torch.Tensor, fmt: ElementFormat,
-                     generator: torch.Generator | None = None) -> tuple[_Blocks, torch.Tensor]:
+                     generator: Randomness = None) -> tuple[_Blocks, torch.Tensor]:
     """``_mx_blocks`` with RCEIL scales: the E8M0 code rounds ``amax / max_elem`` up to a power of two.
 
     The exponent is ``ceil(log2(amax / max_elem))`` computed in fp32 (torchao's arithmetic, so the codes
@@ -250,7 +255,7 @@ def nvfp4_per_tensor_scale(amax: torch.Tensor) -> torch.Tensor:
 
 
 def _nvfp4_blocks(xb: torch.Tensor, per_tensor_scale: torch.Tensor,
-                  generator: torch.Generator | None = None) -> tuple[_Blocks, torch.Tensor]:
+                  generator: Randomness = None) -> tuple[_Blocks, torch.Tensor]:
     """NVFP4 quantization of fp32 blocks: the blocks' work and their E4M3 block scales (fp32 values). The
     scales always round to nearest; ``generator`` rounds the elements stochastically."""
     amax = xb.abs().amax(dim=-1, keepdim=True)
@@ -289,7 +294,7 @@ def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_mx(t: torch.Tensor, fmt: str = "e4m3", block: int = MX_BLOCK, dim: int = -1,
-                scale_rounding: str = "floor", generator: torch.Generator | None = None) -> MXQuantized:
+                scale_rounding: str = "floor", generator: Randomness = None) -> MXQuantized:
     """``t`` in an MX format along ``dim``: ``fmt`` is ``"e4m3"`` or ``"e5m2"``, one E8M0 scale per ``block``,
     rounded as ``scale_rounding`` says (``"floor"``: OCP's rule; ``"rceil"``: NVIDIA's round-up). ``generator``:
     the elements rounded stochastically with its random numbers (see ``fake_quantize``)."""
@@ -306,7 +311,7 @@ def quantize_mx(t: torch.Tensor, fmt: str = "e4m3", block: int = MX_BLOCK, dim: 
 
 def quantize_nvfp4(t: torch.Tensor, block: int = NVFP4_BLOCK, dim: int = -1,
                    per_tensor_scale: torch.Tensor | None = None,
-                   generator: torch.Generator | None = None) -> NVFP4Quantized:
+                   generator: Randomness = None) -> NVFP4Quantized:
     """``t`` in NVFP4 along ``dim``. ``per_tensor_scale``: a calibrated fp32 scale; by default
     ``nvfp4_per_tensor_scale`` of ``t``'s amax. ``block`` must be even (two codes a byte). ``generator``: the
     elements rounded stochastically with its random numbers (see ``fake_quantize``)."""
@@ -337,12 +342,14 @@ def dequantize(q: MXQuantized | NVFP4Quantized) -> torch.Tensor:
 
 def _recipe_blocks(t: torch.Tensor, recipe: str, dim: int, amax: torch.Tensor | None = None,
                    scale_rounding: str = "floor",
-                   generator: torch.Generator | None = None) -> tuple[_Blocks, torch.Tensor]:
+                   generator: Randomness = None) -> tuple[_Blocks, torch.Tensor]:
     if recipe not in BLOCK_RECIPES:
         raise ValueError(f"block recipe must be one of {list(BLOCK_RECIPES)}, got {recipe!r}")
     _check_scale_rounding(scale_rounding)
     element, block = BLOCK_RECIPES[recipe]
     xb = _split_blocks(t, block, dim)
+    if isinstance(generator, torch.Tensor):  # uniforms laid out as t: into the blocks' layout too
+        generator = _split_blocks(generator, block, dim)
     if element is E2M1:
         amax = xb.abs().amax() if amax is None else amax.to(device=xb.device, dtype=torch.float32).reshape(())
         return _nvfp4_blocks(xb, nvfp4_per_tensor_scale(amax), generator)[0], xb
@@ -351,21 +358,22 @@ def _recipe_blocks(t: torch.Tensor, recipe: str, dim: int, amax: torch.Tensor | 
 
 def fake_quantize_with_stats(t: torch.Tensor, recipe: str, dim: int = -1, amax: torch.Tensor | None = None,
                              scale_rounding: str = "floor",
-                             generator: torch.Generator | None = None) -> tuple[torch.Tensor, BlockStats]:
+                             generator: Randomness = None) -> tuple[torch.Tensor, BlockStats]:
     """``fake_quantize``'s values and the quantization's ``BlockStats``, from one pass."""
     blocks, xb = _recipe_blocks(t, recipe, dim, amax, scale_rounding, generator)
     return _join_blocks(blocks.grid * blocks.decode, dim), _stats(blocks, xb)
 
 
 def fake_quantize(t: torch.Tensor, recipe: str, dim: int = -1, amax: torch.Tensor | None = None,
-                  scale_rounding: str = "floor", generator: torch.Generator | None = None) -> torch.Tensor:
+                  scale_rounding: str = "floor", generator: Randomness = None) -> torch.Tensor:
     """``t`` rounded to a block recipe of ``BLOCK_RECIPES`` along ``dim`` and back, in fp32: the operand an
     emulated block-scaled GEMM multiplies (equal to ``dequantize`` of the stored form). ``amax``: NVFP4's
     per-tensor scale from this amax instead of ``t``'s own (the whole tensor's, when ``t`` is a TP shard).
     ``scale_rounding``: the MX recipes' E8M0 scale rounding, ``"floor"`` or ``"rceil"`` (NVFP4 ignores it).
     ``generator``: the scaled elements rounded stochastically (unbiased) instead of to nearest, one
     ``torch.rand`` draw from it per element, in the order of ``t`` with ``dim`` moved last (a generator on
-    ``t``'s device); the scales are computed as without it, and saturation is unchanged."""
+    ``t``'s device), or the uniforms themselves, a tensor shaped like ``t`` (a TP shard's slice of the whole
+    tensor's draw, so TP=N rounds as TP=1); the scales are computed as without it, saturation is unchanged."""
     blocks, _ = _recipe_blocks(t, recipe, dim, amax, scale_rounding, generator)
     return _join_blocks(blocks.grid * blocks.decode, dim)
 

@@ -68,7 +68,8 @@ from tessera.parallel.block_formats import (
 )
 from tessera.parallel.cpu_kernels import upcast_on_cpu
 from tessera.parallel.fp8 import E4M3, E5M2, RECIPES, Observe, quantize, scaled
-from tessera.parallel.recipe_state import RecipeState
+from tessera.parallel.hadamard import rht
+from tessera.parallel.recipe_state import RecipeState, RecipeStream
 from tessera.parallel.wgrad import fused_main_grad, placeholder
 
 __all__ = ["BACKENDS", "BLOCK_FORMATS", "BlockObserve", "FORMATS", "GEMM_RECIPES", "KEEP_HIGH", "MODEL_DTYPE",
@@ -401,25 +402,53 @@ def _scaled_grad_weight(g2: torch.Tensor, x2: torch.Tensor, w: torch.Tensor, p: 
 # Gradients use the forward's element format (E4M3 for MXFP8, E2M1 for NVFP4), as torchao's MX training and
 # NVIDIA's MXFP8/NVFP4 recipes do: the per-block scale gives the range E5M2's extra exponent bit would.
 def _block(t: torch.Tensor, p: GemmPolicy, dim: int, s: TpSplit, split: bool,
-           observe: BlockObserve | None = None, pad: bool = False) -> torch.Tensor:
-    """2-D ``t`` rounded to the block recipe ``p.recipe`` along ``dim`` and back, in fp32."""
+           observe: BlockObserve | None = None, pad: bool = False, *, gradient: bool = False,
+           rotate: bool = False) -> torch.Tensor:
+    """2-D ``t`` rounded to the block recipe ``p.recipe`` along ``dim`` and back, in fp32. ``gradient``: an output
+    gradient, rounded stochastically under ``p.stochastic``; ``rotate``: a weight-gradient operand, Hadamard-
+    transformed along the tokens (``dim`` 0) under ``p.hadamard`` first, and then kept at its padded length (the
+    transform mixes the padding's zeros into the rows: the other operand is padded and transformed alike, and the
+    orthogonal transform leaves their product unchanged)."""
     assert p.recipe is not None
     t = t.float()
     n = t.shape[dim]
     block = BLOCK_RECIPES[p.recipe][1]
     if pad and n % block:
         t = F.pad(t, (0, 0, 0, block - n % block) if dim == 0 else (0, block - n % block))
+    rotated = rotate and p.hadamard
+    if rotated:
+        t = rht(t, _stream(p).signs.to(t.device), 0)
     amax = None
     if p.recipe == "nvfp4":
         amax = t.abs().amax()
         if split and s.group is not None and dist.get_world_size(s.group) > 1:
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=s.group)
+    noise = _gradient_noise(t, p, s) if gradient and p.stochastic else None
     if observe is not None:
-        q, stats = fake_quantize_with_stats(t, p.recipe, dim, amax, scale_rounding=p.scale_rounding)
+        q, stats = fake_quantize_with_stats(t, p.recipe, dim, amax, scale_rounding=p.scale_rounding, generator=noise)
         observe(t, stats)
     else:
-        q = fake_quantize(t, p.recipe, dim, amax, scale_rounding=p.scale_rounding)
-    return q.narrow(dim, 0, n)
+        q = fake_quantize(t, p.recipe, dim, amax, scale_rounding=p.scale_rounding, generator=noise)
+    return q if rotated else q.narrow(dim, 0, n)
+
+
+def _stream(p: GemmPolicy) -> RecipeStream:
+    """The linear's recipe stream (stochastic rounding, Hadamard signs): given to it when the model was built."""
+    if not isinstance(p.state, RecipeStream):
+        raise ValueError(f"{p.recipe} with stochastic rounding or the Hadamard transform needs its RecipeStream "
+                         "(tessera.precision.linears gives each linear one); got none")
+    return p.state
+
+
+def _gradient_noise(g: torch.Tensor, p: GemmPolicy, s: TpSplit) -> torch.Tensor:
+    """The uniforms that round output gradient ``g`` (tokens x features) stochastically: the linear's next draw
+    for the whole gradient, of which a column-parallel shard (features split over TP) keeps its columns, so TP=N
+    rounds every element as TP=1 does."""
+    tp = dist.get_world_size(s.group) if s.w_split_out and s.group is not None else 1
+    whole = _stream(p).uniform((g.shape[0], g.shape[1] * tp), g.device)
+    if tp == 1:
+        return whole
+    return whole.narrow(1, dist.get_rank(s.group) * g.shape[1], g.shape[1])
 
 
 def _block_weight(w: torch.Tensor, p: GemmPolicy, dim: int, s: TpSplit) -> torch.Tensor:
@@ -444,14 +473,14 @@ def _block_forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, p: 
 
 
 def _block_grad_input(g: torch.Tensor, x: torch.Tensor, w: torch.Tensor, p: GemmPolicy, s: TpSplit) -> torch.Tensor:
-    gq = _block(g.reshape(-1, g.shape[-1]), p, 1, s, s.w_split_out)
+    gq = _block(g.reshape(-1, g.shape[-1]), p, 1, s, s.w_split_out, gradient=True)
     return (gq @ _block_weight(w, p, 0, s)).to(x.dtype).reshape(x.shape)
 
 
 def _block_grad_weight(g2: torch.Tensor, x2: torch.Tensor, w: torch.Tensor, p: GemmPolicy,
                        s: TpSplit) -> torch.Tensor:
-    gq = _block(g2, p, 0, s, s.w_split_out, pad=True)
-    return (gq.t() @ _block(x2, p, 0, s, s.x_split_in, pad=True)).to(w.dtype)
+    gq = _block(g2, p, 0, s, s.w_split_out, pad=True, gradient=True, rotate=True)
+    return (gq.t() @ _block(x2, p, 0, s, s.x_split_in, pad=True, rotate=True)).to(w.dtype)
 
 
 # ------------------------------------------------------------------ the table

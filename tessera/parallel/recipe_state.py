@@ -15,7 +15,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["RecipeState", "RecipeStream", "hadamard_signs"]
+from tessera.parallel.hadamard import random_signs
+
+__all__ = ["RecipeState", "RecipeStream"]
 
 
 class RecipeState:
@@ -38,18 +40,12 @@ def _mix(*parts: int) -> int:
     return h >> 2
 
 
-def hadamard_signs(seed: int, n: int = 16) -> torch.Tensor:
-    """The run's fixed random sign vector (±1, fp32) of the n-point Hadamard transform."""
-    g = torch.Generator().manual_seed(_mix(seed, 0x5157))
-    return torch.randint(0, 2, (n,), generator=g).float().mul_(2).sub_(1)
-
-
 class RecipeStream(RecipeState):
     """One linear's counter-based uniform stream (see the module docstring); ``draws`` is its whole state."""
 
     def __init__(self, seed: int, name: str) -> None:
         self.seed, self.key, self.draws = int(seed), zlib.crc32(name.encode()), 0
-        self.signs = hadamard_signs(seed)
+        self.signs = random_signs(_mix(seed, 0x5157))  # the run's one sign vector
 
     def uniform(self, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
         """The next draw: uniform [0, 1) numbers of ``shape`` (the whole logical operand), on ``device``."""
