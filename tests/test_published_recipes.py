@@ -242,3 +242,23 @@ def test_stochastic_gradients_draw_from_the_linears_stream_and_resume_it():
     assert not torch.equal(first[1], second[1]) and not torch.equal(first[2], second[2])
     nearest = fp8_linear(x, w, None, "nvfp4")
     assert torch.equal(first[0], nearest)
+
+
+@pytest.mark.slow
+def test_nvidias_recipe_trains_configs_tiny_at_tp1_and_tp2(tmp_path):
+    """The acceptance: configs/tiny.py in bf16 with the NVIDIA preset (2D weights, Hadamard wgrad, stochastic
+    gradients, the first block in bf16) trains at TP=1 and TP=2 (exit 0, finite losses that fall), and the first
+    step's loss, which only the round-to-nearest forward decides, agrees across the layouts to the order bound of
+    bf16 sums over the row-parallel shards."""
+    from tests.test_train import losses, train
+
+    runs = {}
+    for tp in (1, 2):
+        (tmp_path / f"tp{tp}").mkdir()
+        _, log_dir = train(tmp_path / f"tp{tp}", f"nvidia_tp{tp}", [
+            "model.dtype=bf16", 'model.low_precision={"preset": "nvidia"}', f"parallel.tensor.size={tp}",
+            "data.total_steps=8"], nproc=tp)
+        runs[tp] = [loss for _, loss in sorted(losses(log_dir).items())]
+    for got in runs.values():
+        assert len(got) == 8 and all(map(torch.isfinite, torch.tensor(got))) and sum(got[-3:]) / 3 < got[0], got
+    assert abs(runs[2][0] - runs[1][0]) <= order_rtol(BF16, 2, 2 * 2) * abs(runs[1][0])

@@ -61,6 +61,7 @@ from tessera.logs import log_once
 from tessera.parallel import blockwise_fp8, wgrad
 from tessera.parallel.block_formats import (
     BLOCK_RECIPES,
+    SCALE_ROUNDINGS,
     BlockStats,
     fake_quantize,
     fake_quantize_nvfp4_2d,
@@ -176,9 +177,6 @@ class RecipeSwitches:
         return dataclasses.replace(policy, scale_rounding="floor" if nvfp4 else self.scale_rounding,
                                    weight_2d=nvfp4 and self.weight_2d, hadamard=nvfp4 and self.hadamard,
                                    stochastic=self.stochastic)
-
-
-SCALE_ROUNDINGS = ("floor", "rceil")
 
 
 def _switch_problem(p: GemmPolicy) -> str | None:
