@@ -122,8 +122,9 @@ def test_the_table_picks_one_route_per_device_dtype_and_policy(monkeypatch, capl
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("GEMMs of")]
     assert len(lines) == 5 and "route cpu-upcast" in lines[0] and "format fp8 rowwise" in lines[4]
     assert set(gemm.ROUTES) == {"native", "cpu-upcast", "fp8-emulated", "fp8-scaled-mm", "mxfp8-emulated",
-                                "nvfp4-emulated"}
-    assert [r.adds_into_main_grad for r in gemm.ROUTES.values()] == [True, True, False, False, False, False]
+                                "nvfp4-emulated", "fp8-rowwise-gw-hp-emulated", "fp8-blockwise-emulated"}
+    assert [r.adds_into_main_grad for r in gemm.ROUTES.values()] == [True, True, False, False, False, False, False,
+                                                                      False]
 
 
 def test_a_bad_policy_is_refused_by_name():

@@ -48,8 +48,8 @@ def _state(p: gemm.GemmPolicy) -> StochasticRounding:
     return p.state
 
 
-def _forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, p: gemm.GemmPolicy,
-             s: gemm.TpSplit) -> torch.Tensor:
+def _forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, p: gemm.GemmPolicy, s: gemm.TpSplit,
+             o: gemm.GemmObservers = gemm.NO_OBSERVERS) -> torch.Tensor:
     return F.linear(x.float(), w.float(), None if b is None else b.float()).to(x.dtype)
 
 

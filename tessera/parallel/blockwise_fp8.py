@@ -156,7 +156,7 @@ def _check_shards(w: torch.Tensor, s: Any) -> None:
 
 # ------------------------------------------------------------------ the route functions (gemm.py's signatures)
 def blockwise_forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, p: Any,
-                      s: Any) -> torch.Tensor:
+                      s: Any, o: Any = None) -> torch.Tensor:
     """``y = Q(x, 1x128) Q(W, 128x128)^T + b``: fp32 GEMM and bias, rounded once to ``x``'s dtype."""
     _check_shards(w, s)
     xq, wq = forward_operands(x.reshape(-1, x.shape[-1]), w)

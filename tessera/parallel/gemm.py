@@ -74,10 +74,10 @@ from tessera.parallel.recipe_state import RecipeState, RecipeStream
 from tessera.parallel.wgrad import fused_main_grad, placeholder
 
 __all__ = ["BACKENDS", "BLOCK_FORMATS", "BlockObserve", "FORMATS", "GEMM_RECIPES", "KEEP_HIGH", "MODEL_DTYPE",
-           "NO_SPLIT", "ROUTES", "SCALE_ROUNDINGS", "GemmPolicy", "GemmRoute", "RecipeState", "RecipeSwitches",
-           "TpSplit", "add_route", "block_size", "choose_route", "fp8_linear", "fp8_tensor_cores", "fuses_wgrad",
-           "gemm_recipes", "linear", "linear_grads", "linear_no_autograd", "pick_route", "policy_for", "route_for",
-           "wgrad_into_main"]
+           "NO_OBSERVERS", "NO_SPLIT", "ROUTES", "SCALE_ROUNDINGS", "GemmObservers", "GemmPolicy", "GemmRoute",
+           "RecipeState", "RecipeSwitches", "TpSplit", "add_route", "block_size", "choose_route", "fp8_linear",
+           "fp8_tensor_cores", "fuses_wgrad", "gemm_recipes", "linear", "linear_grads", "linear_no_autograd",
+           "pick_route", "policy_for", "route_for", "wgrad_into_main"]
 
 
 # GemmPolicy.format: the operands' own dtype, fp8 (e4m3 / e5m2; recipe tensorwise or rowwise), a block-scaled
@@ -101,8 +101,8 @@ class GemmPolicy:
     ``"rowwise"`` scaling; ``backend``: ``"auto"``, ``"scaled_mm"`` or ``"emulated"``) or ``"block"``
     (``recipe``: ``"mxfp8"`` or ``"nvfp4"``, emulated on every device) or ``"custom"`` (a recipe an added row
     serves, ``add_route``). ``state`` is the recipe's own state for this linear (``RecipeState``; None: the
-    recipe has none). ``observe`` sees the fp8 forward input's quantization, ``observe_blocks`` a block
-    format's (precision telemetry). State and observers are no part of the choice (nor of equality).
+    recipe has none; no part of the choice, nor of equality). The telemetry's observers are not the policy's:
+    they sit in their own slot on the layer (``GemmObservers``) and reach the forward GEMM beside it.
     """
 
     format: str = "model"
@@ -113,8 +113,6 @@ class GemmPolicy:
     hadamard: bool = False  # nvfp4: a 16-point random Hadamard transform of the wgrad GEMM's operands
     stochastic: bool = False  # block formats: gradients rounded stochastically (RecipeState's stream)
     forward_high: bool = False  # the forward GEMM in the model's dtype (the backward stays in the recipe)
-    observe: Observe | None = field(default=None, compare=False)
-    observe_blocks: BlockObserve | None = field(default=None, compare=False)
     state: RecipeState | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
@@ -226,7 +224,21 @@ NO_SPLIT = TpSplit()
 
 # the three GEMMs of a route: forward (x, W, b) -> y; input gradient (g, x, W) -> dx; weight gradient of the
 # 2-D operands (g, x, W) -> dW in W's dtype (when not added into the main gradient)
-Forward = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None", GemmPolicy, TpSplit], torch.Tensor]
+Forward = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None", GemmPolicy, TpSplit, "GemmObservers"],
+                   torch.Tensor]
+
+
+@dataclass(frozen=True)
+class GemmObservers:
+    """What the precision telemetry watches in a linear's forward GEMM: ``observe`` the fp8 input's quantization
+    (scale, quantized values), ``observe_blocks`` a block format's (``BlockStats``). A slot of the layer of its own,
+    set for a measured step and cleared after; the routes hand them to the quantizers and decide nothing by them."""
+
+    observe: Observe | None = None
+    observe_blocks: BlockObserve | None = None
+
+
+NO_OBSERVERS = GemmObservers()
 Backward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, GemmPolicy, TpSplit], torch.Tensor]
 
 
@@ -261,7 +273,7 @@ class GemmRoute:
 
 # ------------------------------------------------------------------ native: torch's kernels
 def _native_forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, p: GemmPolicy,
-                    s: TpSplit) -> torch.Tensor:
+                    s: TpSplit, o: GemmObservers = NO_OBSERVERS) -> torch.Tensor:
     return F.linear(x, w, b)
 
 
@@ -276,7 +288,7 @@ def _native_grad_weight(g2: torch.Tensor, x2: torch.Tensor, w: torch.Tensor, p: 
 
 # ------------------------------------------------------------------ cpu-upcast: fp32 GEMMs on bf16/fp16 operands
 def _upcast_forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, p: GemmPolicy,
-                    s: TpSplit) -> torch.Tensor:
+                    s: TpSplit, o: GemmObservers = NO_OBSERVERS) -> torch.Tensor:
     return F.linear(x.float(), w.float(), None if b is None else b.float()).to(x.dtype)
 
 
@@ -293,11 +305,11 @@ def _upcast_grad_weight(g2: torch.Tensor, x2: torch.Tensor, w: torch.Tensor, p: 
 # Each operand gets its scales along the dims its GEMM keeps (rowwise) or one scale (tensorwise); where the
 # dims an amax runs over include one split over TP, the amax is agreed over the group (TP=N computes TP=1).
 def _fp8_forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, p: GemmPolicy,
-                 s: TpSplit) -> torch.Tensor:
+                 s: TpSplit, o: GemmObservers = NO_OBSERVERS) -> torch.Tensor:
     rowwise = p.recipe in ROWWISE_RECIPES
     k = 0 if rowwise else None
     # x @ W^T: x per token (amax over in), W per output channel (amax over in)
-    xq = quantize(x.reshape(-1, x.shape[-1]), E4M3, k, s.group, reduce_sharded=s.x_split_in, observe=p.observe)
+    xq = quantize(x.reshape(-1, x.shape[-1]), E4M3, k, s.group, reduce_sharded=s.x_split_in, observe=o.observe)
     wq = quantize(w, E4M3, k, s.group, reduce_sharded=s.w_split_in if rowwise else (s.w_split_in or s.w_split_out))
     y = xq @ wq.t()
     if b is not None:
@@ -365,10 +377,10 @@ def _scaled_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale:
 
 
 def _scaled_forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, p: GemmPolicy,
-                    s: TpSplit) -> torch.Tensor:
+                    s: TpSplit, o: GemmObservers = NO_OBSERVERS) -> torch.Tensor:
     rowwise = p.recipe in ROWWISE_RECIPES
     k = 0 if rowwise else None
-    xq, xs = scaled(x.reshape(-1, x.shape[-1]), E4M3, k, s.group, reduce_sharded=s.x_split_in, observe=p.observe)
+    xq, xs = scaled(x.reshape(-1, x.shape[-1]), E4M3, k, s.group, reduce_sharded=s.x_split_in, observe=o.observe)
     wq, ws = scaled(w, E4M3, k, s.group, reduce_sharded=s.w_split_in if rowwise else (s.w_split_in or s.w_split_out))
     y = _scaled_mm(xq, xs, wq.t(), ws.t() if rowwise else ws, x.dtype, b)  # wq row-major: wq.t() is column-major
     return y.reshape(*x.shape[:-1], w.shape[0])
@@ -462,8 +474,8 @@ def _block_weight(w: torch.Tensor, p: GemmPolicy, dim: int, s: TpSplit) -> torch
 
 
 def _block_forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, p: GemmPolicy,
-                   s: TpSplit) -> torch.Tensor:
-    xq = _block(x.reshape(-1, x.shape[-1]), p, 1, s, s.x_split_in, p.observe_blocks)
+                   s: TpSplit, o: GemmObservers = NO_OBSERVERS) -> torch.Tensor:
+    xq = _block(x.reshape(-1, x.shape[-1]), p, 1, s, s.x_split_in, o.observe_blocks)
     y = xq @ _block_weight(w, p, 1, s).t()
     if b is not None:
         y = y + b.float()
@@ -603,12 +615,13 @@ def route_for(x: torch.Tensor, weight: torch.Tensor, policy: GemmPolicy = MODEL_
 
 # ------------------------------------------------------------------ the entry point and its autograd Function
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, policy: GemmPolicy = MODEL_DTYPE,
-           split: TpSplit = NO_SPLIT) -> torch.Tensor:
-    """``x W^T + b`` through the route ``policy`` gets here (see the module docstring)."""
+           split: TpSplit = NO_SPLIT, observers: GemmObservers = NO_OBSERVERS) -> torch.Tensor:
+    """``x W^T + b`` through the route ``policy`` gets here (see the module docstring); ``observers`` see the
+    forward's quantization."""
     route = route_for(x, weight, policy)
     if route is NATIVE and not (torch.is_grad_enabled() and _may_fuse(x, weight)):
         return F.linear(x, weight, bias)  # autograd's own backward
-    return _RoutedLinear.apply(x, weight, bias, route.name, policy, split)
+    return _RoutedLinear.apply(x, weight, bias, route.name, policy, split, observers)
 
 
 def _forward_of(route: GemmRoute, x: torch.Tensor, weight: torch.Tensor, policy: GemmPolicy) -> Forward:
@@ -625,24 +638,25 @@ class _RoutedLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, route: str,
-                policy: GemmPolicy, split: TpSplit) -> torch.Tensor:
+                policy: GemmPolicy, split: TpSplit, observers: GemmObservers) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
         ctx.route, ctx.policy, ctx.split = route, policy, split
-        return _forward_of(ROUTES[route], x, weight, policy)(x, weight, bias, policy, split)
+        return _forward_of(ROUTES[route], x, weight, policy)(x, weight, bias, policy, split, observers)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         x, weight = ctx.saved_tensors
         grads = _grads(ROUTES[ctx.route], grad, x, weight, ctx.has_bias, tuple(ctx.needs_input_grad[:3]),
                        ctx.policy, ctx.split)
-        return (*grads, None, None, None)
+        return (*grads, None, None, None, None)
 
 
 def linear_no_autograd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                       policy: GemmPolicy = MODEL_DTYPE, split: TpSplit = NO_SPLIT) -> torch.Tensor:
+                       policy: GemmPolicy = MODEL_DTYPE, split: TpSplit = NO_SPLIT,
+                       observers: GemmObservers = NO_OBSERVERS) -> torch.Tensor:
     """The forward of :func:`linear` for code that writes its own backward (``linear_grads``)."""
-    return _forward_of(route_for(x, weight, policy), x, weight, policy)(x, weight, bias, policy, split)
+    return _forward_of(route_for(x, weight, policy), x, weight, policy)(x, weight, bias, policy, split, observers)
 
 
 def linear_grads(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, has_bias: bool,
@@ -729,6 +743,5 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     the recipe's ``state`` as a layer would hold them) with the given TP split (``TpSplit``); ``observe`` /
     ``observe_blocks`` see the forward input's quantization."""
     split = TpSplit(group, x_split_in, w_split_out, w_split_in)
-    policy = dataclasses.replace(policy_for(recipe, backend, switches), observe=observe,
-                                 observe_blocks=observe_blocks, state=state)
-    return linear(x, weight, bias, policy, split)
+    policy = dataclasses.replace(policy_for(recipe, backend, switches), state=state)
+    return linear(x, weight, bias, policy, split, GemmObservers(observe, observe_blocks))

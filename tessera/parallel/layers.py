@@ -38,7 +38,17 @@ from tessera.parallel.comm import (
     scatter_to_region,
 )
 from tessera.parallel.fp8 import Observe
-from tessera.parallel.gemm import MODEL_DTYPE, BlockObserve, GemmPolicy, RecipeState, TpSplit, linear, policy_for
+from tessera.parallel.gemm import (
+    MODEL_DTYPE,
+    NO_OBSERVERS,
+    BlockObserve,
+    GemmObservers,
+    GemmPolicy,
+    RecipeState,
+    TpSplit,
+    linear,
+    policy_for,
+)
 from tessera.parallel.seeds import derive_seed
 from tessera.parallel.sequence import (
     gather_from_sequence_region,
@@ -144,6 +154,7 @@ class _ParallelLinear(nn.Module):
         self.shard_dim = shard_dim
         self.init_std = init_std
         self.gemm_policy: GemmPolicy = MODEL_DTYPE  # the training setup (model.low_precision) may ask for fp8
+        self.gemm_observers: GemmObservers = NO_OBSERVERS  # the precision telemetry's slot
         split = self.tp_size > 1  # which operand dims TP splits (the fp8 route agrees on amaxes over them)
         self.tp_split = TpSplit(process_group, w_split_out=split) if shard_dim == 0 else \
             TpSplit(process_group, x_split_in=split, w_split_in=split)
@@ -173,34 +184,31 @@ class _ParallelLinear(nn.Module):
         self.use_recipe(recipe, self.gemm_policy.backend)
 
     def use_policy(self, policy: GemmPolicy) -> None:
-        """Ask the GEMMs for ``policy`` (its recipe, switches and state); the observers are kept."""
-        old = self.gemm_policy
-        self.gemm_policy = dataclasses.replace(policy, observe=old.observe, observe_blocks=old.observe_blocks)
+        """Ask the GEMMs for ``policy`` (its recipe, switches and state)."""
+        self.gemm_policy = policy
 
     def use_recipe(self, recipe: str | None, backend: str = "auto", state: RecipeState | None = None) -> None:
         """Ask the GEMMs for ``recipe`` (``gemm.gemm_recipes()`` or None) on the fp8 ``backend``, with the recipe's
-        own ``state`` for this layer (``RecipeState``: an RNG stream, signs...); observers are kept."""
-        old = self.gemm_policy
-        self.gemm_policy = dataclasses.replace(policy_for(recipe, backend), observe=old.observe,
-                                               observe_blocks=old.observe_blocks, state=state)
+        own ``state`` for this layer (``RecipeState``: an RNG stream, signs...)."""
+        self.gemm_policy = dataclasses.replace(policy_for(recipe, backend), state=state)
 
     @property
     def fp8_observe(self) -> Observe | None:
-        """Sees the fp8 input's quantization (precision telemetry sets it for a step)."""
-        return self.gemm_policy.observe
+        """Sees the fp8 input's quantization (precision telemetry sets it for a step): the observers' slot."""
+        return self.gemm_observers.observe
 
     @fp8_observe.setter
     def fp8_observe(self, observe: Observe | None) -> None:
-        self.gemm_policy = dataclasses.replace(self.gemm_policy, observe=observe)
+        self.gemm_observers = dataclasses.replace(self.gemm_observers, observe=observe)
 
     @property
     def block_observe(self) -> BlockObserve | None:
         """Sees a block format's input quantization (precision telemetry sets it for a step)."""
-        return self.gemm_policy.observe_blocks
+        return self.gemm_observers.observe_blocks
 
     @block_observe.setter
     def block_observe(self, observe: BlockObserve | None) -> None:
-        self.gemm_policy = dataclasses.replace(self.gemm_policy, observe_blocks=observe)
+        self.gemm_observers = dataclasses.replace(self.gemm_observers, observe_blocks=observe)
 
     def init_weights(self, seed: int, prefix: str = "") -> None:
         """TP-invariant init: weight ~ N(0, init_std) keyed by ``prefix.weight``; bias zero."""
@@ -262,7 +270,7 @@ class ColumnParallelLinear(_ParallelLinear):
         return gather_from_region(y, self.process_group) if self.gather_output else y
 
     def _gemm(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.gemm_policy, self.tp_split)
+        return linear(x, self.weight, self.bias, self.gemm_policy, self.tp_split, self.gemm_observers)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features} "
@@ -310,7 +318,7 @@ class RowParallelLinear(_ParallelLinear):
         return y if self.bias is None else y + self.bias
 
     def _gemm(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return linear(x, self.weight, bias, self.gemm_policy, self.tp_split)
+        return linear(x, self.weight, bias, self.gemm_policy, self.tp_split, self.gemm_observers)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features} ({self.in_features_per_rank} per rank, tp={self.tp_size}), "
