@@ -135,6 +135,11 @@ class StudyError(Exception):
     """A run of the study failed or gave no figure: one ``error:`` line naming the run and its log."""
 
 
+def _policies(args: Any) -> Mapping[str, list[str]]:
+    """The study's policies (``--set``); the optimizer study's for callers that build their own arguments."""
+    return getattr(args, "policies", STUDY)
+
+
 def check_policies(config: str, overrides: Sequence[str], names: Sequence[str],
                    policies: Mapping[str, list[str]] | None = None) -> None:
     """Refuse, before the first run, what would stop the study after hours of runs: a policy the config cannot
@@ -214,7 +219,7 @@ def run_seed(name: str, index: int, seed: int, args: Any) -> dict[str, Any]:
     run_dir = _run_dir(args, name, seed)
     harness.log(f"[study] {name}, seed {seed}: training (output in {os.path.join(run_dir, 'stdout.log')})")
     try:
-        records = harness.train_run(harness.ROOT, args.config, [*extra, *args.policies[name]], run_dir)
+        records = harness.train_run(harness.ROOT, args.config, [*extra, *_policies(args)[name]], run_dir)
     except RuntimeError as e:  # train.py's own error line is the last line of its log
         raise StudyError(f"{name}, seed {seed}: {e}") from None
     train = [r for r in records if r.get("kind") == "train"]
@@ -252,11 +257,11 @@ def run_policies(names: Sequence[str], args: Any, rows: dict[str, Any]) -> None:
             if pending[name]:
                 continue
             per_seed = [done[name][j] for j in range(len(seeds))]
-            row: dict[str, Any] = {"name": name, "overrides": args.policies[name],
+            row: dict[str, Any] = {"name": name, "overrides": _policies(args)[name],
                                    "seeds": {str(seed): {k: v for k, v in s.items() if k != "telemetry"}
                                              for seed, s in zip(seeds, per_seed, strict=True)},
                                    "bytes_per_param": _bytes_per_param(args.config,
-                                                                       [*args.overrides, *args.policies[name]])}
+                                                                       [*args.overrides, *_policies(args)[name]])}
             if "telemetry" in per_seed[0]:
                 row["telemetry"] = per_seed[0]["telemetry"]
             rows[name] = row
