@@ -23,8 +23,7 @@ from typing import Any
 
 import torch
 
-from tessera.config import Config, parallel_sizes
-from tessera.config.schema import DEFAULT_MEMORY_HEADROOM, default_of
+from tessera.config import Config, RunConfig, parallel_sizes
 from tessera.core.layout import Layout
 from tessera.memory.activations import activation_bytes
 from tessera.memory.census import meta_census, param_counts
@@ -33,7 +32,7 @@ from tessera.memory.persistent import ROLES, closed_form_bytes
 from tessera.model.args import ModelArgs
 from tessera.model.compile import compiles_blocks
 from tessera.model.flash_probe import flash_attn_available
-from tessera.precision.plan import PrecisionPlan
+from tessera.precision.plan import PrecisionPlan, run_config_of
 from tessera.precision.routes import current_capability
 
 __all__ = ["StatePlan", "plan_persistent_state", "headroom_of", "head_wgrad_fused", "blocks_compiled",
@@ -58,33 +57,29 @@ class StatePlan:
         return self.bytes_per_rank + self.activation_bytes + self.attention_bytes + self.runtime_bytes
 
 
-def headroom_of(cfg: Mapping[str, Any]) -> float:
-    """``memory.headroom`` of a config (a partial dict without the section gets the default)."""
-    return float((cfg.get("memory") or {}).get("headroom", DEFAULT_MEMORY_HEADROOM))
+def headroom_of(cfg: RunConfig | Mapping[str, Any]) -> float:
+    """``memory.headroom`` of a config (its typed view: a plain dict is validated, defaults filled)."""
+    return float(run_config_of(cfg).memory.headroom)
 
 
-def head_wgrad_fused(cfg: Mapping[str, Any], device_type: str, precision: PrecisionPlan) -> bool:
+def head_wgrad_fused(cfg: RunConfig | Mapping[str, Any], device_type: str, precision: PrecisionPlan) -> bool:
     """Whether the fused head's backward adds its weight gradient straight into the fp32 main gradient
     (``tessera.parallel.wgrad``): the setting is on, main grads are fp32, and the device has an fp32-output
     GEMM for the head's operands (CUDA; on a CPU only fp32 ones are counted, the safe side)."""
-    zero = cfg.get("hybrid_zero_optimizer") or {}
-    on = bool(zero.get("fuse_wgrad_accumulation", default_of("hybrid_zero_optimizer.fuse_wgrad_accumulation")))
-    fp32_grads = zero.get("reduce_dtype", default_of("hybrid_zero_optimizer.reduce_dtype")) == "fp32"
-    return on and fp32_grads and (device_type != "cpu" or precision.dtype == torch.float32)
+    zero = run_config_of(cfg).hybrid_zero_optimizer
+    fp32_grads = zero.reduce_dtype == "fp32"
+    return zero.fuse_wgrad_accumulation and fp32_grads and (device_type != "cpu" or precision.dtype == torch.float32)
 
 
-def blocks_compiled(cfg: Mapping[str, Any], device_type: str) -> bool:
+def blocks_compiled(cfg: RunConfig | Mapping[str, Any], device_type: str) -> bool:
     """Whether the run's blocks are compiled (``tessera.model.compile.compiles_blocks``): they keep fewer
     activations, and the fused head's chunk math is compiled with them."""
-    metrics = cfg.get("metrics") or {}
-    compile_cfg = (cfg.get("model") or {}).get("compile") or {}
-    setting = compile_cfg.get("enabled", default_of("model.compile.enabled"))
-    hooks = bool(metrics.get("precision_every", default_of("metrics.precision_every"))
-                 and metrics.get("precision_activations", default_of("metrics.precision_activations")))
-    return compiles_blocks(setting, device_type, hooks)
+    run = run_config_of(cfg)
+    hooks = bool(run.metrics.precision_every and run.metrics.precision_activations)
+    return compiles_blocks(run.model.compile.enabled, device_type, hooks)
 
 
-def plan_persistent_state(cfg: Mapping[str, Any], world_size: int, tp: int, zero1: int,
+def plan_persistent_state(cfg: RunConfig | Mapping[str, Any], world_size: int, tp: int, zero1: int,
                           checkpoint: Any = None, device_type: str = "cpu",
                           flash_installed: bool | None = None, precision: PrecisionPlan | None = None,
                           capability: tuple[int, int] | None = None) -> StatePlan:
@@ -95,24 +90,25 @@ def plan_persistent_state(cfg: Mapping[str, Any], world_size: int, tp: int, zero
     ``precision``: the run's (a launched Job's); None resolves the config's. ``capability``: the CUDA device's
     (the planner's ``--gpu``; None: this process's device), which decides the fp8 route (``precision.routes``)."""
     _, dp, zero1 = parallel_sizes(world_size, tp, zero1)
-    precision = precision or PrecisionPlan.from_config(cfg)
-    model_cfg = dict(cfg["model"])
+    run = run_config_of(cfg)
+    precision = precision or PrecisionPlan.from_run(run)
+    model_cfg = run.model.as_dict()
     census = meta_census(model_cfg, tp, precision)
     low, fp32 = census.low_params, census.fp32_params
     per_param = closed_form_bytes(precision, zero1, low, fp32)
-    checkpoint = model_cfg.get("checkpoint", False) if checkpoint is None else checkpoint
-    data, mode = cfg.get("data") or {}, ((cfg.get("parallel") or {}).get("tensor") or {}).get("mode", "mtp")
+    checkpoint = run.model.checkpoint if checkpoint is None else checkpoint
+    data, mode = run.data.as_dict(), run.parallel.tensor.mode
     act = kept = 0.0
-    compiled = blocks_compiled(cfg, device_type)
-    if checkpoint in (False, True, "selective") and data:
-        chunk = int((cfg.get("loss") or {}).get("chunk_tokens", default_of("loss.chunk_tokens")))
-        forms = activation_bytes(model_cfg, data["micro_bsz"], data["seq_len"], tp, mode, checkpoint,
-                                 precision.dtype, chunk, head_wgrad_fused(cfg, device_type, precision), compiled)
+    compiled = blocks_compiled(run, device_type)
+    if checkpoint in (False, True, "selective"):
+        forms = activation_bytes(model_cfg, run.data.micro_bsz, run.data.seq_len, tp, mode, checkpoint,
+                                 precision.dtype, run.loss.chunk_tokens, head_wgrad_fused(run, device_type, precision),
+                                 compiled)
         capability = current_capability(device_type) if capability is None else capability
         act = forms["peak"] + low_precision_gemm_bytes(model_cfg, data, tp, precision.gemms, device_type, capability)
         kept = forms["kept"]
     attention = 0.0
-    if device_type == "cuda" and data:
+    if device_type == "cuda":
         flash = flash_attn_available() if flash_installed is None else flash_installed
         attention = sum(sdpa_extra_bytes({"model": model_cfg, "data": data}, tp, checkpoint, flash,
                                          list(census.attention_dtypes)).values())
