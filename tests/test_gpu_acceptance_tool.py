@@ -28,11 +28,24 @@ def _tool() -> ModuleType:
 
 
 def test_without_a_gpu_it_exits_2_with_one_error_line():
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "gpu_acceptance.py")], capture_output=True,
-                          text=True, timeout=300, cwd=ROOT, env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, "-m", "tools.gpu_acceptance"], capture_output=True,
+                          text=True, timeout=300, cwd=ROOT, env=env)
     assert proc.returncode == 2, explain(proc)
     assert proc.stderr.strip().splitlines() == [
         "error: tools/gpu_acceptance.py needs a CUDA device (torch.cuda.is_available() is False)"]
+
+
+def test_run_as_a_file_it_says_how_to_run_it_before_any_work():
+    """``python tools/gpu_acceptance.py`` puts tools/ on the path, not the root: the peer comparison and the
+    BENCHMARKS.md writer (benchmarks/, not installed) would fail after the GPU work; it stops first, saying how."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "gpu_acceptance.py")], capture_output=True,
+                          text=True, timeout=300, cwd=ROOT, env=env)
+    assert proc.returncode == 2, explain(proc)
+    assert proc.stderr.strip().splitlines() == [
+        "error: benchmarks/ is not importable: run this tool from the repository root as "
+        "python -m tools.gpu_acceptance"]
 
 
 def test_a_training_run_is_judged_from_its_metrics(tmp_path):

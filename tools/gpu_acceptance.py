@@ -1,6 +1,6 @@
 """GPU acceptance: check tessera's CUDA path end to end on one GPU and print a report for BENCHMARKS.md.
 
-    python tools/gpu_acceptance.py [--config configs/1B.py] [--steps 20] [--out report.md] [key.sub=value ...]
+    python -m tools.gpu_acceptance [--config configs/1B.py] [--steps 20] [--out report.md] [key.sub=value ...]
 
 Each part runs in its own process, in this order:
 
@@ -32,6 +32,7 @@ every check passed, 1 otherwise, 2 without a CUDA device.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -338,6 +339,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="write the report and the peer table into their sections of this file")
     p.add_argument("overrides", nargs="*", help="key.sub=value pairs for the training runs")
     args = p.parse_intermixed_args(argv)
+    if importlib.util.find_spec("benchmarks") is None:  # run as a file: tools/ on the path
+        print("error: benchmarks/ is not importable: run this tool from the repository root as "
+              "python -m tools.gpu_acceptance", file=sys.stderr)
+        return 2
     import torch
 
     if not torch.cuda.is_available():
@@ -379,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
             for c in found:
                 print(f"{c.name}: {c.detail}", flush=True)
     print(f"took {args.budget - (deadline - time.monotonic()):.0f} s of a {args.budget} s budget", flush=True)
-    command = "python tools/gpu_acceptance.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m tools.gpu_acceptance " + " ".join(argv if argv is not None else sys.argv[1:])
     report = to_markdown(env, checks, command.strip())
     print(report)
     if args.out:

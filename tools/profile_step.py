@@ -1,6 +1,6 @@
 """Profile a few training steps and print the kernels that take the time.
 
-    python tools/profile_step.py [--config configs/1B.py] [--device cuda] [--warmup 3] [--steps 3] [--top 25]
+    python -m tools.profile_step [--config configs/1B.py] [--device cuda] [--warmup 3] [--steps 3] [--top 25]
                                  [--hf] [--trace trace.json] [key.sub=value ...]
 
 The step is the benchmarks' (``benchmarks.harness.build``: train.py's stack over synthetic data, one rank);
@@ -13,6 +13,7 @@ operators and kernels by device time (CPU time on a CPU), per step, with their s
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 import time
 from collections.abc import Callable
@@ -40,6 +41,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trace", default=None, help="also write a Chrome trace here")
     p.add_argument("overrides", nargs="*", help="key.sub=value pairs for the config")
     args = p.parse_intermixed_args(argv)
+    if importlib.util.find_spec("benchmarks") is None:  # run as a file: tools/ on the path
+        print("error: benchmarks/ is not importable: run this tool from the repository root as "
+              "python -m tools.profile_step", file=sys.stderr)
+        return 2
     import torch
     from torch.profiler import ProfilerActivity, profile
 
