@@ -210,6 +210,24 @@ def _run_dir(args: Any, name: str, seed: int) -> str:
     return os.path.join(args.workdir, _slug(name), f"seed{seed}")
 
 
+FINISHED = "finished.json"  # in a run's folder once train.py exited 0: its config and overrides
+
+
+def finished_run(run_dir: str, config: str, overrides: Sequence[str]) -> list[dict[str, Any]] | None:
+    """The records of a run that finished in ``run_dir`` with this config and these overrides (so a study cut
+    short trains only its missing runs when its command is run again); None when there is none, it was cut
+    short (no ``FINISHED`` file) or it was trained otherwise."""
+    try:
+        with open(os.path.join(run_dir, FINISHED)) as f:
+            done = json.load(f)
+        if done != {"config": config, "overrides": list(overrides)}:
+            return None
+        with open(os.path.join(run_dir, "run", "metrics.jsonl")) as f:
+            return [json.loads(line) for line in f if line.strip()]
+    except (OSError, ValueError):
+        return None
+
+
 def run_seed(name: str, index: int, seed: int, args: Any) -> dict[str, Any]:
     """Train policy ``name`` once, with ``seed`` (the ``index``-th of ``SEEDS``); its figures, and for the first seed
     its telemetry's heat map."""
@@ -217,11 +235,18 @@ def run_seed(name: str, index: int, seed: int, args: Any) -> dict[str, Any]:
     extra = [*args.overrides, f"seed={seed}",
              *([f"metrics.precision_every={args.telemetry_every}"] if telemetry else [])]
     run_dir = _run_dir(args, name, seed)
-    harness.log(f"[study] {name}, seed {seed}: training (output in {os.path.join(run_dir, 'stdout.log')})")
-    try:
-        records = harness.train_run(harness.ROOT, args.config, [*extra, *_policies(args)[name]], run_dir)
-    except RuntimeError as e:  # train.py's own error line is the last line of its log
-        raise StudyError(f"{name}, seed {seed}: {e}") from None
+    overrides = [*extra, *_policies(args)[name]]
+    records = finished_run(run_dir, args.config, overrides)
+    if records is not None:
+        harness.log(f"[study] {name}, seed {seed}: kept the finished run in {run_dir}")
+    else:
+        harness.log(f"[study] {name}, seed {seed}: training (output in {os.path.join(run_dir, 'stdout.log')})")
+        try:
+            records = harness.train_run(harness.ROOT, args.config, overrides, run_dir)
+        except RuntimeError as e:  # train.py's own error line is the last line of its log
+            raise StudyError(f"{name}, seed {seed}: {e}") from None
+        with open(os.path.join(run_dir, FINISHED), "w") as f:  # written last: a killed run leaves none
+            json.dump({"config": args.config, "overrides": overrides}, f)
     train = [r for r in records if r.get("kind") == "train"]
     valid = [r for r in records if r.get("kind") == "valid"]
     if not (train and valid):

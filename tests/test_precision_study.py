@@ -40,6 +40,18 @@ def test_runs_trained_at_once_equal_runs_trained_alone_and_every_policy_has_its_
     assert pair.startswith("| bf16 masters | 1024, 7 | ") and ("within seed noise" in pair or "differs" in pair)
     assert "[" in table[1] and ("within seed noise" in table[1] or "differs" in table[1])
     assert os.path.exists(tmp_path / "study" / "pictures" / precision_study.CURVES)
+    # the same command again, one run cut short (no FINISHED file): only that run trains, the others are kept
+    os.remove(work / "bf16_masters" / "seed1024" / precision_study.FINISHED)
+    again = precision_study.main(["--seeds", "2", "--only", *POLICIES, "--telemetry-every", "0",
+                                  "--workdir", str(work), *SMALL])
+    err = capsys.readouterr().err
+    assert again == 0
+    assert err.count("kept the finished run") == 3 and err.count(": training") == 1
+    assert "bf16 masters, seed 1024: training" in err
+    rerun = json.loads((work / "study.json").read_text())["rows"]
+    assert rerun[POLICIES[1]]["seeds"]["1024"]["bits_per_byte"] == rows[POLICIES[1]]["seeds"]["1024"]["bits_per_byte"]
+    # a run trained with other overrides is not taken for this one
+    assert precision_study.finished_run(str(work / "bf16_masters" / "seed7"), "configs/demo.py", ["seed=7"]) is None
 
 
 TINY_RUNS = ["model.dtype='torch.bfloat16'", "data.total_steps=3", "lr_scheduler.total_steps=3", "generate.max_new_tokens=0",
