@@ -1,9 +1,14 @@
 """Shared pytest setup: CUDA-marked tests are skipped where no GPU exists; the cases of ``tests/quick_run.py``
-are marked slow, and its quick-only cases are skipped when the slow tests run; one thread per process.
+are marked slow, and its quick-only cases are skipped when the slow tests run; one thread per process; the
+block quantizers run eagerly (``TESSERA_QUANTIZER=eager``, inherited by the processes the tests spawn) unless
+a test asks for them compiled: compiling them in every process would cost minutes, and
+``tests/test_quantizer_kernels.py`` checks the compiled kernels bitwise against the eager ops.
 
 The repository root (``train.py``, ``benchmarks/``, ``tests``) is importable through pytest.ini's
 ``pythonpath = .``; processes the tests spawn inherit that ``sys.path``.
 """
+
+import os
 
 import pytest
 import torch
@@ -11,6 +16,7 @@ import torch
 from tests.quick_run import QUICK_ONLY, SLOW_IN_QUICK_RUN
 
 torch.set_num_threads(1)
+os.environ.setdefault("TESSERA_QUANTIZER", "eager")
 
 
 def pytest_collection_modifyitems(config, items):

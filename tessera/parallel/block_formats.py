@@ -46,7 +46,8 @@ from typing import NamedTuple
 import torch
 
 __all__ = ["BLOCK_RECIPES", "E2M1", "E4M3", "E5M2", "MX_ELEMENTS", "BlockStats", "ElementFormat", "MXQuantized",
-           "NVFP4Quantized", "SCALE_ROUNDINGS", "block_stats", "dequantize", "fake_quantize",
+           "NVFP4Quantized", "SCALE_ROUNDINGS", "block_stats", "check_blocks", "check_tiles_2d", "dequantize",
+           "fake_quantize",
            "fake_quantize_nvfp4_2d", "fake_quantize_nvfp4_2d_with_stats", "fake_quantize_with_stats",
            "nvfp4_per_tensor_scale", "quantize_mx", "quantize_nvfp4", "round_to_grid"]
 
@@ -136,8 +137,13 @@ def _exponent(x: torch.Tensor) -> torch.Tensor:
 
 
 def _pow2(e: torch.Tensor) -> torch.Tensor:
-    """``2.0**e`` in fp32, exact for integer ``e`` in [-149, 127]."""
-    return torch.ldexp(torch.ones_like(e, dtype=torch.float32), e.to(torch.float32))
+    """``2.0**e`` in fp32 for integer ``e`` in [-149, 127], written as its bits (exact by construction, and a few
+    integer operations where ``ldexp`` computes a ``pow``): the biased exponent for a normal, a single mantissa
+    bit for a subnormal (``e`` below -126)."""
+    e = e.to(torch.int32)
+    normal = torch.bitwise_left_shift(torch.clamp(e + 127, min=1), 23)
+    subnormal = torch.bitwise_left_shift(torch.ones_like(e), torch.clamp(e + 149, 0, 22))
+    return torch.where(e >= -126, normal, subnormal).view(torch.float32)
 
 
 Randomness = torch.Generator | torch.Tensor | None  # stochastic rounding: a generator, or the uniforms themselves
@@ -151,10 +157,18 @@ def round_to_grid(v: torch.Tensor, fmt: ElementFormat, generator: Randomness = N
     smallest normal (subnormals); dividing by a power of two is exact, so ``round`` decides alone. NaN stays NaN.
     """
     v = torch.clamp(v, -fmt.max, fmt.max)
-    ulp = _pow2(torch.clamp(_exponent(v), min=fmt.emin) - fmt.mbits)
+    ulp = _grid_step(v, fmt)
     if generator is not None:
         return _round_stochastic(v, ulp, generator)
     return torch.round(v / ulp) * ulp
+
+
+def _grid_step(v: torch.Tensor, fmt: ElementFormat) -> torch.Tensor:
+    """The grid spacing of ``fmt`` at fp32 ``v``, ``2**(max(exponent(v), emin) - mbits)``, built from ``v``'s
+    exponent bits: the step is always a normal fp32 number for the element formats here (its biased exponent
+    ``max(biased, emin + 127) - mbits`` lies in [1, 254]), so shifting that exponent into place is the value."""
+    biased = torch.bitwise_and(torch.bitwise_right_shift(v.view(torch.int32), 23), 0xFF)
+    return torch.bitwise_left_shift(torch.clamp(biased, min=fmt.emin + 127) - fmt.mbits, 23).view(torch.float32)
 
 
 def _round_stochastic(v: torch.Tensor, ulp: torch.Tensor, generator: torch.Generator | torch.Tensor) -> torch.Tensor:
@@ -176,14 +190,19 @@ def _round_stochastic(v: torch.Tensor, ulp: torch.Tensor, generator: torch.Gener
 def _split_blocks(t: torch.Tensor, block: int, dim: int) -> torch.Tensor:
     """``t`` in fp32 with ``dim`` moved last and cut into ``(..., n_blocks, block)``; a ValueError naming the
     sizes when ``block`` does not divide ``dim``."""
+    check_blocks(t, block, dim)
+    x = t.float().movedim(dim, -1)
+    return x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
+
+
+def check_blocks(t: torch.Tensor, block: int, dim: int) -> None:
+    """A ValueError naming the sizes unless ``t`` is floating point and ``block`` divides its size along ``dim``."""
     if not t.is_floating_point():
         raise ValueError(f"block formats quantize floating-point tensors, got {t.dtype}")
-    x = t.float().movedim(dim, -1)
-    n = x.shape[-1]
+    n = t.shape[dim]
     if block < 1 or n % block:
         raise ValueError(f"block size {block} does not divide size {n} of dim {dim % t.dim()} "
                          f"(shape {tuple(t.shape)})")
-    return x.reshape(*x.shape[:-1], n // block, block)
 
 
 def _join_blocks(xb: torch.Tensor, dim: int) -> torch.Tensor:
@@ -381,13 +400,18 @@ def fake_quantize(t: torch.Tensor, recipe: str, dim: int = -1, amax: torch.Tenso
 def _tiles_2d(w: torch.Tensor, tile: int) -> torch.Tensor:
     """2-D ``w`` in fp32 cut into ``tile`` x ``tile`` blocks, each flattened: ``(rows / tile, cols / tile, tile**2)``;
     a ValueError naming the shape unless both dims are multiples of ``tile``."""
+    check_tiles_2d(w, tile)
+    r, c = w.shape[0] // tile, w.shape[1] // tile
+    return w.float().reshape(r, tile, c, tile).transpose(1, 2).reshape(r, c, tile * tile)
+
+
+def check_tiles_2d(w: torch.Tensor, tile: int) -> None:
+    """A ValueError naming the shape unless ``w`` is a floating-point matrix with both dims multiples of ``tile``."""
     if w.dim() != 2 or w.shape[0] % tile or w.shape[1] % tile:
         raise ValueError(f"2D block quantization needs a 2-D tensor with both dims multiples of {tile}, "
                          f"got shape {tuple(w.shape)}")
     if not w.is_floating_point():
         raise ValueError(f"block formats quantize floating-point tensors, got {w.dtype}")
-    r, c = w.shape[0] // tile, w.shape[1] // tile
-    return w.float().reshape(r, tile, c, tile).transpose(1, 2).reshape(r, c, tile * tile)
 
 
 def _untile_2d(xb: torch.Tensor, tile: int) -> torch.Tensor:

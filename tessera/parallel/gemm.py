@@ -59,17 +59,11 @@ import torch.nn.functional as F
 from tessera import hardware
 from tessera.logs import log_once
 from tessera.parallel import blockwise_fp8, wgrad
-from tessera.parallel.block_formats import (
-    BLOCK_RECIPES,
-    SCALE_ROUNDINGS,
-    BlockStats,
-    fake_quantize,
-    fake_quantize_nvfp4_2d,
-    fake_quantize_with_stats,
-)
+from tessera.parallel.block_formats import BLOCK_RECIPES, SCALE_ROUNDINGS, BlockStats
 from tessera.parallel.cpu_kernels import upcast_on_cpu
 from tessera.parallel.fp8 import E4M3, E5M2, RECIPES, Observe, quantize, scaled
 from tessera.parallel.hadamard import rht
+from tessera.parallel.quantizer_kernels import fake_quantize, fake_quantize_nvfp4_2d, fake_quantize_with_stats
 from tessera.parallel.recipe_state import RecipeState, RecipeStream
 from tessera.parallel.wgrad import fused_main_grad, placeholder
 

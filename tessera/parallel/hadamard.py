@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["hadamard_matrix", "random_signs", "rht"]
+__all__ = ["check_rht", "hadamard_matrix", "random_signs", "rht"]
 
 
 def _check_power_of_two(n: int, what: str) -> None:
@@ -49,15 +49,17 @@ def random_signs(seed: int, n: int = 16) -> torch.Tensor:
 
 
 def _fwht(x: torch.Tensor) -> torch.Tensor:
-    """The unnormalized Walsh-Hadamard transform of the last dim (a power of two) in Sylvester's order: stage h
-    turns each pair ``(a, b)`` at distance h into ``(a + b, a - b)``."""
-    n = x.shape[-1]
-    lead = x.shape[:-1]
+    """The unnormalized Walsh-Hadamard transform along dim -2 of ``x`` (``(..., n, rest)``, ``n`` a power of two)
+    in Sylvester's order: stage h turns each pair ``(a, b)`` at distance h into ``(a + b, a - b)``. The transformed
+    dim is not the last, so every operation runs over contiguous runs of ``rest`` elements (the transform along the
+    tokens of a (tokens, features) operand reads it in place; a last-dim transform would stride by ``n``)."""
+    n, rest = x.shape[-2], x.shape[-1]
+    lead = x.shape[:-2]
     h = 1
     while h < n:
-        pairs = x.reshape(*lead, n // (2 * h), 2, h)
-        a, b = pairs[..., 0, :], pairs[..., 1, :]
-        x = torch.stack([a + b, a - b], dim=-2).reshape(*lead, n)
+        pairs = x.reshape(*lead, n // (2 * h), 2, h, rest)
+        a, b = pairs[..., 0, :, :], pairs[..., 1, :, :]
+        x = torch.stack([a + b, a - b], dim=-3).reshape(*lead, n, rest)
         h *= 2
     return x
 
@@ -67,6 +69,18 @@ def rht(t: torch.Tensor, signs: torch.Tensor, dim: int) -> torch.Tensor:
     (``H`` = ``hadamard_matrix(n)``), in ``t``'s dtype promoted to fp32 (fp64 stays fp64). Applying it to both
     operands of a GEMM along the dim it sums over leaves the product unchanged. The size along ``dim`` must be
     a multiple of ``n``, a power of two."""
+    check_rht(t, signs, dim)
+    n = signs.numel()
+    dtype = torch.promote_types(t.dtype, torch.float32)
+    x = t.to(dtype).movedim(dim % t.dim(), 0)  # no copy for dim 0 of a contiguous tensor
+    moved = x.shape
+    blocks = x.reshape(moved[0] // n, n, -1) * signs.to(device=t.device, dtype=dtype).view(n, 1)
+    y = _fwht(blocks) * (1.0 / n ** 0.5)
+    return y.reshape(moved).movedim(0, dim % t.dim())
+
+
+def check_rht(t: torch.Tensor, signs: torch.Tensor, dim: int) -> None:
+    """A ValueError naming the sizes unless ``signs`` is a vector of a power-of-two length dividing ``t``'s ``dim``."""
     if signs.dim() != 1:
         raise ValueError(f"signs must be a vector, got shape {tuple(signs.shape)}")
     n = signs.numel()
@@ -76,9 +90,3 @@ def rht(t: torch.Tensor, signs: torch.Tensor, dim: int) -> torch.Tensor:
     if size % n:
         raise ValueError(f"the Hadamard block {n} does not divide size {size} of dim {dim} "
                          f"(shape {tuple(t.shape)})")
-    dtype = torch.promote_types(t.dtype, torch.float32)
-    x = t.to(dtype).movedim(dim, -1)
-    moved = x.shape
-    blocks = x.reshape(*moved[:-1], size // n, n) * signs.to(device=t.device, dtype=dtype)
-    y = _fwht(blocks) * (1.0 / n ** 0.5)
-    return y.reshape(moved).movedim(-1, dim)
