@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tessera.parallel import block_formats as bf
-from tessera.parallel import hadamard
+from tessera.parallel import blockwise_fp8, fp8, hadamard
 from tessera.parallel import quantizer_kernels as qk
 from tessera.parallel.gemm import RecipeSwitches, fp8_linear
 from tessera.parallel.recipe_state import RecipeStream
@@ -102,6 +102,30 @@ def test_compiled_2d_weight_blocks_equal_the_eager_ones_bitwise(compiled):
         q, stats = qk.fake_quantize_nvfp4_2d_with_stats(w, amax)
         q_ref, stats_ref = bf.fake_quantize_nvfp4_2d_with_stats(w, amax)
         assert _same(q, q_ref) and all(torch.equal(a, b) for a, b in zip(stats, stats_ref, strict=True))
+
+
+def _eager_then_compiled(monkeypatch, fn):
+    results = []
+    for choice in ("eager", "compiled"):
+        monkeypatch.setenv(qk.ENV, choice)
+        qk.forget_quantizer_kernels()
+        results.append(fn())
+    qk.forget_quantizer_kernels()
+    return results
+
+
+@pytest.mark.parametrize("fmt", [fp8.E4M3, fp8.E5M2])
+def test_compiled_fp8_quantizers_equal_the_eager_ones_bitwise(monkeypatch, fmt):
+    """fp8 tensorwise and rowwise (the scale from the amax, cast saturating, back in fp32), and DeepSeek's
+    blockwise fp8 in its three block shapes, on a ragged (200 x 200) operand for the blocks."""
+    x = _edge_operand(rows=256, cols=256)
+    for keep_dim in (None, 0, 1):
+        eager, fused = _eager_then_compiled(monkeypatch, lambda: fp8.quantize(x, fmt, keep_dim))
+        assert _same(eager, fused), keep_dim
+    y = x[:200, :200]
+    for block in (blockwise_fp8.ACT_BLOCK, blockwise_fp8.WEIGHT_BLOCK, blockwise_fp8.TOKEN_BLOCK):
+        eager, fused = _eager_then_compiled(monkeypatch, lambda: blockwise_fp8.quantize_blockwise(y, fmt, block))
+        assert _same(eager, fused), block
 
 
 def test_the_hadamard_transform_is_the_sylvester_matrix_product_and_its_butterflies_are_fixed():

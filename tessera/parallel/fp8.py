@@ -29,6 +29,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tessera.parallel.quantizer_kernels import fused
+
 __all__ = ["E4M3", "E5M2", "RECIPES", "Observe", "quantize", "scaled"]
 
 RECIPES = ("tensorwise", "rowwise")
@@ -42,14 +44,27 @@ def scaled(t: torch.Tensor, fmt: torch.dtype, keep_dim: int | None, group: Any =
     """``t`` (2-D) cast to ``fmt`` with its scale(s): ``(q, scale)``, ``t ~ q / scale``; the operands of
     ``torch._scaled_mm`` (which takes ``1 / scale``). Arguments as ``quantize``."""
     t = t.float()
-    amax = t.abs().amax() if keep_dim is None else t.abs().amax(dim=1 - keep_dim, keepdim=True)
-    if reduce_sharded and group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
-    scale = torch.finfo(fmt).max / amax.clamp_min(_EPS)
-    q = (t * scale).clamp(-torch.finfo(fmt).max, torch.finfo(fmt).max).to(fmt)
+    q, scale = _from_amax(t, _amax(t, keep_dim, group, reduce_sharded), fmt)
     if observe is not None:
         observe(t, scale, q)
     return q, scale
+
+
+def _amax(t: torch.Tensor, keep_dim: int | None, group: Any, reduce_sharded: bool) -> torch.Tensor:
+    amax = t.abs().amax() if keep_dim is None else t.abs().amax(dim=1 - keep_dim, keepdim=True)
+    if reduce_sharded and group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+    return amax
+
+
+def _from_amax(t: torch.Tensor, amax: torch.Tensor, fmt: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    scale = torch.finfo(fmt).max / amax.clamp_min(_EPS)
+    return (t.float() * scale).clamp(-torch.finfo(fmt).max, torch.finfo(fmt).max).to(fmt), scale
+
+
+def _fake_from_amax(t: torch.Tensor, amax: torch.Tensor, fmt: torch.dtype) -> torch.Tensor:
+    q, scale = _from_amax(t, amax, fmt)
+    return q.float() / scale
 
 
 def quantize(t: torch.Tensor, fmt: torch.dtype, keep_dim: int | None, group: Any = None,
@@ -61,5 +76,10 @@ def quantize(t: torch.Tensor, fmt: torch.dtype, keep_dim: int | None, group: Any
     the amax is a MAX over the group. ``observe(t, scale, q)`` sees the fp32 operand, its scale(s) and
     the fp8 values (precision telemetry).
     """
-    q, scale = scaled(t, fmt, keep_dim, group, reduce_sharded, observe)
-    return q.float() / scale
+    if observe is not None:
+        q, scale = scaled(t, fmt, keep_dim, group, reduce_sharded, observe)
+        return q.float() / scale
+    # the amax (and its all-reduce) eagerly, the element-wise rest as one kernel where quantizer_kernels compiles
+    amax = _amax(t.float(), keep_dim, group, reduce_sharded)
+    result: torch.Tensor = fused(_fake_from_amax, t, amax, fmt)
+    return result

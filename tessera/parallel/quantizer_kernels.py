@@ -33,7 +33,7 @@ from tessera.parallel import block_formats
 from tessera.parallel.block_formats import BLOCK_RECIPES, BlockStats, Randomness
 
 __all__ = ["ENV", "compiled_quantizers", "fake_quantize", "fake_quantize_nvfp4_2d", "fake_quantize_nvfp4_2d_with_stats",
-           "fake_quantize_with_stats", "forget_quantizer_kernels"]
+           "fake_quantize_with_stats", "forget_quantizer_kernels", "fused"]
 
 ENV = "TESSERA_QUANTIZER"
 CHOICES = ("auto", "compiled", "eager")
@@ -74,6 +74,14 @@ def compiled_quantizers(device_type: str) -> bool:
              + f" ({why})")
     _CHOICE[device_type] = compiled
     return compiled
+
+
+def fused(fn: Callable[..., Any], t: torch.Tensor, *args: Any) -> Any:
+    """``fn(t, *args)``, compiled where ``compiled_quantizers`` says: ``fn`` a pure function of tensors and
+    constants (no collectives, no random draws, no checks that raise), one compile cache per ``fn``."""
+    if not _use_compiled(t):
+        return fn(t, *args)
+    return _compiled(fn)(t, *args)
 
 
 def _use_compiled(t: torch.Tensor, generator: Randomness = None) -> bool:
