@@ -24,6 +24,8 @@ COMMANDS = {
     "attention-kernels": ("benchmarks.attention_kernels", "section 16: CPU attention kernels per shape and dtype"),
     "gpu-peers": ("benchmarks.gpu_peers", "section 17: tessera against HF LlamaForCausalLM at the same dims, eager "
                                           "and compiled"),
+    "emulation": ("benchmarks.emulation", "section 19: the emulated low-precision GEMMs per linear and per step, "
+                                          "block quantizers eager vs compiled"),
     "text-data": ("benchmarks.text_data", "section 20: the demo on raw text (data.type='text') against its prepared "
                                           "folder, paired rounds"),
 }
