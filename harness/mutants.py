@@ -420,6 +420,28 @@ MUTANTS: tuple[Mutant, ...] = (
            "return whole.narrow(1, 0, g.shape[1])",
            "every TP rank rounds its gradient shard with rank 0's numbers: TP=2 no longer computes TP=1",
            (RECIPES_TESTS + "::test_each_recipe_at_tp2_equals_tp1",)),
+    Mutant("compiled-quantizer-noise-not-moved", "tessera/parallel/quantizer_kernels.py",
+           "noise = None if generator is None else _last(generator, dim)", "noise = generator",
+           "with compiled quantizers, stochastic rounding along dim 0 (the weight gradient's operands) pairs each "
+           "element with another element's random number: the run differs from the eager one",
+           ("tests/test_quantizer_kernels.py",)),
+    Mutant("compiled-quantizer-wrong-orientation", "tessera/parallel/quantizer_kernels.py",
+           "    return t if dim == t.dim() - 1 else t.movedim(dim, -1).contiguous()", "    return t",
+           "with compiled quantizers, blocks along dim 0 are cut along dim 1: the data and weight gradients' "
+           "operands are blocked along the wrong dim", ("tests/test_quantizer_kernels.py",)),
+    Mutant("grid-step-one-binade-low", "tessera/parallel/block_formats.py",
+           "torch.clamp(biased, min=fmt.emin + 127) - fmt.mbits", "torch.clamp(biased, min=fmt.emin + 126) - fmt.mbits",
+           "subnormal elements of E4M3/E5M2/E2M1 get half their grid step: values between the format's subnormals "
+           "survive, which no hardware holds", ("tests/test_block_formats.py", "tests/test_quantizer_kernels.py")),
+    Mutant("pow2-subnormal-taken-as-normal", "tessera/parallel/block_formats.py",
+           "return torch.where(e >= -126, normal, subnormal)", "return torch.where(e >= -127, normal, subnormal)",
+           "an E8M0 scale of 2**-127 reads 2**-126 with one bit pattern off: blocks at the bottom of the range "
+           "dequantize to twice their value", ("tests/test_quantizer_kernels.py",)),
+    Mutant("fp8-fused-scale-multiplied-back", "tessera/parallel/fp8.py",
+           "    q, scale = _from_amax(t, amax, fmt)\n    return q.float() / scale",
+           "    q, scale = _from_amax(t, amax, fmt)\n    return q.float() * scale",
+           "the emulated fp8 operands come back multiplied by the scale instead of divided: every emulated fp8 "
+           "GEMM is off by the scales squared", ("tests/test_fp8.py",)),
     Mutant("forward-schedule-never-switches", "tessera/precision/linears.py",
            "        if self.switched or self.from_step is None or step < self.from_step:", "        if True:",
            "high_precision_forward_from_step does nothing: the forward stays in the recipe to the end",

@@ -12,6 +12,7 @@ import logging
 import pytest
 import torch
 
+from tessera import logs
 from tessera.parallel import block_formats as bf
 from tessera.parallel import blockwise_fp8, fp8, hadamard
 from tessera.parallel import quantizer_kernels as qk
@@ -21,9 +22,12 @@ from tessera.parallel.recipe_state import RecipeStream
 
 @pytest.fixture
 def compiled(monkeypatch):
+    """The quantizers compiled; a function recompiled past dynamo's limit fails instead of running eagerly (which
+    would pass these comparisons without testing a compiled kernel)."""
     monkeypatch.setenv(qk.ENV, "compiled")
     qk.forget_quantizer_kernels()
-    yield
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        yield
     qk.forget_quantizer_kernels()
 
 
@@ -109,7 +113,8 @@ def _eager_then_compiled(monkeypatch, fn):
     for choice in ("eager", "compiled"):
         monkeypatch.setenv(qk.ENV, choice)
         qk.forget_quantizer_kernels()
-        results.append(fn())
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+            results.append(fn())
     qk.forget_quantizer_kernels()
     return results
 
@@ -165,12 +170,14 @@ def test_the_nvfp4_route_with_nvidias_recipe_is_unchanged_by_compiled_quantizers
         y.backward(dy)
         return y.detach(), xr.grad, wr.grad
 
-    eager, fused = run("eager"), run("compiled")
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        eager, fused = run("eager"), run("compiled")
     qk.forget_quantizer_kernels()
     assert all(_same(a.float(), b.float()) for a, b in zip(eager, fused, strict=True))
 
 
 def test_the_choice_is_read_once_logged_once_and_refuses_what_it_cannot_do(monkeypatch, caplog):
+    monkeypatch.setattr(logs, "_LOGGED", set())  # this process may have logged the choice in an earlier test
     monkeypatch.setenv(qk.ENV, "sometimes")
     qk.forget_quantizer_kernels()
     with pytest.raises(ValueError, match="TESSERA_QUANTIZER='sometimes'"):
