@@ -212,3 +212,15 @@ def test_bad_operands_get_block_formats_errors_before_anything_compiles(compiled
         qk.fake_quantize(torch.zeros(4, 64), "mxfp8", 1, scale_rounding="up")
     with pytest.raises(ValueError, match="both dims multiples of 16"):
         qk.fake_quantize_nvfp4_2d(torch.zeros(24, 32))
+
+
+def test_more_variants_of_one_quantizer_than_dynamos_default_limit_all_run_compiled(compiled):
+    """fp8's fused quantizer in 12 variants (2 formats x 3 scale layouts x 2 input dtypes), as a process running
+    several recipes meets them: past dynamo's default limit of 8 graphs a function would run eagerly with only a
+    warning; under the quantizers' own limit (``RECOMPILE_LIMIT``) each compiles (the fixture fails on a hit)."""
+    x = _edge_operand(rows=32, cols=32, seed=3)[8:]
+    assert qk.RECOMPILE_LIMIT >= 12
+    for dtype in (torch.float32, torch.bfloat16):
+        for fmt in (fp8.E4M3, fp8.E5M2):
+            for keep_dim in (None, 0, 1):
+                fp8.quantize(x.to(dtype), fmt, keep_dim)

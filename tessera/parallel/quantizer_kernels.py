@@ -90,10 +90,21 @@ def _use_compiled(t: torch.Tensor, generator: Randomness = None) -> bool:
     return compiled_quantizers(t.device.type)
 
 
+RECOMPILE_LIMIT = 64  # graphs per quantizer function: its constants, input dtypes and ranks, torch's global switches
+
+
 def _compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` compiled once, for any shape (one graph per recipe and switch, not per shape)."""
+    """``fn`` compiled once, for any shape (one graph per recipe and switch, not per shape). Called under a
+    recompile limit of ``RECOMPILE_LIMIT`` instead of dynamo's 8: a process that runs several recipes, or changes
+    torch's global switches (``PrecisionPlan.apply``: every guard then fails once), compiles more variants of one
+    function than that, and past the limit dynamo would run it eagerly with only a warning."""
     if fn not in _COMPILED:
-        _COMPILED[fn] = torch.compile(fn, dynamic=True)
+        compiled = torch.compile(fn, dynamic=True)
+
+        def call(*args: Any) -> Any:
+            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+                return compiled(*args)
+        _COMPILED[fn] = call
     return _COMPILED[fn]
 
 
