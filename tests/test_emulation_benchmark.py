@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from benchmarks import emulation
 from tessera.parallel import quantizer_kernels
 
 
 def test_the_linear_table_times_each_recipe_eager_and_compiled(monkeypatch, capsys):
+    if quantizer_kernels._compiler("cpu") is None:
+        pytest.skip("no C++ compiler: the quantizers cannot be compiled here")
     monkeypatch.setenv(quantizer_kernels.ENV, "eager")  # restored after the test, as the benchmark restores it
     monkeypatch.setattr(emulation, "LINEAR_DIMS", [("toy", (32, 32, 32))])
     monkeypatch.setattr(emulation, "RECIPES", [r for r in emulation.RECIPES if r[0] in ("bf16", "fp8 rowwise")])
