@@ -48,7 +48,6 @@ import torch
 import torch.nn.functional as F
 
 from tessera.parallel.fp8 import E4M3
-from tessera.parallel.quantizer_kernels import fused
 
 # the route functions take gemm's GemmPolicy and TpSplit, typed ``Any`` here: gemm imports this module for its
 # table, and the layering allows no import back, not even for types
@@ -117,16 +116,12 @@ def scaled_blockwise(t: torch.Tensor, fmt: torch.dtype,
     return _untiled(q, t.shape), scales.reshape(q.shape[0], q.shape[2])
 
 
-def _quantize_blockwise(t: torch.Tensor, fmt: torch.dtype, block: tuple[int, int]) -> torch.Tensor:
-    q, scales = _quantized_tiles(t, fmt, block)
-    return _untiled(q.float() / scales, t.shape)
-
-
 def quantize_blockwise(t: torch.Tensor, fmt: torch.dtype, block: tuple[int, int]) -> torch.Tensor:
     """2-D ``t`` rounded to ``fmt`` with one power-of-two scale per ``block`` and back, in fp32 (exact: the
-    fp8 values times powers of two); one compiled kernel where ``quantizer_kernels`` compiles."""
-    result: torch.Tensor = fused(_quantize_blockwise, t, fmt, block)
-    return result
+    fp8 values times powers of two). Eager under every ``TESSERA_QUANTIZER``: compiled (``quantizer_kernels``),
+    its padded 128-row tiles ran slower than torch's kernels in 3 of 4 sizes (BENCHMARKS.md section 19)."""
+    q, scales = _quantized_tiles(t, fmt, block)
+    return _untiled(q.float() / scales, t.shape)
 
 
 # ------------------------------------------------------------------ the operands of the three GEMMs
