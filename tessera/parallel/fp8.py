@@ -59,7 +59,7 @@ def _amax(t: torch.Tensor, keep_dim: int | None, group: Any, reduce_sharded: boo
 
 def _from_amax(t: torch.Tensor, amax: torch.Tensor, fmt: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     scale = torch.finfo(fmt).max / amax.clamp_min(_EPS)
-    return (t.float() * scale).clamp(-torch.finfo(fmt).max, torch.finfo(fmt).max).to(fmt), scale
+    return (t * scale).clamp(-torch.finfo(fmt).max, torch.finfo(fmt).max).to(fmt), scale
 
 
 def _fake_from_amax(t: torch.Tensor, amax: torch.Tensor, fmt: torch.dtype) -> torch.Tensor:
@@ -80,6 +80,6 @@ def quantize(t: torch.Tensor, fmt: torch.dtype, keep_dim: int | None, group: Any
         q, scale = scaled(t, fmt, keep_dim, group, reduce_sharded, observe)
         return q.float() / scale
     # the amax (and its all-reduce) eagerly, the element-wise rest as one kernel where quantizer_kernels compiles
-    amax = _amax(t.float(), keep_dim, group, reduce_sharded)
-    result: torch.Tensor = fused(_fake_from_amax, t, amax, fmt)
+    t = t.float()
+    result: torch.Tensor = fused(_fake_from_amax, t, _amax(t, keep_dim, group, reduce_sharded), fmt)
     return result

@@ -108,25 +108,13 @@ def _compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
     return _COMPILED[fn]
 
 
-# one function per kind of quantization: each has its own compile cache (dynamo recompiles a function for each
-# recipe, rounding, input dtype, with or without noise, up to a limit of 8), so a run's variants stay well inside it
-def _nvfp4_rows(t: torch.Tensor, recipe: str, amax: torch.Tensor | None, scale_rounding: str,
-                noise: torch.Tensor | None) -> torch.Tensor:
+def _rows(t: torch.Tensor, recipe: str, amax: torch.Tensor | None, scale_rounding: str,
+          noise: torch.Tensor | None) -> torch.Tensor:
     return block_formats.fake_quantize(t, recipe, -1, amax, scale_rounding, noise)
 
 
-def _mx_rows(t: torch.Tensor, recipe: str, amax: torch.Tensor | None, scale_rounding: str,
-             noise: torch.Tensor | None) -> torch.Tensor:
-    return block_formats.fake_quantize(t, recipe, -1, amax, scale_rounding, noise)
-
-
-def _nvfp4_rows_stats(t: torch.Tensor, recipe: str, amax: torch.Tensor | None, scale_rounding: str,
-                      noise: torch.Tensor | None) -> tuple[torch.Tensor, BlockStats]:
-    return block_formats.fake_quantize_with_stats(t, recipe, -1, amax, scale_rounding, noise)
-
-
-def _mx_rows_stats(t: torch.Tensor, recipe: str, amax: torch.Tensor | None, scale_rounding: str,
-                   noise: torch.Tensor | None) -> tuple[torch.Tensor, BlockStats]:
+def _rows_stats(t: torch.Tensor, recipe: str, amax: torch.Tensor | None, scale_rounding: str,
+                noise: torch.Tensor | None) -> tuple[torch.Tensor, BlockStats]:
     return block_formats.fake_quantize_with_stats(t, recipe, -1, amax, scale_rounding, noise)
 
 
@@ -170,8 +158,7 @@ def fake_quantize(t: torch.Tensor, recipe: str, dim: int = -1, amax: torch.Tenso
     """``block_formats.fake_quantize``, bitwise, compiled where ``compiled_quantizers`` says."""
     if not _use_compiled(t, generator):
         return block_formats.fake_quantize(t, recipe, dim, amax, scale_rounding, generator)
-    rows = _nvfp4_rows if recipe == "nvfp4" else _mx_rows
-    result: torch.Tensor = _along_last(rows, t, recipe, dim, amax, scale_rounding, generator)
+    result: torch.Tensor = _along_last(_rows, t, recipe, dim, amax, scale_rounding, generator)
     return result
 
 
@@ -181,8 +168,7 @@ def fake_quantize_with_stats(t: torch.Tensor, recipe: str, dim: int = -1, amax: 
     """``block_formats.fake_quantize_with_stats``, bitwise, compiled where ``compiled_quantizers`` says."""
     if not _use_compiled(t, generator):
         return block_formats.fake_quantize_with_stats(t, recipe, dim, amax, scale_rounding, generator)
-    rows = _nvfp4_rows_stats if recipe == "nvfp4" else _mx_rows_stats
-    q, stats = _along_last(rows, t, recipe, dim, amax, scale_rounding, generator)
+    q, stats = _along_last(_rows_stats, t, recipe, dim, amax, scale_rounding, generator)
     return q, BlockStats(*stats)
 
 
